@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create .venv with vLLM (CPU), torch, arctic-inference, test tools and this
+# project (editable). Idempotent: a second run checks a stamp and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PY="$(command -v python3.11 || command -v python3)"
+
+stamp_value() {
+    cat requirements/cpu.txt setup.py | sha256sum | cut -c1-16
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV with $PY"
+    "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.specplug-setup"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_value)" ]; then
+    echo "[setup] $VENV is up to date"
+    exit 0
+fi
+echo "[setup] installing requirements (a cold install takes several minutes)"
+"$VENV/bin/pip" install -q -r requirements/cpu.txt
+# PyPI's torchvision/torchaudio/torchcodec do not match torch 2.13.0+cpu and
+# break `import transformers` ("operator torchvision::nms does not exist").
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+"$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/python" - <<'PY'
+import torch, vllm, transformers, arctic_inference  # fail here, not in a test
+from importlib.metadata import entry_points
+assert any(ep.name == "vllm_specplug" for ep in entry_points(group="vllm.general_plugins"))
+print(f"[setup] torch {torch.__version__}, vLLM {vllm.__version__}, "
+      f"transformers {transformers.__version__}")
+PY
+stamp_value > "$STAMP"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: set up if needed, build the tiny model (cached),
+# run the whole suite against real vLLM engines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+.venv/bin/vllm-specplug build-model tiny >/dev/null
+exec .venv/bin/python -m pytest tests -q -rs "$@"

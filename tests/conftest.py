@@ -1,0 +1,42 @@
+"""Shared fixtures: the built-in tiny model and one baseline engine per session.
+
+Engines take ~30 s to start, so the baseline (no speculation) engine is shared
+by the whole session and speculative engines are module-scoped.
+"""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.models import build_model, held_out_prompts
+from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
+from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
+
+NUM_EVAL_PROMPTS = 24
+MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    return build_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def eval_prompts() -> list[str]:
+    return held_out_prompts(NUM_EVAL_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def baseline_llm(tiny_model_dir):
+    # The probe lets tests ask the worker process whether our plugin loaded.
+    llm = make_llm(tiny_model_dir, worker_extension_cls=PROBE_QUALNAME)
+    yield llm
+    shutdown_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def baseline_outputs(baseline_llm, eval_prompts):
+    """Greedy ids without speculation: per prompt alone, and as one batch."""
+    params = greedy_params(MAX_NEW_TOKENS)
+    single = [generate(baseline_llm, [p], params).token_ids[0] for p in eval_prompts]
+    batched = generate(baseline_llm, eval_prompts, params).token_ids
+    return {"single": single, "batched": batched}

@@ -1,0 +1,28 @@
+"""`vllm-specplug` command line: subcommands register themselves here."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_specplug.cli import build, check, demo
+
+SUBCOMMANDS = (build, check, demo)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-specplug",
+        description="Speculative-decoding toolkit for vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

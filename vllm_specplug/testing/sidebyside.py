@@ -60,8 +60,9 @@ def format_table(rows: list[MethodResult]) -> str:
     for row in rows:
         per_pos = " ".join(f"{p:.2f}" for p in row.counts.per_position_acceptance)
         length = row.counts.mean_acceptance_length
+        length_text = "-" if row.counts.num_drafts == 0 else f"{length:.2f}"
         lines.append(f"{row.name:<16}{row.tokens_per_second:>9.1f}"
-                     f"{row.speedup:>8.2f}{length:>12.2f}"
+                     f"{row.speedup:>8.2f}{length_text:>12}"
                      f"{row.counts.num_drafts:>8}"
                      f"{'yes' if row.num_mismatches == 0 else 'NO':>7}  {per_pos}")
     return "\n".join(lines)

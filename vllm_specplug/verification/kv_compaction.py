@@ -1,0 +1,112 @@
+"""KV compaction after tree verification.
+
+During verification node i of a request's tree was written at position
+`seq_len + i` of the paged KV cache. After acceptance the path
+root = n_0, n_1, ..., n_m must sit at positions `seq_len + 0..m`; this moves
+node n_j's K and V to position `seq_len + j` and leaves every other slot
+untouched. Slots follow vLLM's block-table layout:
+`slot(pos) = block_table[b, pos // block_size] * block_size + pos % block_size`.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.verification import checks
+from vllm_specplug.verification.backend import Backend, resolve_backend
+
+ROW_BLOCK = 1024
+
+
+def _planes(kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., num_blocks, block_size, H, D] -> [planes, num_slots, H * D] view."""
+    *lead, num_blocks, _, heads, head_size = kv_cache.shape
+    return kv_cache.view(-1, num_blocks * block_size, heads * head_size)
+
+
+def _slot(block_table: torch.Tensor, b: int, position: int, block_size: int) -> int:
+    return int(block_table[b, position // block_size]) * block_size + position % block_size
+
+
+def compact_kv_cache_reference(kv_cache, block_table, seq_lens, accepted_node_ids,
+                               num_accepted) -> None:
+    """Plain-PyTorch specification of `compact_kv_cache` (in place)."""
+    block_size = kv_cache.shape[-3]
+    planes = _planes(kv_cache, block_size)
+    for b in range(block_table.shape[0]):
+        seq_len = int(seq_lens[b])
+        for j in range(1, int(num_accepted[b]) + 1):
+            node = int(accepted_node_ids[b, j])
+            if node != j:
+                src = _slot(block_table, b, seq_len + node, block_size)
+                dst = _slot(block_table, b, seq_len + j, block_size)
+                planes[:, dst] = planes[:, src]
+
+
+def _check_path(accepted_node_ids: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    batch, num_nodes = accepted_node_ids.shape
+    checks.check_range("num_accepted", num_accepted, 0, num_nodes)
+    index = torch.arange(num_nodes, device=accepted_node_ids.device)
+    on_path = index[None, :] <= num_accepted[:, None]
+    nodes = torch.where(on_path, accepted_node_ids, index[None, :])
+    increasing = (nodes[:, 1:] > nodes[:, :-1]) | ~on_path[:, 1:]
+    if (nodes[:, 0] != 0).any() or not increasing.all() or (nodes >= num_nodes).any():
+        raise checks.VerificationInputError(
+            "accepted_node_ids must start at the root (0) and increase along the "
+            "accepted path, within the tree (as verification returns them)")
+
+
+def _check_compaction_inputs(kv_cache, block_table, seq_lens, accepted_node_ids,
+                             num_accepted) -> None:
+    if kv_cache.dim() < 4 or not kv_cache.is_contiguous():
+        raise checks.VerificationInputError(
+            f"kv_cache has shape {list(kv_cache.shape)}: expected a contiguous "
+            "[..., num_blocks, block_size, num_kv_heads, head_size] tensor")
+    num_blocks, block_size = kv_cache.shape[-4], kv_cache.shape[-3]
+    checks.check_shape("block_table", block_table, (None, None))
+    batch, max_blocks = block_table.shape
+    checks.check_dtype("block_table", block_table, (torch.int32, torch.int64))
+    checks.check_shape("seq_lens", seq_lens, (batch,))
+    checks.check_shape("accepted_node_ids", accepted_node_ids, (batch, None))
+    checks.check_shape("num_accepted", num_accepted, (batch,))
+    for name, tensor in (("seq_lens", seq_lens), ("num_accepted", num_accepted),
+                         ("accepted_node_ids", accepted_node_ids)):
+        checks.check_dtype(name, tensor, (torch.int64,))
+    checks.check_same_device(kv_cache=kv_cache, block_table=block_table,
+                             seq_lens=seq_lens, accepted_node_ids=accepted_node_ids)
+    _check_path(accepted_node_ids, num_accepted)
+    last = seq_lens + accepted_node_ids.shape[1] - 1
+    checks.check_range("seq_lens + num_nodes - 1", last, 0, max_blocks * block_size)
+    used = block_table[:, :int(last.max()) // block_size + 1] if batch else block_table
+    checks.check_range("block_table", used, 0, num_blocks)
+
+
+def compact_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, accepted_node_ids: torch.Tensor,
+                     num_accepted: torch.Tensor, backend: Backend = "auto") -> None:
+    """Move accepted nodes' KV to consecutive positions, in place.
+
+    Args:
+        kv_cache: [..., num_blocks, block_size, H, D], e.g. vLLM's per-layer
+            [2, num_blocks, block_size, H, D] or all layers stacked; every
+            leading plane is moved alike.
+        block_table: [B, max_blocks] int32/int64.
+        seq_lens: [B] int64, position of each tree's root.
+        accepted_node_ids: [B, N] int64 and num_accepted [B] int64, as returned
+            by tree verification (`VerifyOutput`).
+    """
+    _check_compaction_inputs(kv_cache, block_table, seq_lens, accepted_node_ids,
+                             num_accepted)
+    if resolve_backend(backend, kv_cache) == "torch":
+        return compact_kv_cache_reference(kv_cache, block_table, seq_lens,
+                                          accepted_node_ids, num_accepted)
+    from vllm_specplug.kernels.kv_compaction import compact_kv_cache_kernel
+
+    block_size = kv_cache.shape[-3]
+    planes = _planes(kv_cache, block_size)
+    num_planes, _, row = planes.shape
+    grid = (block_table.shape[0], num_planes, -(-row // ROW_BLOCK))
+    compact_kv_cache_kernel[grid](
+        planes, block_table.contiguous(), seq_lens.contiguous(),
+        accepted_node_ids.contiguous(), num_accepted.contiguous(),
+        planes.stride(0), block_table.shape[1], accepted_node_ids.shape[1],
+        block_size, row, BLOCK=min(ROW_BLOCK, 1 << (row - 1).bit_length()))

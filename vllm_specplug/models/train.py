@@ -82,7 +82,7 @@ def train_steps(model, stream, spec, bos_id, progress: bool) -> float:
         optimizer.step()
         value = loss.item()
         smoothed = value if step == 0 else 0.95 * smoothed + 0.05 * value
-        bar.set_postfix(loss=f"{smoothed:.3f}")
+        bar.set_postfix(loss=f"{smoothed:.3f}", refresh=False)
     return smoothed
 
 

@@ -1,0 +1,93 @@
+"""Tree construction: Triton kernel == PyTorch reference, chain special case,
+and clear errors for malformed input."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_specplug.verification.checks import VerificationInputError
+from vllm_specplug.verification.metadata import DraftCandidates
+from vllm_specplug.verification.synthetic import random_candidates
+from vllm_specplug.verification.tree_build import build_draft_tree
+
+from tests.kernels.trees import random_tree
+
+SHAPES = [  # (topk, depth, num_draft_tokens)
+    (1, 5, 6), (2, 3, 7), (4, 4, 16), (8, 3, 64)]
+
+
+def assert_trees_equal(a, b):
+    for field in dataclasses.fields(a):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        assert torch.equal(x.cpu(), y.cpu()), field.name
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("topk,depth,num_nodes", SHAPES)
+@pytest.mark.parametrize("vocab_size", [111, 32000])
+def test_kernel_equals_reference(batch, topk, depth, num_nodes, vocab_size, device):
+    candidates, roots, seq_lens, _ = random_tree(batch, topk, depth, num_nodes,
+                                                 vocab_size, seed=batch + topk, device=device)
+    args = (candidates, roots, seq_lens, num_nodes)
+    assert_trees_equal(build_draft_tree(*args, backend="triton"),
+                       build_draft_tree(*args, backend="torch"))
+
+
+def test_ties_keep_the_earlier_candidate(device):
+    """Equal scores (a child with log-prob 0) must still keep parents first."""
+    candidates = DraftCandidates(
+        token_ids=torch.tensor([[5, 6, 7, 8]], device=device),
+        scores=torch.tensor([[-1.0, -1.0, -1.0, -2.0]], device=device),
+        parent_ids=torch.tensor([[-1, -1, 0, 1]], device=device))
+    roots, seq_lens = torch.tensor([1], device=device), torch.tensor([3], device=device)
+    for backend in ("torch", "triton"):
+        tree = build_draft_tree(candidates, roots, seq_lens, 3, backend=backend)
+        assert tree.cand_ids.tolist() == [[-1, 0, 1]]
+        tree = build_draft_tree(candidates, roots, seq_lens, 4, backend=backend)
+        assert tree.parent_ids.tolist() == [[-1, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_topk_one_is_a_chain(backend, device):
+    candidates, roots, seq_lens, _ = random_tree(5, 1, 6, 7, 111, device=device)
+    tree = build_draft_tree(candidates, roots, seq_lens, 7, backend=backend)
+    chain = torch.arange(7, device=device)
+    assert torch.equal(tree.parent_ids, (chain - 1).expand(5, -1))
+    assert torch.equal(tree.depths, chain.expand(5, -1))
+    assert torch.equal(tree.positions, seq_lens[:, None] + chain)
+    lower = torch.tril(torch.ones(7, 7, dtype=torch.bool, device=device))
+    assert torch.equal(tree.attn_mask, lower.expand(5, -1, -1))
+    assert torch.equal(tree.token_ids[:, 1:], candidates.token_ids[:, :6])
+
+
+def _bad(device, **changes):
+    candidates = random_candidates(3, 2, 3, 50, device=device)
+    args = dict(candidates=candidates, root_token_ids=torch.zeros(3, dtype=torch.long, device=device),
+                seq_lens=torch.zeros(3, dtype=torch.long, device=device),
+                num_draft_tokens=6, vocab_size=50)
+    for key, value in changes.items():
+        if key.startswith("cand_"):
+            args["candidates"] = dataclasses.replace(candidates, **{key[5:]: value})
+        else:
+            args[key] = value
+    return args
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: {"seq_lens": torch.zeros(4, dtype=torch.long, device=d)}, r"seq_lens has shape \[4\]"),
+    (lambda d: {"cand_token_ids": torch.zeros(3, 9, dtype=torch.long, device=d)},
+     r"candidates.scores has shape \[3, 10\], expected \[3, 9\]"),
+    (lambda d: {"cand_parent_ids": torch.tensor([[-1, -1, 5, 0, 1, 1, 2, 2, 3, 3]] * 3, device=d)},
+     r"candidates.parent_ids\[0, 2\] = 5: a parent must come earlier"),
+    (lambda d: {"root_token_ids": torch.tensor([0, 50, 1], device=d)},
+     r"root_token_ids holds 50, outside the valid range \[0, 50\)"),
+    (lambda d: {"num_draft_tokens": 12}, r"num_draft_tokens=12 must be in \[2, 11\]"),
+    (lambda d: {"cand_scores": torch.zeros(3, 10, device=d).index_fill_(1, torch.tensor([4], device=d), 1.0)},
+     r"candidates.scores\[0, 4\] exceeds its parent's score"),
+    (lambda d: {"seq_lens": torch.zeros(3, dtype=torch.int32, device=d)}, r"seq_lens has dtype torch.int32"),
+])
+def test_bad_input_is_named(change, message, device):
+    with pytest.raises(VerificationInputError, match=message):
+        build_draft_tree(**_bad(device, **change(device)))

@@ -1,0 +1,112 @@
+"""Greedy/stochastic tree verification and the chain rejection sampler:
+Triton kernel == PyTorch reference (torch.equal), and named input errors."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_specplug.verification.checks import VerificationInputError
+from vllm_specplug.verification.tree_greedy import verify_tree_greedy
+from vllm_specplug.verification.tree_sampling import (rejection_sample_chain,
+                                                      verify_tree_stochastic)
+
+from tests.kernels.trees import random_tree, target_following_tree
+
+BATCHES = [1, 7, 64]
+TREES = [(1, 5, 6), (2, 3, 7), (4, 4, 16)]  # (topk, depth, num_draft_tokens)
+
+
+def assert_outputs_equal(a, b):
+    for field in dataclasses.fields(a):
+        assert torch.equal(getattr(a, field.name).cpu(), getattr(b, field.name).cpu()), field.name
+
+
+def noise(batch, num, vocab_size, seed, device):
+    generator = torch.Generator().manual_seed(seed)
+    uniform = torch.rand(batch, num, generator=generator)
+    exp = torch.empty(batch, vocab_size).exponential_(generator=generator)
+    return uniform.to(device), exp.to(device)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("topk,depth,num_nodes", TREES + [(8, 3, 64)])
+def test_greedy_kernel_equals_reference(batch, topk, depth, num_nodes, device):
+    *_, tree = random_tree(batch, topk, depth, num_nodes, 111, seed=batch, device=device)
+    _, argmax = target_following_tree(tree, 111, follow=0.8, seed=batch)
+    ref = verify_tree_greedy(tree, argmax, backend="torch")
+    assert_outputs_equal(verify_tree_greedy(tree, argmax, backend="triton"), ref)
+    assert ref.num_accepted.max() > 0  # the walks really went down the tree
+
+
+# Full product on the small vocabulary; the interpreter is slow on 32000, so
+# there every tree runs at batch 1 and 7 and one tree at batch 64.
+STOCHASTIC_CASES = (
+    [(b, *t, 111, s) for b in BATCHES for t in TREES for s in (None, 3)]
+    + [(b, *t, 32000, s) for b in (1, 7) for t in TREES for s in (None, 5)]
+    + [(64, 4, 4, 16, 32000, 5)])
+
+
+@pytest.mark.parametrize("batch,topk,depth,num_nodes,vocab_size,num_splits",
+                         STOCHASTIC_CASES)
+def test_stochastic_kernel_equals_reference(batch, topk, depth, num_nodes, vocab_size,
+                                            num_splits, device):
+    *_, tree = random_tree(batch, topk, depth, num_nodes, vocab_size, seed=batch, device=device)
+    probs, _ = target_following_tree(tree, vocab_size, follow=0.7, seed=batch)
+    uniform, exp = noise(batch, tree.num_nodes, vocab_size, batch, device)
+    ref = verify_tree_stochastic(tree, probs, uniform, exp, backend="torch")
+    out = verify_tree_stochastic(tree, probs, uniform, exp, backend="triton",
+                                 num_splits=num_splits)
+    assert_outputs_equal(out, ref)
+
+
+def chain_inputs(batch, max_drafts, vocab_size, seed, device):
+    generator = torch.Generator().manual_seed(seed)
+    draft_probs = torch.rand(batch, max_drafts, vocab_size, generator=generator).pow(3)
+    draft_probs /= draft_probs.sum(-1, keepdim=True)
+    draft_ids = torch.multinomial(draft_probs.view(-1, vocab_size), 1,
+                                  generator=generator).view(batch, max_drafts)
+    # Target close to the draft so that acceptances happen.
+    target = draft_probs.new_zeros(batch, max_drafts + 1, vocab_size)
+    target[:, :max_drafts] = 0.7 * draft_probs
+    target += 0.3 * torch.rand(target.shape, generator=generator).pow(3)
+    target /= target.sum(-1, keepdim=True)
+    num_drafts = torch.randint(0, max_drafts + 1, (batch,), generator=generator)
+    uniform, exp = noise(batch, max_drafts, vocab_size, seed + 1, device)
+    return (draft_ids.to(device), num_drafts.to(device), draft_probs.to(device),
+            target.to(device), uniform, exp)
+
+
+@pytest.mark.parametrize("batch,vocab_size,num_splits", [
+    (b, 111, s) for b in BATCHES for s in (None, 2)] + [
+    (1, 32000, None), (7, 32000, 4), (64, 32000, 4)])
+def test_chain_kernel_equals_reference(batch, vocab_size, num_splits, device):
+    inputs = chain_inputs(batch, 4, vocab_size, seed=batch, device=device)
+    ref = rejection_sample_chain(*inputs, backend="torch")
+    out = rejection_sample_chain(*inputs, backend="triton", num_splits=num_splits)
+    assert_outputs_equal(out, ref)
+
+
+def test_bad_verification_input_is_named(device):
+    *_, tree = random_tree(3, 2, 3, 6, 50, device=device)
+    probs, argmax = target_following_tree(tree, 50, follow=0.5)
+    uniform, exp = noise(3, 6, 50, 0, device)
+    with pytest.raises(VerificationInputError, match=r"target_argmax has shape \[3, 5\]"):
+        verify_tree_greedy(tree, argmax[:, :5])
+    with pytest.raises(VerificationInputError, match=r"exp_samples has shape \[3, 49\]"):
+        verify_tree_stochastic(tree, probs, uniform, exp[:, :49])
+    with pytest.raises(VerificationInputError, match=r"tree.token_ids holds \d+, outside the valid range \[0, 40\)"):
+        verify_tree_stochastic(tree, probs[..., :40].contiguous(), uniform, exp[:, :40])
+    bad_parents = tree.parent_ids.clone()
+    bad_parents[0, 2] = 4
+    with pytest.raises(VerificationInputError, match=r"a parent must come earlier"):
+        verify_tree_greedy(dataclasses.replace(tree, parent_ids=bad_parents), argmax)
+    twins = tree.token_ids.clone()
+    twins[:, 2] = twins[:, 1]  # nodes 1 and 2 are both children of the root
+    with pytest.raises(VerificationInputError, match=r"siblings with the same token"):
+        verify_tree_stochastic(dataclasses.replace(tree, token_ids=twins), probs, uniform, exp)
+    inputs = list(chain_inputs(3, 4, 50, 0, device))
+    inputs[1] = torch.tensor([1, 5, 0], device=device)
+    with pytest.raises(VerificationInputError, match=r"num_draft_tokens holds 5"):
+        rejection_sample_chain(*inputs)

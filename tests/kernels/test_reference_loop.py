@@ -30,18 +30,22 @@ def toy_models(seed: int):
 
 @pytest.mark.parametrize("topk,depth,num_draft_tokens", [(1, 4, 5), (2, 3, 6), (4, 3, 10)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_loop_equals_plain_greedy_with_both_backends(topk, depth, num_draft_tokens, seed):
+def test_loop_equals_plain_greedy_with_both_backends(topk, depth, num_draft_tokens, seed,
+                                                     device):
     loop = load_loop()
     model, draft, prompts = toy_models(seed)
     num_steps = 8
     results = {}
-    for backend in ("torch", "triton"):
-        results[backend] = loop.speculative_greedy(model, draft, prompts, num_steps, topk,
-                                                   depth, num_draft_tokens, backend=backend)
+    with torch.device(device):  # the loop allocates on the default device
+        model, draft, prompts = [t.to(device) for t in model], draft.to(device), prompts.to(device)
+        for backend in ("torch", "triton"):
+            results[backend] = loop.speculative_greedy(model, draft, prompts, num_steps, topk,
+                                                       depth, num_draft_tokens, backend=backend)
     assert results["torch"] == results["triton"]
     emitted = [len(tokens) for tokens in results["torch"]]
     assert min(emitted) >= num_steps
     assert sum(emitted) > len(emitted) * num_steps, "no draft token was ever accepted"
-    expected = loop.plain_greedy(model, prompts, max(emitted))
+    with torch.device(device):
+        expected = loop.plain_greedy(model, prompts, max(emitted))
     for ours, reference in zip(results["torch"], expected):
         assert ours == reference[:len(ours)]

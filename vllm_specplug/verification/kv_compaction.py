@@ -82,7 +82,8 @@ def _check_compaction_inputs(kv_cache, block_table, seq_lens, accepted_node_ids,
 
 def compact_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, accepted_node_ids: torch.Tensor,
-                     num_accepted: torch.Tensor, backend: Backend = "auto") -> None:
+                     num_accepted: torch.Tensor, backend: Backend = "auto",
+                     validate: bool = True) -> None:
     """Move accepted nodes' KV to consecutive positions, in place.
 
     Args:
@@ -93,9 +94,11 @@ def compact_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
         seq_lens: [B] int64, position of each tree's root.
         accepted_node_ids: [B, N] int64 and num_accepted [B] int64, as returned
             by tree verification (`VerifyOutput`).
+        validate: check inputs first (host syncs).
     """
-    _check_compaction_inputs(kv_cache, block_table, seq_lens, accepted_node_ids,
-                             num_accepted)
+    if validate:
+        _check_compaction_inputs(kv_cache, block_table, seq_lens, accepted_node_ids,
+                                 num_accepted)
     if resolve_backend(backend, kv_cache) == "torch":
         return compact_kv_cache_reference(kv_cache, block_table, seq_lens,
                                           accepted_node_ids, num_accepted)

@@ -163,7 +163,7 @@ def _check_scores_are_path_scores(candidates: DraftCandidates) -> None:
 def build_draft_tree(candidates: DraftCandidates, root_token_ids: torch.Tensor,
                      seq_lens: torch.Tensor, num_draft_tokens: int,
                      vocab_size: int | None = None,
-                     backend: Backend = "auto") -> DraftTree:
+                     backend: Backend = "auto", validate: bool = True) -> DraftTree:
     """Select the best `num_draft_tokens - 1` candidates and build the tree.
 
     Args:
@@ -172,11 +172,14 @@ def build_draft_tree(candidates: DraftCandidates, root_token_ids: torch.Tensor,
         seq_lens: [B] int64, tokens already in the KV cache (the root's position).
         num_draft_tokens: N, tree size including the root.
         vocab_size: when given, token ids are checked against it.
+        validate: check inputs first (host syncs); hot paths whose inputs are
+            built by our own code pass False.
     Returns:
         DraftTree with N nodes per request, parents before children.
     """
-    _check_build_inputs(candidates, root_token_ids, seq_lens, num_draft_tokens,
-                        vocab_size)
+    if validate:
+        _check_build_inputs(candidates, root_token_ids, seq_lens, num_draft_tokens,
+                            vocab_size)
     if resolve_backend(backend, root_token_ids) == "torch":
         return build_draft_tree_reference(candidates, root_token_ids, seq_lens,
                                           num_draft_tokens)

@@ -86,21 +86,27 @@ def check_tree(tree: DraftTree, vocab_size: int | None = None) -> tuple[int, int
     return batch, num_nodes
 
 
-def verify_tree_greedy(tree: DraftTree, target_argmax: torch.Tensor,
-                       backend: Backend = "auto") -> VerifyOutput:
-    """Greedy tree verification.
-
-    Args:
-        tree: N-node draft tree (`build_draft_tree`).
-        target_argmax: [B, N] int64, the target's argmax at every node.
-    Returns:
-        VerifyOutput: accepted tokens + bonus, their count, the accepted path.
-    """
+def _check_greedy_inputs(tree: DraftTree, target_argmax: torch.Tensor) -> None:
     batch, num_nodes = check_tree(tree)
     checks.check_shape("target_argmax", target_argmax, (batch, num_nodes))
     checks.check_dtype("target_argmax", target_argmax, (torch.int64,))
     checks.check_range("target_argmax", target_argmax, 0, 2**62)
     checks.check_same_device(tree=tree.token_ids, target_argmax=target_argmax)
+
+
+def verify_tree_greedy(tree: DraftTree, target_argmax: torch.Tensor,
+                       backend: Backend = "auto", validate: bool = True) -> VerifyOutput:
+    """Greedy tree verification.
+
+    Args:
+        tree: N-node draft tree (`build_draft_tree`).
+        target_argmax: [B, N] int64, the target's argmax at every node.
+        validate: check inputs first (host syncs).
+    Returns:
+        VerifyOutput: accepted tokens + bonus, their count, the accepted path.
+    """
+    if validate:
+        _check_greedy_inputs(tree, target_argmax)
     if resolve_backend(backend, target_argmax) == "torch":
         return verify_tree_greedy_reference(tree, target_argmax)
     from vllm_specplug.verification.tree_verify_triton import verify_tree_greedy_triton

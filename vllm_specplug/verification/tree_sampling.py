@@ -91,20 +91,7 @@ def _check_probs(name: str, tensor: torch.Tensor, shape: tuple) -> None:
     checks.check_dtype(name, tensor, (torch.float32,))
 
 
-def verify_tree_stochastic(tree: DraftTree, target_probs: torch.Tensor,
-                           uniform_samples: torch.Tensor, exp_samples: torch.Tensor,
-                           backend: Backend = "auto",
-                           num_splits: int | None = None) -> VerifyOutput:
-    """Lossless stochastic tree verification.
-
-    Args:
-        tree: N-node draft tree; siblings must carry distinct tokens.
-        target_probs: [B, N, V] float32, the target's distribution at every
-            node after temperature / top-k / top-p, each row summing to 1.
-        uniform_samples: [B, N] float32 in [0, 1), one per node.
-        exp_samples: [B, V] float32, Exp(1) noise for the residual sample.
-        num_splits: vocabulary slices per request (Triton only; auto if None).
-    """
+def _check_tree_inputs(tree, target_probs, uniform_samples, exp_samples) -> None:
     batch, num_nodes = check_tree(tree)
     _check_probs("target_probs", target_probs, (batch, num_nodes, None))
     vocab_size = target_probs.shape[2]
@@ -114,29 +101,10 @@ def verify_tree_stochastic(tree: DraftTree, target_probs: torch.Tensor,
     checks.check_siblings_distinct(tree.token_ids, tree.parent_ids)
     checks.check_same_device(tree=tree.token_ids, target_probs=target_probs,
                              uniform_samples=uniform_samples, exp_samples=exp_samples)
-    if resolve_backend(backend, target_probs) == "torch":
-        return verify_tree_stochastic_reference(tree, target_probs, uniform_samples,
-                                                exp_samples)
-    from vllm_specplug.verification.sampling_triton import verify_tree_stochastic_triton
-
-    return verify_tree_stochastic_triton(tree, target_probs, uniform_samples,
-                                         exp_samples, num_splits)
 
 
-def rejection_sample_chain(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
-                           draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                           uniform_samples: torch.Tensor, exp_samples: torch.Tensor,
-                           backend: Backend = "auto",
-                           num_splits: int | None = None) -> VerifyOutput:
-    """Standard chain rejection sampling with variable-length drafts.
-
-    Args:
-        draft_token_ids: [B, K] int64 (entries past num_draft_tokens ignored).
-        num_draft_tokens: [B] int64 in [0, K].
-        draft_probs: [B, K, V] float32, the draft distribution each token came from.
-        target_probs: [B, K+1, V] float32; row num_draft_tokens[b] gives the bonus.
-        uniform_samples: [B, K] float32; exp_samples: [B, V] float32 ~ Exp(1).
-    """
+def _check_chain_inputs(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
+                        uniform_samples, exp_samples) -> None:
     checks.check_shape("draft_token_ids", draft_token_ids, (None, None))
     batch, max_drafts = draft_token_ids.shape
     checks.check_dtype("draft_token_ids", draft_token_ids, (torch.int64,))
@@ -151,6 +119,52 @@ def rejection_sample_chain(draft_token_ids: torch.Tensor, num_draft_tokens: torc
     checks.check_range("draft_token_ids", draft_token_ids, 0, vocab_size)
     checks.check_same_device(draft_token_ids=draft_token_ids, target_probs=target_probs,
                              draft_probs=draft_probs, exp_samples=exp_samples)
+
+
+def verify_tree_stochastic(tree: DraftTree, target_probs: torch.Tensor,
+                           uniform_samples: torch.Tensor, exp_samples: torch.Tensor,
+                           backend: Backend = "auto", num_splits: int | None = None,
+                           validate: bool = True) -> VerifyOutput:
+    """Lossless stochastic tree verification.
+
+    Args:
+        tree: N-node draft tree; siblings must carry distinct tokens.
+        target_probs: [B, N, V] float32, the target's distribution at every
+            node after temperature / top-k / top-p, each row summing to 1.
+        uniform_samples: [B, N] float32 in [0, 1), one per node.
+        exp_samples: [B, V] float32, Exp(1) noise for the residual sample.
+        num_splits: vocabulary slices per request (Triton only; auto if None).
+        validate: check inputs first (host syncs).
+    """
+    if validate:
+        _check_tree_inputs(tree, target_probs, uniform_samples, exp_samples)
+    if resolve_backend(backend, target_probs) == "torch":
+        return verify_tree_stochastic_reference(tree, target_probs, uniform_samples,
+                                                exp_samples)
+    from vllm_specplug.verification.sampling_triton import verify_tree_stochastic_triton
+
+    return verify_tree_stochastic_triton(tree, target_probs, uniform_samples,
+                                         exp_samples, num_splits)
+
+
+def rejection_sample_chain(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                           draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                           uniform_samples: torch.Tensor, exp_samples: torch.Tensor,
+                           backend: Backend = "auto", num_splits: int | None = None,
+                           validate: bool = True) -> VerifyOutput:
+    """Standard chain rejection sampling with variable-length drafts.
+
+    Args:
+        draft_token_ids: [B, K] int64 (entries past num_draft_tokens ignored).
+        num_draft_tokens: [B] int64 in [0, K].
+        draft_probs: [B, K, V] float32, the draft distribution each token came from.
+        target_probs: [B, K+1, V] float32; row num_draft_tokens[b] gives the bonus.
+        uniform_samples: [B, K] float32; exp_samples: [B, V] float32 ~ Exp(1).
+        validate: check inputs first (host syncs).
+    """
+    if validate:
+        _check_chain_inputs(draft_token_ids, num_draft_tokens, draft_probs,
+                            target_probs, uniform_samples, exp_samples)
     args = (draft_token_ids, num_draft_tokens, draft_probs, target_probs,
             uniform_samples, exp_samples)
     if resolve_backend(backend, target_probs) == "torch":

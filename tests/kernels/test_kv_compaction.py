@@ -86,3 +86,20 @@ def test_bad_compaction_input_is_named(device):
     bad_table[0, 0] = 10_000
     with pytest.raises(VerificationInputError, match=r"block_table holds 10000"):
         compact_kv_cache(cache, bad_table, seq_lens, nodes, num_accepted)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_destination_that_is_an_earlier_source(dtype, device):
+    """Path 0,2,3,4,6,7,9: move 2 writes position 2, which move 1 reads. A
+    kernel that writes before all reads of its group finish corrupts it."""
+    batch, block_size, num_nodes = 5, 4, 12
+    nodes = torch.tensor([0, 2, 3, 4, 6, 7, 9] + [-1] * 5, device=device).expand(batch, -1)
+    num_accepted = torch.full((batch,), 6, device=device)
+    seq_lens = torch.tensor([0, 1, 3, 5, 17], device=device)
+    blocks = (int(seq_lens.max()) + num_nodes) // block_size + 1
+    table = torch.randperm(batch * blocks).view(batch, blocks).to(torch.int32).to(device)
+    cache = torch.randn(3, 2, batch * blocks, block_size, 8, 128).to(dtype).to(device)
+    ours, ref = cache.clone(), cache.clone()
+    compact_kv_cache(ours, table, seq_lens, nodes.contiguous(), num_accepted, backend="triton")
+    compact_kv_cache(ref, table, seq_lens, nodes.contiguous(), num_accepted, backend="torch")
+    assert torch.equal(ours, ref)

@@ -15,6 +15,7 @@ from vllm_specplug.verification import checks
 from vllm_specplug.verification.backend import Backend, resolve_backend
 
 ROW_BLOCK = 1024
+MOVE_GROUP = 4  # moves read together before they write (see the kernel)
 
 
 def _planes(kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -112,4 +113,5 @@ def compact_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
         planes, block_table.contiguous(), seq_lens.contiguous(),
         accepted_node_ids.contiguous(), num_accepted.contiguous(),
         planes.stride(0), block_table.shape[1], accepted_node_ids.shape[1],
-        block_size, row, BLOCK=min(ROW_BLOCK, 1 << (row - 1).bit_length()))
+        block_size, row, BLOCK=min(ROW_BLOCK, 1 << (row - 1).bit_length()),
+        GROUP=MOVE_GROUP)

@@ -10,20 +10,19 @@ from vllm_specplug.verification.backend import next_power_of_2
 from vllm_specplug.verification.metadata import DraftTree, VerifyOutput
 from vllm_specplug.verification.tree_greedy import empty_verify_output
 
-# Register budget of the [BLOCK_V, N_PAD] membership test in one program.
-MAX_BLOCK_ELEMENTS = 16384
+BLOCK_V = 2048
+NUM_WARPS = 8
 MIN_SLICE = 4096  # never split the vocabulary finer than this
 
 
-def choose_launch(batch: int, vocab_size: int, n_pad: int, device: torch.device,
-                  num_splits: int | None) -> tuple[int, int]:
-    """(num_splits, BLOCK_V): enough programs to fill the GPU, slices >= MIN_SLICE."""
-    block_v = max(64, min(1024, MAX_BLOCK_ELEMENTS // n_pad))
+def choose_splits(batch: int, vocab_size: int, device: torch.device,
+                  num_splits: int | None) -> int:
+    """Enough programs to fill the GPU, vocabulary slices of >= MIN_SLICE."""
     if num_splits is None:
         programs = 4 * (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 1)
         num_splits = max(1, min(-(-programs // batch), -(-vocab_size // MIN_SLICE)))
-    return num_splits, block_v
+    return num_splits
 
 
 def _reduce(out: VerifyOutput, part_val, part_idx, num_splits: int) -> VerifyOutput:
@@ -42,9 +41,7 @@ def _partials(batch: int, num_splits: int, device):
 def verify_tree_stochastic_triton(tree: DraftTree, target_probs, uniform_samples,
                                   exp_samples, num_splits) -> VerifyOutput:
     batch, num_nodes, vocab_size = target_probs.shape
-    n_pad = next_power_of_2(num_nodes)
-    num_splits, block_v = choose_launch(batch, vocab_size, n_pad,
-                                        target_probs.device, num_splits)
+    num_splits = choose_splits(batch, vocab_size, target_probs.device, num_splits)
     out = empty_verify_output(batch, num_nodes, target_probs.device)
     part_val, part_idx = _partials(batch, num_splits, target_probs.device)
     verify_tree_stochastic_kernel[(batch, num_splits)](
@@ -52,7 +49,8 @@ def verify_tree_stochastic_triton(tree: DraftTree, target_probs, uniform_samples
         target_probs.contiguous(), uniform_samples.contiguous(),
         exp_samples.contiguous(), out.output_token_ids, out.num_accepted,
         out.accepted_node_ids, part_val, part_idx, num_nodes, vocab_size,
-        N_PAD=n_pad, NUM_SPLITS=num_splits, BLOCK_V=block_v)
+        N_PAD=next_power_of_2(num_nodes), NUM_SPLITS=num_splits, BLOCK_V=BLOCK_V,
+        num_warps=NUM_WARPS)
     return _reduce(out, part_val, part_idx, num_splits)
 
 
@@ -61,8 +59,7 @@ def rejection_sample_chain_triton(draft_token_ids, num_draft_tokens, draft_probs
                                   num_splits) -> VerifyOutput:
     batch, max_drafts = draft_token_ids.shape
     vocab_size = target_probs.shape[2]
-    num_splits, block_v = choose_launch(batch, vocab_size, 2, target_probs.device,
-                                        num_splits)
+    num_splits = choose_splits(batch, vocab_size, target_probs.device, num_splits)
     out = empty_verify_output(batch, max_drafts + 1, target_probs.device)
     part_val, part_idx = _partials(batch, num_splits, target_probs.device)
     rejection_sample_chain_kernel[(batch, num_splits)](
@@ -71,5 +68,5 @@ def rejection_sample_chain_triton(draft_token_ids, num_draft_tokens, draft_probs
         uniform_samples.contiguous(), exp_samples.contiguous(),
         out.output_token_ids, out.num_accepted, out.accepted_node_ids,
         part_val, part_idx, max_drafts, vocab_size,
-        NUM_SPLITS=num_splits, BLOCK_V=block_v)
+        NUM_SPLITS=num_splits, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
     return _reduce(out, part_val, part_idx, num_splits)

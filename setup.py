@@ -31,5 +31,11 @@ setup(
     entry_points={
         "vllm.general_plugins": ["vllm_specplug = vllm_specplug.plugin:register"],
         "console_scripts": ["vllm-specplug = vllm_specplug.cli.main:main"],
+        # Our built-ins register exactly as third-party proposers do.
+        "vllm_specplug.proposers": [
+            "specplug_ngram = vllm_specplug.proposers.ngram:NgramProposer",
+            "specplug_suffix = vllm_specplug.proposers.suffix:SuffixProposer",
+            "specplug_hybrid = vllm_specplug.proposers.hybrid:HybridProposer",
+        ],
     },
 )

@@ -17,8 +17,9 @@ from vllm_specplug.version_gate import check_vllm_version
 logger = logging.getLogger("vllm_specplug")
 
 # "module:function" registrars run in order; each returns the names it added.
-# Later features (proposers, connectors, patches) append themselves here.
-REGISTRARS: tuple[str, ...] = ()
+REGISTRARS: tuple[str, ...] = (
+    "vllm_specplug.proposers.registrar:register_proposers",
+)
 
 
 @dataclass

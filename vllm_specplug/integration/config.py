@@ -1,0 +1,92 @@
+"""Translate `speculative_config={"method": <our name>, ...}` for vLLM.
+
+vLLM's `SpeculativeConfig.method` is a fixed Literal; its one extension is
+`method="custom_class"`. We validate our proposer's options here, in the
+front-end process where the user sees the error, hand vLLM a custom_class
+config pointing at our drafter adapter, and attach the selection to the
+resulting config object, which travels to the worker with the VllmConfig.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_specplug.proposers.base import ProposerConfigError
+from vllm_specplug.registry import (UnknownProposerError, available_proposers,
+                                    get_proposer_class, is_registered)
+
+DRAFTER_QUALNAME = "vllm_specplug.integration.drafter.SpecplugDrafter"
+SELECTION_ATTR = "specplug_selection"
+
+
+@dataclass(frozen=True)
+class ProposerSelection:
+    method: str
+    options_json: str  # validated options, JSON so the selection pickles anywhere
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return json.loads(self.options_json)
+
+
+def vllm_methods() -> list[str]:
+    from vllm.config.speculative import SpeculativeMethod
+
+    names: list[str] = []
+    for arg in typing.get_args(SpeculativeMethod):
+        names += [a for a in typing.get_args(arg)] if typing.get_args(arg) else [arg]
+    return names
+
+
+def _vllm_fields() -> set[str]:
+    from vllm.config.speculative import SpeculativeConfig
+
+    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
+
+
+def check_method(method: Any) -> None:
+    """Unknown names fail here, listing ours and vLLM's."""
+    if method is None or is_registered(method) or method in vllm_methods():
+        return
+    raise UnknownProposerError(
+        f"speculative_config method={method!r} is unknown; vllm-specplug "
+        f"proposers: {available_proposers()}; vLLM methods: {vllm_methods()}")
+
+
+def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] | None:
+    """(dict vLLM accepts, our selection) when `raw` selects one of ours."""
+    method = raw.get("method")
+    check_method(method)
+    if not is_registered(method):
+        return None
+    cls = get_proposer_class(method)
+    ours = {f.name for f in dataclasses.fields(cls.options_cls)}
+    options = {k: v for k, v in raw.items() if k in ours}
+    rest = {k: v for k, v in raw.items() if k not in ours and k != "method"}
+    if rest.get("num_speculative_tokens") is None:
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: num_speculative_tokens is "
+            "required (the most draft tokens per request per step)")
+    if "model" in rest:
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: 'model' is not accepted; "
+            f"options of this method: {sorted(ours) or 'none'}")
+    unknown = sorted(set(rest) - _vllm_fields())
+    if unknown:
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: unknown option(s) {unknown}; "
+            f"accepted: {sorted(ours)} plus vLLM's speculative_config fields")
+    parsed = cls.options_cls.from_dict(method, options)
+    selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True))
+    return {**rest, "method": "custom_class", "model": DRAFTER_QUALNAME}, selection
+
+
+def attach(spec_config: Any, selection: ProposerSelection) -> None:
+    object.__setattr__(spec_config, SELECTION_ATTR, selection)
+
+
+def selection_of(spec_config: Any) -> ProposerSelection | None:
+    return getattr(spec_config, SELECTION_ATTR, None)

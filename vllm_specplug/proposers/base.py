@@ -1,0 +1,139 @@
+"""The proposer interface: what every method registered by name implements.
+
+A proposer lives in the worker process. The runtime (`proposers/runtime.py`)
+drives its per-request lifecycle from vLLM's batch state and calls `propose`
+once per step for the requests that may be speculated on. Proposers never
+import vLLM: they see only the small dataclasses below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+
+class ProposerConfigError(ValueError):
+    """A speculative_config entry of ours is wrong; the message names the
+    field and the accepted values."""
+
+
+class StopReason(enum.Enum):
+    FINISHED = "finished"  # finished or aborted: the request is gone
+    PREEMPTED = "preempted"  # will come back with the same id and history
+
+
+@dataclass(frozen=True)
+class ProposerOptions:
+    """Base of each proposer's options. Subclasses add typed fields with
+    defaults and may override `validate` for ranges; `from_dict` rejects
+    unknown keys and wrong types with the field's name."""
+
+    @classmethod
+    def from_dict(cls, name: str, raw: dict[str, Any]) -> "ProposerOptions":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise ProposerConfigError(
+                f"speculative_config for method {name!r}: unknown option(s) {unknown}; "
+                f"accepted: {sorted(fields) or 'none'}")
+        hints = typing.get_type_hints(cls)
+        for key, value in raw.items():
+            _check_type(name, key, value, hints[key])
+        options = cls(**raw)
+        options.validate(name)
+        return options
+
+    def validate(self, name: str) -> None:
+        """Range checks; raise ProposerConfigError naming the field."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(name: str, key: str, value: Any, hint: Any) -> None:
+    allowed = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    allowed = tuple(typing.get_origin(a) or a for a in allowed)
+    ok = any(_matches(value, a) for a in allowed)
+    if not ok:
+        wanted = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)
+        raise ProposerConfigError(
+            f"speculative_config for method {name!r}: {key}={value!r} must be {wanted}")
+
+
+def _matches(value: Any, kind: Any) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ProposerConfigError(f"speculative_config for method {name!r}: {message}")
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """Engine facts a proposer may need, fixed for the engine's life."""
+    num_speculative_tokens: int  # the most draft tokens per request per step
+    max_model_len: int
+    vocab_size: int
+    device: str
+
+
+@dataclass
+class ProposeBatch:
+    """One step's requests that may be speculated on, in batch order.
+
+    Histories (prompt + accepted output, no speculative tokens) are rows of
+    one 2-D buffer so that proposers can work on the whole batch at once;
+    the buffer is a read-only view valid only during `propose`.
+    """
+    req_ids: list[str]
+    token_ids: np.ndarray  # [num_reqs, max_len] int32; row i valid up to num_tokens[i]
+    num_tokens: np.ndarray  # [num_reqs] int64
+    num_spec_tokens: int  # the most draft tokens the scheduler allows this step
+    hidden_states: torch.Tensor | None = None  # [num_reqs, hidden] target's last hidden state; model-based proposers only
+
+    def history(self, i: int) -> np.ndarray:
+        return self.token_ids[i, :self.num_tokens[i]]
+
+
+class Proposer(ABC):
+    """A speculative proposer selected by name.
+
+    Lifecycle, per request id: `start_request` once (prompt known), then
+    `update_request` with each step's newly accepted tokens, then
+    `stop_request` when it finishes, is aborted, or is preempted (a preempted
+    request is started again if it resumes). `propose` returns one draft per
+    request, of any length from 0 to `batch.num_spec_tokens` (variable-length
+    drafts are allowed; an empty draft means "no speculation this step").
+    """
+    options_cls: ClassVar[type[ProposerOptions]] = ProposerOptions
+    uses_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, options: ProposerOptions, context: ProposerContext) -> None:
+        self.options = options
+        self.context = context
+
+    def start_request(self, req_id: str, prompt_token_ids: np.ndarray) -> None:
+        """A new request (or a preempted one resuming)."""
+
+    def update_request(self, req_id: str, new_token_ids: list[int]) -> None:
+        """Tokens accepted for `req_id` in the last step (bonus included)."""
+
+    def stop_request(self, req_id: str, reason: StopReason) -> None:
+        """The request left the batch."""
+
+    @abstractmethod
+    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+        """Drafts for every request of `batch`, in order."""

@@ -69,3 +69,9 @@ def get_proposer_class(name: str) -> type[Proposer]:
 def parse_options(name: str, raw: dict[str, Any]) -> ProposerOptions:
     """Validate the proposer-specific keys of a speculative_config."""
     return get_proposer_class(name).options_cls.from_dict(name, raw)
+
+
+def refresh() -> None:
+    """Forget what was read, e.g. after installing a package in a live process."""
+    _entry_points.cache_clear()
+    get_proposer_class.cache_clear()

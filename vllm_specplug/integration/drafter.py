@@ -51,10 +51,17 @@ class SpecplugDrafter:
         raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
                            "worker; the plugin did not register here")
 
-    def _retire(self, scheduler_output) -> None:
-        for req_id in scheduler_output.finished_req_ids & self.active:
+    def on_request_removed(self, req_id: str) -> None:
+        """The runner dropped a finished or aborted request (called from
+        `_on_request_state_removed`, also in steps that schedule nothing)."""
+        if req_id in self.active:
             self.proposer.stop_request(req_id, StopReason.FINISHED)
             self.active.discard(req_id)
+
+    def _retire(self, scheduler_output) -> None:
+        """Preempted requests (they come back as new to us if they resume;
+        a preemption in a step without drafting goes unnoticed, which is
+        harmless: the history continues unchanged)."""
         for req_id in (scheduler_output.preempted_req_ids or set()) & self.active:
             self.proposer.stop_request(req_id, StopReason.PREEMPTED)
             self.active.discard(req_id)

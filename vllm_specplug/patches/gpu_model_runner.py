@@ -1,5 +1,5 @@
-"""Patch of `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`
-(the CPU runner inherits it).
+"""Patches of `vllm.v1.worker.gpu_model_runner.GPUModelRunner` (the CPU runner
+inherits both): `propose_draft_token_ids` and `_on_request_state_removed`.
 
 Why: the `custom_class` route calls `drafter.propose(sampled, num_tokens,
 token_ids)` with no request ids, no finished/preempted requests and no hidden
@@ -32,11 +32,28 @@ def _propose_draft_token_ids(original):
     return propose_draft_token_ids
 
 
+def _on_request_state_removed(original):
+    from vllm_specplug.integration.drafter import SpecplugDrafter
+
+    def on_request_state_removed(self, req_id, req_state):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, SpecplugDrafter):
+            drafter.on_request_removed(req_id)
+        return original(self, req_id, req_state)
+
+    return on_request_state_removed
+
+
 def install() -> list[str]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner.propose_draft_token_ids
     patch_registry.apply(GPUModelRunner, "propose_draft_token_ids",
-                         _propose_draft_token_ids(original),
+                         _propose_draft_token_ids(GPUModelRunner.propose_draft_token_ids),
                          reason="give vllm-specplug proposers request ids and lifecycle")
-    return ["patch:GPUModelRunner.propose_draft_token_ids"]
+    # vLLM's documented per-request clean-up hook; it runs for finished and
+    # aborted requests even in steps that schedule nothing (no drafting).
+    patch_registry.apply(GPUModelRunner, "_on_request_state_removed",
+                         _on_request_state_removed(GPUModelRunner._on_request_state_removed),
+                         reason="tell vllm-specplug proposers a request finished")
+    return ["patch:GPUModelRunner.propose_draft_token_ids",
+            "patch:GPUModelRunner._on_request_state_removed"]

@@ -87,3 +87,25 @@ def generate(llm, prompts: list[str], sampling_params, use_tqdm: bool = False
     seconds = time.perf_counter() - start
     return GenerationResult([list(o.outputs[0].token_ids) for o in outputs],
                             [o.outputs[0].text for o in outputs], seconds)
+
+
+def generate_with_abort(llm, prompts: list[str], sampling_params, abort_index: int,
+                        abort_after_steps: int) -> dict[str, list[int]]:
+    """Step the engine by hand and abort one request mid-generation.
+
+    Returns the token ids each request produced, keyed "0", "1", ...; the
+    aborted request's list is whatever it had produced before the abort.
+    """
+    engine = llm.llm_engine
+    ids = [str(i) for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts):
+        engine.add_request(req_id, prompt, sampling_params)
+    produced: dict[str, list[int]] = {req_id: [] for req_id in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            produced[output.request_id] = list(output.outputs[0].token_ids)
+        steps += 1
+        if steps == abort_after_steps:
+            engine.abort_request([ids[abort_index]])
+    return produced

@@ -1,0 +1,74 @@
+"""Our proposers in a real engine: greedy output equals no speculation token
+for token, on single prompts, batches and the edge cases of a request's life."""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.testing.compare import assert_same_tokens
+from vllm_specplug.testing.engine import (generate, generate_with_abort, greedy_params,
+                                          make_llm, shutdown_llm)
+from vllm_specplug.testing.metrics import read_spec_decode_counts
+
+from tests.conftest import MAX_NEW_TOKENS
+
+CONFIGS = {
+    "specplug_ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4,
+                       "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "specplug_suffix": {"method": "specplug_suffix", "num_speculative_tokens": 6,
+                        "min_token_prob": 0.1},
+    "specplug_hybrid": {"method": "specplug_hybrid", "num_speculative_tokens": 6,
+                        "proposers": [{"method": "specplug_suffix", "min_token_prob": 0.3},
+                                      {"method": "specplug_ngram", "prompt_lookup_max": 3}]},
+}
+REPETITIVE = "".join(f"def get_{n}(self):\n    return self._{n}\n\n"
+                     for n in ("name", "value", "size", "mode", "path", "data"))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def spec_llm(request, tiny_model_dir):
+    llm = make_llm(tiny_model_dir, CONFIGS[request.param])
+    yield llm
+    shutdown_llm(llm)
+
+
+def test_single_prompts_equal_no_speculation(spec_llm, eval_prompts, baseline_outputs):
+    params = greedy_params(MAX_NEW_TOKENS)
+    ours = [generate(spec_llm, [p], params).token_ids[0] for p in eval_prompts]
+    assert_same_tokens(baseline_outputs["single"], ours, eval_prompts)
+
+
+def test_batch_equals_no_speculation_and_speculates(spec_llm, eval_prompts,
+                                                    baseline_outputs):
+    before = read_spec_decode_counts(spec_llm)
+    ours = generate(spec_llm, eval_prompts, greedy_params(MAX_NEW_TOKENS)).token_ids
+    counts = read_spec_decode_counts(spec_llm) - before
+    assert_same_tokens(baseline_outputs["batched"], ours, eval_prompts)
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("make_params", [
+    lambda base: greedy_params(1),
+    lambda base: greedy_params(MAX_NEW_TOKENS, stop=["return"]),
+    lambda base: greedy_params(MAX_NEW_TOKENS, stop_token_ids=[base[12]]),  # EOS-like stop
+    lambda base: greedy_params(MAX_NEW_TOKENS, stop=["\n\n"], include_stop_str_in_output=True),
+], ids=["max_tokens_1", "stop_string", "stop_token", "stop_string_kept"])
+def test_stopping_requests_equal_no_speculation(spec_llm, baseline_llm, make_params):
+    prompts = [REPETITIVE, REPETITIVE[:120]]
+    base_ids = generate(baseline_llm, prompts[:1], greedy_params(MAX_NEW_TOKENS)).token_ids[0]
+    params = make_params(base_ids)
+    expected = generate(baseline_llm, prompts, params)
+    ours = generate(spec_llm, prompts, params)
+    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+    assert ours.texts == expected.texts
+
+
+def test_abort_mid_generation_leaves_others_exact(spec_llm, baseline_llm, eval_prompts):
+    prompts = eval_prompts[:4]
+    params = greedy_params(MAX_NEW_TOKENS)
+    expected = generate(baseline_llm, prompts, params).token_ids
+    produced = generate_with_abort(spec_llm, prompts, params, abort_index=1,
+                                   abort_after_steps=3)
+    for i in (0, 2, 3):
+        assert produced[str(i)] == expected[i]
+    aborted = produced["1"]
+    assert len(aborted) < len(expected[1]) and aborted == expected[1][:len(aborted)]

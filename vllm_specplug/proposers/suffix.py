@@ -50,7 +50,7 @@ class SuffixProposer(Proposer):
     def start_request(self, req_id: str, prompt_token_ids: np.ndarray) -> None:
         if req_id in self.cache.cached_requests:  # a resumed or reused id
             self.cache.evict_cached_response(req_id)
-        self.cache.start_request(req_id, prompt_token_ids)
+        self.cache.start_request(req_id, np.ascontiguousarray(prompt_token_ids, dtype=np.int32))
 
     def update_request(self, req_id: str, new_token_ids: list[int]) -> None:
         if new_token_ids:
@@ -65,9 +65,11 @@ class SuffixProposer(Proposer):
         opts: SuffixOptions = self.options
         drafts = []
         for i, req_id in enumerate(batch.req_ids):
-            history = batch.history(i)
+            # arctic wants a contiguous int32 array
+            context = np.ascontiguousarray(batch.history(i)[-opts.max_tree_depth:],
+                                           dtype=np.int32)
             draft = self.cache.speculate(
-                req_id, history[-opts.max_tree_depth:],
+                req_id, context,
                 max_spec_tokens=batch.num_spec_tokens,  # None hits an arctic bug
                 max_spec_factor=opts.max_spec_factor,
                 max_spec_offset=opts.max_spec_offset,

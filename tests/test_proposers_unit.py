@@ -1,0 +1,92 @@
+"""Proposers on their own: n-gram against a brute-force definition, suffix's
+global cache across requests, hybrid's ordered choice and fan-out."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_specplug.proposers.base import ProposeBatch, ProposerContext, StopReason
+from vllm_specplug.proposers.hybrid import HybridOptions, HybridProposer
+from vllm_specplug.proposers.ngram import NgramOptions, NgramProposer
+from vllm_specplug.proposers.suffix import SuffixOptions, SuffixProposer
+
+CONTEXT = ProposerContext(num_speculative_tokens=5, max_model_len=512, vocab_size=16,
+                          device="cpu")
+
+
+def make_batch(histories, k, req_ids=None):
+    width = max(len(h) for h in histories) + 3
+    buffer = np.full((len(histories), width), 7, dtype=np.int32)  # junk past the end
+    for i, history in enumerate(histories):
+        buffer[i, :len(history)] = history
+    return ProposeBatch(req_ids or [str(i) for i in range(len(histories))], buffer,
+                        np.array([len(h) for h in histories]), k)
+
+
+def brute_force_ngram(history, n_min, n_max, k):
+    for n in range(n_max, n_min - 1, -1):
+        if len(history) <= n:
+            continue
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):  # most recent first
+            if history[start:start + n] == suffix:
+                return history[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40),
+                          min_size=1, max_size=6),
+       n_min=st.integers(1, 3), extra=st.integers(0, 2), k=st.integers(1, 5))
+def test_ngram_matches_brute_force(histories, n_min, extra, k):
+    proposer = NgramProposer(NgramOptions(n_min, n_min + extra), CONTEXT)
+    drafts = proposer.propose(make_batch(histories, k))
+    assert drafts == [brute_force_ngram(h, n_min, n_min + extra, k) for h in histories]
+
+
+def finished_then_matching(options):
+    proposer = SuffixProposer(options, CONTEXT)
+    proposer.start_request("a", np.array([1, 2, 3]))
+    proposer.update_request("a", [5, 6, 7, 8, 9, 10, 11, 12])
+    proposer.stop_request("a", StopReason.FINISHED)
+    proposer.start_request("b", np.array([4]))
+    proposer.update_request("b", [5, 6, 7])
+    return proposer.propose(make_batch([[4, 5, 6, 7]], 4, ["b"]))[0]
+
+
+def test_suffix_global_cache_helps_a_later_request():
+    # Speculation length = max_spec_factor x match length (3 tokens matched).
+    assert finished_then_matching(SuffixOptions(min_token_prob=0.0)) == [8, 9, 10]
+    assert finished_then_matching(SuffixOptions(min_token_prob=0.0, max_spec_factor=2.0)
+                                  ) == [8, 9, 10, 11]  # capped by k = 4
+    # Without the global cache the finished response is forgotten.
+    assert finished_then_matching(SuffixOptions(min_token_prob=0.0,
+                                                max_cached_requests=0)) == []
+
+
+class Recorder(NgramProposer):
+    def __init__(self, drafts, calls):
+        super().__init__(NgramOptions(), CONTEXT)
+        self.drafts, self.calls = drafts, calls
+
+    def start_request(self, req_id, prompt):
+        self.calls.append(("start", req_id))
+
+    def propose(self, batch):
+        self.calls.append(("propose", tuple(batch.req_ids)))
+        return [self.drafts[r] for r in batch.req_ids]
+
+
+def test_hybrid_takes_the_first_long_enough_draft_in_order():
+    hybrid = HybridProposer(HybridOptions(proposers=[{"method": "specplug_ngram"}],
+                                          min_draft_tokens=2), CONTEXT)
+    calls: list = []
+    first = Recorder({"a": [1, 2, 3], "b": [4], "c": []}, calls)
+    second = Recorder({"b": [5, 6], "c": []}, calls)
+    hybrid.members = [first, second]
+    hybrid.start_request("a", np.array([0]))
+    drafts = hybrid.propose(make_batch([[0], [0], [0]], 3, ["a", "b", "c"]))
+    assert drafts == [[1, 2, 3], [5, 6], []]
+    assert calls == [("start", "a"), ("start", "a"), ("propose", ("a", "b", "c")),
+                     ("propose", ("b", "c"))]

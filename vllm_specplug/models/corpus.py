@@ -70,3 +70,22 @@ def held_out_prompts(num_prompts: int = 24) -> list[str]:
     if len(prompts) < num_prompts:
         raise ValueError(f"only {len(prompts)} held-out prompts available")
     return prompts[:num_prompts]
+
+
+def repetitive_prompts(num_prompts: int = 24, num_lines: int = 12) -> list[str]:
+    """A repetitive workload ("repeat and edit this code"): a held-out code
+    block shown twice, then the start of a third copy with one name edited.
+    Speculation that copies from the context (n-gram, suffix) shines here."""
+    blocks = []
+    for text in load_corpus().held_out:
+        lines = text.splitlines()
+        for start in range(0, len(lines) - num_lines, num_lines * 3):
+            block = "\n".join(lines[start:start + num_lines])
+            if len(block.strip()) > 200 and "def " in block:
+                blocks.append(block)
+    if len(blocks) < num_prompts:
+        raise ValueError(f"only {len(blocks)} repetitive prompts available")
+    step = len(blocks) // num_prompts
+    chosen = blocks[::step][:num_prompts]
+    return [f"{b}\n\n\n{b}\n\n\n{b.splitlines()[0].replace('self', 'this')}\n"
+            for b in chosen]

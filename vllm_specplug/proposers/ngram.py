@@ -1,15 +1,15 @@
 """Prompt-lookup (n-gram) proposer, vectorised over the whole batch.
 
-For n from `prompt_lookup_max` down to `prompt_lookup_min`, find the most
-recent earlier occurrence of each request's last n tokens and propose the
-tokens that followed it. One set of numpy operations serves all requests.
+Take the longest n in [`prompt_lookup_min`, `prompt_lookup_max`] for which
+the request's last n tokens occurred earlier, and propose the tokens that
+followed their most recent earlier occurrence. One [B, W] comparison per n
+serves the whole batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from vllm_specplug.proposers.base import ProposeBatch, Proposer, ProposerOptions, require
 
@@ -27,18 +27,36 @@ class NgramOptions(ProposerOptions):
                 f"prompt_lookup_min={self.prompt_lookup_min}")
 
 
-def last_match_starts(token_ids: np.ndarray, num_tokens: np.ndarray, n: int) -> np.ndarray:
-    """[B] start of the most recent earlier occurrence of each row's last n
-    tokens (whose continuation is inside the history), or -1."""
+def longest_recent_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int,
+                           n_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the longest n in [n_min, n_max] whose last-n-token suffix also
+    ends earlier at some position e <= num_tokens - 2, and the most recent
+    such e. Returns (n [B], e [B]), n = 0 where nothing matches.
+
+    Matches are grown one token at a time: an occurrence of the last n tokens
+    ending at e is one of the last n-1 tokens ending at e whose token n-1
+    places earlier also agrees, so each length costs one [B, W] comparison.
+    """
     batch, width = token_ids.shape
     rows = np.arange(batch)
-    pattern = token_ids[rows[:, None], num_tokens[:, None] - n + np.arange(n)]
-    windows = sliding_window_view(token_ids[:, :width - 1], n, axis=1)  # [B, W-n, n]
-    hits = (windows == pattern[:, None, :]).all(axis=2)
-    starts = np.arange(hits.shape[1])
-    hits &= starts[None, :] <= (num_tokens - n - 1)[:, None]  # continuation exists
-    last = hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1)
-    return np.where(hits.any(axis=1) & (num_tokens > n), last, -1)
+    ends = np.arange(width)
+    alive = ends[None, :] <= (num_tokens - 2)[:, None]  # a continuation exists
+    best_n = np.zeros(batch, dtype=np.int64)
+    best_end = np.full(batch, -1, dtype=np.int64)
+    for n in range(1, n_max + 1):
+        usable = num_tokens > n  # n suffix tokens plus at least one before them
+        target = token_ids[rows, np.maximum(num_tokens - n, 0)]
+        agree = np.zeros_like(alive)
+        agree[:, n - 1:] = token_ids[:, :width - n + 1] == target[:, None]
+        alive &= agree & usable[:, None]
+        found = alive.any(axis=1)
+        if n >= n_min and found.any():
+            last = width - 1 - np.argmax(alive[:, ::-1], axis=1)
+            best_n = np.where(found, n, best_n)
+            best_end = np.where(found, last, best_end)
+        if not found.any():
+            break
+    return best_n, best_end
 
 
 class NgramProposer(Proposer):
@@ -52,15 +70,11 @@ class NgramProposer(Proposer):
             return drafts
         width = int(batch.num_tokens.max())
         token_ids = batch.token_ids[:, :width]
-        pending = np.ones(num_reqs, dtype=bool)
-        for n in range(opts.prompt_lookup_max, opts.prompt_lookup_min - 1, -1):
-            rows = np.flatnonzero(pending & (batch.num_tokens > n))
-            if rows.size == 0 or width <= n:
-                continue
-            starts = last_match_starts(token_ids[rows], batch.num_tokens[rows], n)
-            for row, start in zip(rows[starts >= 0], starts[starts >= 0]):
-                begin = start + n
-                end = min(begin + k, int(batch.num_tokens[row]))
-                drafts[row] = token_ids[row, begin:end].tolist()
-                pending[row] = False
+        best_n, best_end = longest_recent_matches(token_ids, batch.num_tokens,
+                                                  opts.prompt_lookup_min,
+                                                  opts.prompt_lookup_max)
+        for row in np.flatnonzero(best_n > 0):
+            begin = int(best_end[row]) + 1
+            end = min(begin + k, int(batch.num_tokens[row]))
+            drafts[row] = token_ids[row, begin:end].tolist()
         return drafts

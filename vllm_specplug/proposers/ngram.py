@@ -2,8 +2,8 @@
 
 Take the longest n in [`prompt_lookup_min`, `prompt_lookup_max`] for which
 the request's last n tokens occurred earlier, and propose the tokens that
-followed their most recent earlier occurrence. One [B, W] comparison per n
-serves the whole batch.
+followed their most recent earlier occurrence. One [B, W] comparison serves
+the whole batch; longer matches are grown from its few candidates.
 """
 from __future__ import annotations
 
@@ -33,29 +33,32 @@ def longest_recent_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min:
     ends earlier at some position e <= num_tokens - 2, and the most recent
     such e. Returns (n [B], e [B]), n = 0 where nothing matches.
 
-    Matches are grown one token at a time: an occurrence of the last n tokens
-    ending at e is one of the last n-1 tokens ending at e whose token n-1
-    places earlier also agrees, so each length costs one [B, W] comparison.
+    One [B, W] comparison finds every earlier occurrence of each row's last
+    token; those candidates are then grown one token at a time (an occurrence
+    of the last n tokens is one of the last n-1 whose token n-1 places
+    earlier also agrees), so later lengths only touch the few survivors.
     """
-    batch, width = token_ids.shape
+    batch = token_ids.shape[0]
     rows = np.arange(batch)
-    ends = np.arange(width)
-    alive = ends[None, :] <= (num_tokens - 2)[:, None]  # a continuation exists
+    hit = token_ids == token_ids[rows, num_tokens - 1][:, None]
+    cand_rows, cand_ends = np.nonzero(hit)  # sorted by row, then end
+    early = cand_ends <= num_tokens[cand_rows] - 2  # a continuation exists
+    cand_rows, cand_ends = cand_rows[early], cand_ends[early]
     best_n = np.zeros(batch, dtype=np.int64)
     best_end = np.full(batch, -1, dtype=np.int64)
     for n in range(1, n_max + 1):
-        usable = num_tokens > n  # n suffix tokens plus at least one before them
-        target = token_ids[rows, np.maximum(num_tokens - n, 0)]
-        agree = np.zeros_like(alive)
-        agree[:, n - 1:] = token_ids[:, :width - n + 1] == target[:, None]
-        alive &= agree & usable[:, None]
-        found = alive.any(axis=1)
-        if n >= n_min and found.any():
-            last = width - 1 - np.argmax(alive[:, ::-1], axis=1)
-            best_n = np.where(found, n, best_n)
-            best_end = np.where(found, last, best_end)
-        if not found.any():
+        if n > 1:
+            back = cand_ends - (n - 1)
+            keep = back >= 0
+            keep[keep] = (token_ids[cand_rows[keep], back[keep]]
+                          == token_ids[cand_rows[keep], num_tokens[cand_rows[keep]] - n])
+            cand_rows, cand_ends = cand_rows[keep], cand_ends[keep]
+        if cand_rows.size == 0:
             break
+        if n >= n_min:
+            last_of_row = np.append(cand_rows[1:] != cand_rows[:-1], True)
+            best_n[cand_rows[last_of_row]] = n
+            best_end[cand_rows[last_of_row]] = cand_ends[last_of_row]
     return best_n, best_end
 
 

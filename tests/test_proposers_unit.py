@@ -25,13 +25,16 @@ def make_batch(histories, k, req_ids=None):
 
 
 def brute_force_ngram(history, n_min, n_max, k):
+    """Longest n; copy after the most recent occurrence with k tokens after
+    it, else after the earliest occurrence."""
     for n in range(n_max, n_min - 1, -1):
-        if len(history) <= n:
-            continue
         suffix = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):  # most recent first
-            if history[start:start + n] == suffix:
-                return history[start + n:start + n + k]
+        starts = [s for s in range(len(history) - n) if history[s:s + n] == suffix]
+        if len(history) <= n or not starts:
+            continue
+        full = [s for s in starts if s + n + k <= len(history)]
+        start = max(full) if full else min(starts)
+        return history[start + n:start + n + k]
     return []
 
 

@@ -2,7 +2,8 @@
 
 Take the longest n in [`prompt_lookup_min`, `prompt_lookup_max`] for which
 the request's last n tokens occurred earlier, and propose the tokens that
-followed their most recent earlier occurrence. One [B, W] comparison serves
+followed an earlier occurrence (the most recent one with k tokens after it,
+else the earliest). One [B, W] comparison serves
 the whole batch; longer matches are grown from its few candidates.
 """
 from __future__ import annotations
@@ -27,11 +28,14 @@ class NgramOptions(ProposerOptions):
                 f"prompt_lookup_min={self.prompt_lookup_min}")
 
 
-def longest_recent_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int,
-                           n_max: int) -> tuple[np.ndarray, np.ndarray]:
+def longest_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int,
+                    n_max: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the longest n in [n_min, n_max] whose last-n-token suffix also
-    ends earlier at some position e <= num_tokens - 2, and the most recent
-    such e. Returns (n [B], e [B]), n = 0 where nothing matches.
+    ends earlier at some position e <= num_tokens - 2, and which such e to
+    copy from: the most recent one followed by k tokens, else the earliest
+    (the longest continuation; the most recent is often right before the
+    end, which leaves a short draft). Returns (n [B], e [B]), n = 0 where
+    nothing matches.
 
     One [B, W] comparison finds every earlier occurrence of each row's last
     token; those candidates are then grown one token at a time (an occurrence
@@ -56,10 +60,21 @@ def longest_recent_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min:
         if cand_rows.size == 0:
             break
         if n >= n_min:
-            last_of_row = np.append(cand_rows[1:] != cand_rows[:-1], True)
-            best_n[cand_rows[last_of_row]] = n
-            best_end[cand_rows[last_of_row]] = cand_ends[last_of_row]
+            row_ids, ends = _preferred_ends(cand_rows, cand_ends, num_tokens, k)
+            best_n[row_ids] = n
+            best_end[row_ids] = ends
     return best_n, best_end
+
+
+def _preferred_ends(cand_rows, cand_ends, num_tokens, k):
+    """Per row present in the candidates: the most recent end with a full
+    k-token continuation, else the earliest end."""
+    full = cand_ends <= num_tokens[cand_rows] - 1 - k
+    offset = int(num_tokens.max()) + 1
+    score = np.where(full, offset + cand_ends, -cand_ends)  # full ones rank first
+    starts = np.flatnonzero(np.append(True, cand_rows[1:] != cand_rows[:-1]))
+    best = np.maximum.reduceat(score, starts)
+    return cand_rows[starts], np.where(best >= offset, best - offset, -best)
 
 
 class NgramProposer(Proposer):
@@ -73,9 +88,9 @@ class NgramProposer(Proposer):
             return drafts
         width = int(batch.num_tokens.max())
         token_ids = batch.token_ids[:, :width]
-        best_n, best_end = longest_recent_matches(token_ids, batch.num_tokens,
-                                                  opts.prompt_lookup_min,
-                                                  opts.prompt_lookup_max)
+        best_n, best_end = longest_matches(token_ids, batch.num_tokens,
+                                           opts.prompt_lookup_min,
+                                           opts.prompt_lookup_max, k)
         for row in np.flatnonzero(best_n > 0):
             begin = int(best_end[row]) + 1
             end = min(begin + k, int(batch.num_tokens[row]))

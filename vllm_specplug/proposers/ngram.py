@@ -45,11 +45,13 @@ def longest_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int,
     batch = token_ids.shape[0]
     rows = np.arange(batch)
     hit = token_ids == token_ids[rows, num_tokens - 1][:, None]
-    cand_rows, cand_ends = np.nonzero(hit)  # sorted by row, then end
+    # flatnonzero + divmod is several times faster than 2-D nonzero.
+    cand_rows, cand_ends = np.divmod(np.flatnonzero(hit), token_ids.shape[1])  # by row, then end
     early = cand_ends <= num_tokens[cand_rows] - 2  # a continuation exists
     cand_rows, cand_ends = cand_rows[early], cand_ends[early]
     best_n = np.zeros(batch, dtype=np.int64)
     best_end = np.full(batch, -1, dtype=np.int64)
+    kept_rows, kept_ends, kept_n = [], [], []
     for n in range(1, n_max + 1):
         if n > 1:
             back = cand_ends - (n - 1)
@@ -60,9 +62,16 @@ def longest_matches(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int,
         if cand_rows.size == 0:
             break
         if n >= n_min:
-            row_ids, ends = _preferred_ends(cand_rows, cand_ends, num_tokens, k)
-            best_n[row_ids] = n
-            best_end[row_ids] = ends
+            best_n[cand_rows] = n
+            kept_rows.append(cand_rows)
+            kept_ends.append(cand_ends)
+            kept_n.append(np.full(cand_rows.size, n))
+    if kept_rows:
+        rows_all, ends_all = np.concatenate(kept_rows), np.concatenate(kept_ends)
+        at_best = np.concatenate(kept_n) == best_n[rows_all]
+        # Each row's candidates now come from one level: contiguous, as needed.
+        row_ids, ends = _preferred_ends(rows_all[at_best], ends_all[at_best], num_tokens, k)
+        best_end[row_ids] = ends
     return best_n, best_end
 
 

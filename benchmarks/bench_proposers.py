@@ -58,19 +58,23 @@ def vllm_ngram(k: int, max_model_len: int, max_num_seqs: int):
     return NgramProposer(config)
 
 
-def time_call(fn, repeats: int = 50) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
+def time_call(fn, repeats: int = 200, warmup: int = 10) -> float:
+    """Median microseconds of single calls after a warm-up."""
+    for _ in range(warmup):
         fn()
-    return (time.perf_counter() - start) / repeats * 1e6
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6
 
 
 def micro_benchmark() -> None:
     from vllm_specplug.proposers.base import ProposeBatch, ProposerContext
     from vllm_specplug.proposers.ngram import NgramOptions, NgramProposer
 
-    print("proposer step, microseconds (mean of 50 calls; synthetic repetitive histories)")
+    print("proposer step, median microseconds of 200 calls (synthetic repetitive histories)")
     print(f"{'batch':>6}{'history':>9}{'vLLM ngram':>12}{'specplug_ngram':>16}{'ratio':>7}")
     rng = np.random.default_rng(0)
     for batch in (1, 16, 64):

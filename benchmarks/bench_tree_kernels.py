@@ -80,7 +80,6 @@ def bench_tree(batch, num_nodes, vocab_size, rows):
                                                   validate=False)
     rows.append(row("verify_stochastic", batch, num_nodes, vocab_size, stochastic,
                     batch * vocab_size * 8))  # one target row + one noise row
-    del probs
     return tree, argmax
 
 

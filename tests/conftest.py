@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplug.models import build_model, held_out_prompts
-from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
+from vllm_specplug.testing.engine import (generate, generate_each, greedy_params, make_llm,
+                                          shutdown_llm)
 from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
 NUM_EVAL_PROMPTS = 24
@@ -37,6 +38,17 @@ def baseline_llm(tiny_model_dir):
 def baseline_outputs(baseline_llm, eval_prompts):
     """Greedy ids without speculation: per prompt alone, and as one batch."""
     params = greedy_params(MAX_NEW_TOKENS)
-    single = [generate(baseline_llm, [p], params).token_ids[0] for p in eval_prompts]
+    single = generate_each(baseline_llm, eval_prompts, params)
     batched = generate(baseline_llm, eval_prompts, params).token_ids
     return {"single": single, "batched": batched}
+
+
+def speculative_engines(configs: dict[str, dict]):
+    """A module-scoped fixture running the module's tests once per config."""
+    @pytest.fixture(scope="module", params=list(configs))
+    def spec_llm(request, tiny_model_dir):
+        llm = make_llm(tiny_model_dir, configs[request.param])
+        yield llm
+        shutdown_llm(llm)
+
+    return spec_llm

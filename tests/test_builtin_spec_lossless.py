@@ -6,30 +6,25 @@ same comparisons.
 """
 from __future__ import annotations
 
-import pytest
-
 from vllm_specplug.cli.demo import BUILTIN_METHODS
 from vllm_specplug.testing.compare import assert_same_tokens
-from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
+from vllm_specplug.testing.engine import generate, generate_each, greedy_params
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
-from tests.conftest import MAX_NEW_TOKENS
+from tests.conftest import MAX_NEW_TOKENS, speculative_engines
 
 REPETITIVE_PROMPT = "".join(
     f"def get_{name}(self):\n    return self._{name}\n\n"
     for name in ("name", "value", "size", "mode", "path", "data"))
 
 
-@pytest.fixture(scope="module", params=["vllm-ngram", "vllm-suffix"])
-def spec_llm(request, tiny_model_dir):
-    llm = make_llm(tiny_model_dir, BUILTIN_METHODS[request.param])
-    yield llm
-    shutdown_llm(llm)
+spec_llm = speculative_engines(
+    {name: BUILTIN_METHODS[name] for name in ("vllm-ngram", "vllm-suffix")})
 
 
 def test_single_prompts_equal_no_speculation(spec_llm, eval_prompts, baseline_outputs):
     params = greedy_params(MAX_NEW_TOKENS)
-    ours = [generate(spec_llm, [p], params).token_ids[0] for p in eval_prompts]
+    ours = generate_each(spec_llm, eval_prompts, params)
     assert_same_tokens(baseline_outputs["single"], ours, eval_prompts)
 
 

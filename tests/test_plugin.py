@@ -97,3 +97,19 @@ def test_plugin_registered_inside_engine_worker(baseline_llm):
         assert state["registered"] is True
         assert state["vllm_version"] == vllm.__version__
         assert state["pid"] != os.getpid(), "probe ran in the test process"
+
+
+def test_when_imported_patches_at_first_import(tmp_path, monkeypatch):
+    from vllm_specplug.patches.lazy import when_imported
+
+    (tmp_path / "specplug_lazy_target.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    assert when_imported("specplug_lazy_target", lambda: seen.append(
+        __import__("specplug_lazy_target").VALUE)) == "on import"
+    assert seen == []
+    import specplug_lazy_target  # noqa: F401
+
+    assert seen == [1]
+    assert when_imported("specplug_lazy_target", lambda: seen.append(2)) == "now"
+    assert seen == [1, 2]

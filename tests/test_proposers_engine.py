@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplug.testing.compare import assert_same_tokens
-from vllm_specplug.testing.engine import (generate, generate_with_abort, greedy_params,
-                                          make_llm, shutdown_llm)
+from vllm_specplug.testing.engine import (generate, generate_each, generate_with_abort,
+                                          greedy_params)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
-from tests.conftest import MAX_NEW_TOKENS
+from tests.conftest import MAX_NEW_TOKENS, speculative_engines
 
 CONFIGS = {
     "specplug_ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4,
@@ -24,16 +24,12 @@ REPETITIVE = "".join(f"def get_{n}(self):\n    return self._{n}\n\n"
                      for n in ("name", "value", "size", "mode", "path", "data"))
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def spec_llm(request, tiny_model_dir):
-    llm = make_llm(tiny_model_dir, CONFIGS[request.param])
-    yield llm
-    shutdown_llm(llm)
+spec_llm = speculative_engines(CONFIGS)
 
 
 def test_single_prompts_equal_no_speculation(spec_llm, eval_prompts, baseline_outputs):
     params = greedy_params(MAX_NEW_TOKENS)
-    ours = [generate(spec_llm, [p], params).token_ids[0] for p in eval_prompts]
+    ours = generate_each(spec_llm, eval_prompts, params)
     assert_same_tokens(baseline_outputs["single"], ours, eval_prompts)
 
 

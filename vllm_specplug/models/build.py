@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 

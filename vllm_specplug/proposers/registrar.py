@@ -3,9 +3,15 @@ registered proposer names."""
 from __future__ import annotations
 
 from vllm_specplug.patches import arg_utils, gpu_model_runner
+from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 def register_proposers() -> list[str]:
-    items = arg_utils.install() + gpu_model_runner.install()
+    items = arg_utils.install()
+    # Only workers import the model runner; patch it there, when they do.
+    when = when_imported(RUNNER_MODULE, gpu_model_runner.install)
+    items.append(f"patch:{RUNNER_MODULE} ({when})")
     return items + [f"proposer:{name}" for name in available_proposers()]

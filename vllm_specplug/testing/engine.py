@@ -89,6 +89,11 @@ def generate(llm, prompts: list[str], sampling_params, use_tqdm: bool = False
                             [o.outputs[0].text for o in outputs], seconds)
 
 
+def generate_each(llm, prompts: list[str], sampling_params) -> list[list[int]]:
+    """Token ids of each prompt generated alone (a batch of one)."""
+    return [generate(llm, [p], sampling_params).token_ids[0] for p in prompts]
+
+
 def generate_with_abort(llm, prompts: list[str], sampling_params, abort_index: int,
                         abort_after_steps: int) -> dict[str, list[int]]:
     """Step the engine by hand and abort one request mid-generation.

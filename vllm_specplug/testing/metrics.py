@@ -8,6 +8,7 @@ callers take a snapshot before and after the work they measure and subtract.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 _PREFIX = "vllm:spec_decode_"
 
@@ -20,14 +21,12 @@ class SpecDecodeCounts:
     accepted_per_pos: tuple[int, ...] = field(default_factory=tuple)
 
     def __sub__(self, other: "SpecDecodeCounts") -> "SpecDecodeCounts":
-        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        mine = self.accepted_per_pos + (0,) * (width - len(self.accepted_per_pos))
-        theirs = other.accepted_per_pos + (0,) * (width - len(other.accepted_per_pos))
         return SpecDecodeCounts(
             self.num_drafts - other.num_drafts,
             self.num_draft_tokens - other.num_draft_tokens,
             self.num_accepted_tokens - other.num_accepted_tokens,
-            tuple(a - b for a, b in zip(mine, theirs)))
+            tuple(a - b for a, b in zip_longest(self.accepted_per_pos,
+                                                other.accepted_per_pos, fillvalue=0)))
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -53,9 +52,7 @@ def read_spec_decode_counts(llm) -> SpecDecodeCounts:
             continue
         key = metric.name[len(_PREFIX):]
         if key == "num_accepted_tokens_per_pos":
-            values = list(metric.values)
-            per_pos += [0] * (len(values) - len(per_pos))
-            per_pos = [a + b for a, b in zip(per_pos, values + [0] * len(per_pos))]
+            per_pos = [a + b for a, b in zip_longest(per_pos, metric.values, fillvalue=0)]
         elif key in totals:
             totals[key] += int(metric.value)
     return SpecDecodeCounts(accepted_per_pos=tuple(per_pos), **totals)

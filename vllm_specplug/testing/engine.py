@@ -20,7 +20,8 @@ DEFAULT_MAX_MODEL_LEN = 1024
 
 def _set_cpu_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_GIB)
-    # Results must not depend on what else the machine runs.
+    # Tests run several engines at once on a 2-core machine: engines that each
+    # pin their OpenMP threads would be pinned onto the same cores.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 

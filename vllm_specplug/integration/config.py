@@ -36,8 +36,8 @@ def vllm_methods() -> list[str]:
     from vllm.config.speculative import SpeculativeMethod
 
     names: list[str] = []
-    for arg in typing.get_args(SpeculativeMethod):
-        names += [a for a in typing.get_args(arg)] if typing.get_args(arg) else [arg]
+    for arg in typing.get_args(SpeculativeMethod):  # a union of Literals
+        names += list(typing.get_args(arg)) or [arg]
     return names
 
 

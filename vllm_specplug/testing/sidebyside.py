@@ -45,7 +45,8 @@ def run_side_by_side(model_dir, prompts: list[str],
     for name in names:
         result, counts = _measure(model_dir, methods[name], prompts, max_tokens,
                                   engine_kwargs)
-        baseline = baseline or result
+        if baseline is None:
+            baseline = result
         rows.append(MethodResult(
             name, result.tokens_per_second,
             result.tokens_per_second / baseline.tokens_per_second, counts,

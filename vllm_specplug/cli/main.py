@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_specplug.cli import build, check, demo
+from vllm_specplug.cli import build, check, demo, extract
 
-SUBCOMMANDS = (build, check, demo)
+SUBCOMMANDS = (build, check, demo, extract)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -59,7 +59,30 @@ def _function_starts(text: str) -> list[str]:
 
 def held_out_prompts(num_prompts: int = 24) -> list[str]:
     """`num_prompts` deterministic code prompts from held-out files."""
-    pools = [_function_starts(text) for text in load_corpus().held_out]
+    return _code_prompts(load_corpus().held_out, num_prompts)
+
+
+def train_prompts(num_prompts: int) -> list[str]:
+    """Code prompts from the files the model was trained on (draft-head data)."""
+    return _code_prompts(load_corpus().train, num_prompts)
+
+
+def chat_conversations(prompts: list[str], with_answers: bool = False) -> list[dict]:
+    """`{"messages": [...]}` lines asking to continue each code prompt; with
+    answers, the assistant turn is the prompt's own last line (a stand-in
+    answer, for data that is not regenerated)."""
+    conversations = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": f"Continue this code:\n{prompt}"}]
+        if with_answers:
+            messages.append({"role": "assistant",
+                             "content": prompt.rstrip().splitlines()[-1].strip()})
+        conversations.append({"messages": messages})
+    return conversations
+
+
+def _code_prompts(texts: tuple[str, ...], num_prompts: int) -> list[str]:
+    pools = [_function_starts(text) for text in texts]
     prompts: list[str] = []
     depth = 0
     while len(prompts) < num_prompts and any(depth < len(p) for p in pools):

@@ -1,0 +1,1 @@
+"""Hidden-state extraction: a KV connector, a sharded safetensors dataset, a reader."""

@@ -1,0 +1,1 @@
+"""EAGLE-3 draft-head training from extracted hidden states."""

@@ -1,0 +1,240 @@
+"""EAGLE-3 draft head in plain PyTorch, parameter for parameter vLLM's layout.
+
+EAGLE-3 (arXiv 2503.01840): the target's auxiliary hidden states (L layers,
+concatenated, [T, L*H_t]) go through `fc` to H; one decoder layer takes
+[input_layernorm(embed(token)); hidden_norm(hidden)] (2H) into attention, with
+the un-normed hidden as residual; `norm` then `lm_head` over the draft
+vocabulary give the logits, and the pre-norm output is the hidden state fed to
+the next draft step. This mirrors vLLM's `Eagle3LlamaForCausalLM`
+(`model_executor/models/llama_eagle3.py`), whose checkpoint names we write:
+`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d` (the embedding is the
+target's, shared, not saved).
+
+Training-time test (TTT): step k re-runs the layer on its own previous output.
+Row t of step k is the draft at position t for the chain anchored at a = t - k;
+it attends to step-0 keys at positions <= a (what the draft's KV cache holds
+after verification) and to the step-j keys of the same chain (position a + j).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from vllm_specplug.extraction.storage import save_safetensors_atomic
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+INIT_STD = 0.02
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int              # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]     # eagle_aux_hidden_state_layer_ids
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    def to_hf(self) -> dict:
+        """config.json as vLLM's eagle3 loader reads it."""
+        return {
+            "architectures": [ARCHITECTURE], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+            "dtype": "float32", "specplug_head_config": asdict(self),
+        }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim,
+                                bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim,
+                                bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim,
+                                bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding (the halves rotate), as vLLM's Llama."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def shift_rows(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Row t takes row t - shift (zeros shifted in). x: [B, ..., T, D] on dim -2."""
+    if shift == 0:
+        return x
+    pad = torch.zeros_like(x[..., :shift, :])
+    return torch.cat([pad, x[..., :-shift, :]], dim=-2)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        num_aux = len(config.aux_layer_ids)
+        self.fc = nn.Linear(num_aux * config.target_hidden_size, config.hidden_size,
+                            bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        inv_freq = 1.0 / config.rope_theta ** (
+            torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, 0.02) linears, unit norms: the 'untrained head'."""
+        for name, param in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, INIT_STD, generator=generator)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None]  # [T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _qkv(self, embeds, hidden, cos, sin):
+        """Layer input -> (q [B,nh,T,hd], k, v [B,nh,T,hd], residual)."""
+        attn = self.midlayer.self_attn
+        x = torch.cat([self.midlayer.input_layernorm(embeds),
+                       self.midlayer.hidden_norm(hidden)], dim=-1)
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        repeat = attn.num_heads // attn.num_kv_heads
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _attend(self, q, caches, step: int, key_valid: torch.Tensor) -> torch.Tensor:
+        """Step `step`'s attention over step-0 keys (causal, up to the anchor)
+        and the diagonal keys of steps 1..step. key_valid: [B, T] bool."""
+        scale = q.shape[-1] ** -0.5
+        k0, v0 = caches[0]
+        T = q.shape[-2]
+        rows = torch.arange(T, device=q.device)
+        allowed = (rows[None, :] <= rows[:, None] - step)[None, None] \
+            & key_valid[:, None, None, :]
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))]
+        values = []
+        for j in range(1, step + 1):
+            kj, vj = (shift_rows(t, step - j) for t in caches[j])
+            ok = (rows >= step - j)[None, None, :, None]
+            scores.append(((q * kj).sum(-1, keepdim=True) * scale)
+                          .masked_fill(~ok, float("-inf")))
+            values.append(vj)
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        out = probs[..., :T] @ v0
+        for j, vj in enumerate(values, start=1):
+            out = out + probs[..., T + j - 1:T + j] * vj
+        return out
+
+    def _layer(self, embeds, hidden, cos, sin, caches, step, key_valid):
+        q, k, v = self._qkv(embeds, hidden, cos, sin)
+        caches.append((k, v))
+        attn = self._attend(q, caches, step, key_valid)
+        B, _, T, _ = attn.shape
+        attn = self.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        residual = attn + hidden
+        mlp_out = self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual))
+        return mlp_out + residual       # pre-norm output: the next step's hidden
+
+    def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor,
+                positions: torch.Tensor, key_valid: torch.Tensor,
+                num_steps: int) -> list[torch.Tensor]:
+        """TTT unroll. aux_hidden [B, T, L*H_t], embeds [B, T, H] (row t: embedding
+        of token t+1), positions [T], key_valid [B, T] bool.
+        Returns per step the draft logits [B, T, draft_vocab_size]."""
+        cos, sin = self.rope(positions)
+        hidden = self.fc(aux_hidden)
+        caches: list = []
+        logits = []
+        for step in range(num_steps):
+            out = self._layer(embeds, hidden, cos, sin, caches, step, key_valid)
+            logits.append(self.lm_head(self.norm(out)))
+            hidden = shift_rows(out, 1)   # row t continues the chain of row t-1
+        return logits
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_safetensors_atomic(state, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+
+    @classmethod
+    def from_pretrained(cls, head_dir: str | Path) -> "Eagle3Head":
+        hf = json.loads((Path(head_dir) / "config.json").read_text())
+        head = cls(HeadConfig(**hf["specplug_head_config"]))
+        head.load_state_dict(load_file(str(Path(head_dir) / "model.safetensors")))
+        return head

@@ -1,0 +1,61 @@
+"""Prompts -> extracted data -> trained EAGLE-3 head -> vLLM's `eagle3`, on a
+built-in target. Used by examples/eagle3_end_to_end.py and the engine tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vllm_specplug.extraction.pipeline import ExtractOptions, run_extract
+from vllm_specplug.models.corpus import (chat_conversations, held_out_prompts,
+                                         train_prompts)
+from vllm_specplug.training.trainer import (TrainConfig, Trainer, head_config,
+                                            make_head, run_training)
+
+
+def write_train_prompts(path: str | Path, num_prompts: int) -> str:
+    """Chat prompts from the target's training split (JSONL, no answers: the
+    target writes them with --regenerate)."""
+    lines = [json.dumps(c) for c in chat_conversations(train_prompts(num_prompts))]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def eval_prompt_ids(model_dir, num_prompts: int) -> list[dict]:
+    """Held-out chat prompts, templated, as vLLM token prompts."""
+    from transformers import AutoTokenizer
+
+    from vllm_specplug.extraction.prompts import template_for_generation
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return [{"prompt_token_ids": template_for_generation(tokenizer, c["messages"])}
+            for c in chat_conversations(held_out_prompts(num_prompts))]
+
+
+def extract_training_data(model_dir, work: Path, num_prompts: int,
+                          max_new_tokens: int):
+    prompts = write_train_prompts(work / "train_prompts.jsonl", num_prompts)
+    options = ExtractOptions(model=str(model_dir), prompts=prompts,
+                             out=str(work / "data"), regenerate=True,
+                             max_new_tokens=max_new_tokens, batch_size=64,
+                             max_model_len=1024)
+    return options.out, run_extract(options)
+
+
+def train_head(model_dir, data_dir: str, out_dir: Path, epochs: int,
+               ttt_steps: int = 3, log=print) -> Trainer:
+    config = TrainConfig(data=data_dir, target=str(model_dir), out=str(out_dir),
+                         epochs=epochs, ttt_steps=ttt_steps, eval_every=20)
+    return run_training(config, log=log)
+
+
+def write_untrained_head(trainer: Trainer, out_dir: Path, seed: int = 1) -> Path:
+    """Same shape and vocabulary as the trained head, every weight random."""
+    config = head_config(trainer.target, trainer.dataset.info, trainer.vocab)
+    head = make_head(config, trainer.vocab, trainer.target, seed, warm_start=False)
+    head.save_pretrained(out_dir)
+    return out_dir
+
+
+def eagle3_config(head_dir, num_speculative_tokens: int) -> dict:
+    return {"method": "eagle3", "model": str(head_dir),
+            "num_speculative_tokens": num_speculative_tokens}

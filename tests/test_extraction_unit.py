@@ -174,3 +174,12 @@ def test_export_for_speculators_keeps_every_sample(tmp_path):
             assert torch.equal(f.get_tensor("token_ids"), samples[sample_id].input_ids)
             assert torch.equal(f.get_tensor("hidden_states"),
                                samples[sample_id].hidden_states)
+
+
+def test_corrupt_manifest_line_names_file_and_line(tmp_path):
+    make_dataset(tmp_path, [[3, 4]])
+    manifest = tmp_path / ds.MANIFEST_FILE
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text(lines[0] + '{"sample_id": 3, "bogus": true}\n')
+    with pytest.raises(ValueError, match=r"manifest.jsonl:2: corrupt manifest line"):
+        ds.HiddenStatesDataset(tmp_path)

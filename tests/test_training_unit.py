@@ -171,3 +171,18 @@ def test_resumed_training_equals_uninterrupted(tmp_path, tiny_model_dir):
     assert [{k: v for k, v in r.items() if k != "seconds"}
             for r in resumed.state.history] == strip
     assert (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_cli_refuses_bad_training_input_with_named_errors(tmp_path, tiny_model_dir, capsys):
+    from vllm_specplug.cli.main import main
+
+    args = ["train-eagle3", "--target", str(tiny_model_dir), "--out", str(tmp_path / "h")]
+    assert main(args + ["--data", str(tmp_path)]) == 2
+    assert "not a vllm-specplug dataset" in capsys.readouterr().err
+    root = tmp_path / "d"
+    root.mkdir()
+    ds.DatasetInfo("tiny", [2, 3, 4], H, "float32", NUM_LAYERS).save(root)
+    assert main(args + ["--data", str(root)]) == 2
+    assert "needs the last layer (6)" in capsys.readouterr().err
+    assert main(args + ["--data", str(root), "--ttt-steps", "0"]) == 2
+    assert "--ttt-steps must be >= 1" in capsys.readouterr().err

@@ -85,14 +85,24 @@ def read_manifest(root: str | os.PathLike) -> list[SampleRecord]:
     if not path.exists():
         return []
     records, seen = [], set()
-    for line in path.read_text().splitlines(keepends=True):
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
         if not line.endswith("\n"):
             break
-        record = SampleRecord(**json.loads(line))
+        record = _parse_record(path, number, line)
         if record.sample_id not in seen:
             seen.add(record.sample_id)
             records.append(record)
     return records
+
+
+def _parse_record(path: Path, number: int, line: str) -> SampleRecord:
+    try:
+        return SampleRecord(**json.loads(line))
+    except (json.JSONDecodeError, TypeError) as error:
+        raise ValueError(
+            f"{path}:{number}: corrupt manifest line ({error}); the lines after a "
+            "kill are dropped automatically, this one is complete but unreadable: "
+            "fix or delete it, and its samples are extracted again") from error
 
 
 def recover(root: str | os.PathLike) -> list[SampleRecord]:

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from vllm_specplug.extraction import dataset as ds
-from vllm_specplug.extraction.connector import check_layer_ids, gather_rows
+from vllm_specplug.extraction.connector import check_layer_ids
 from vllm_specplug.extraction.pipeline import default_layer_ids, eagle3_layer_ids
 from vllm_specplug.extraction.prompts import (LineFormatError, read_prompt_file,
                                               template_conversation,
@@ -102,16 +102,6 @@ def test_default_layers_are_distinct_and_in_range(num_layers):
 def test_bad_layer_ids_name_the_field(ids):
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         check_layer_ids(ids, 6)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 15, 16, 37])
-def test_gather_rows_matches_slot_by_slot_copy(num_tokens):
-    block_size, num_layers, hidden = 16, 3, 5
-    cache = torch.randn(10, num_layers, block_size, hidden)
-    block_ids = [7, 2, 9]
-    expected = torch.stack([cache[block_ids[t // block_size], :, t % block_size]
-                            for t in range(num_tokens)])
-    assert torch.equal(gather_rows(cache, block_ids, block_size, num_tokens), expected)
 
 
 def make_sample(i, num_tokens, layers=2, hidden=4):

@@ -33,6 +33,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
 
+from vllm_specplug.extraction.gather import gather_rows
 from vllm_specplug.extraction.storage import (StoragePathError, resolve_inside,
                                               save_safetensors_atomic)
 
@@ -212,18 +213,6 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return "LBNHC"
-
-
-def gather_rows(kv_cache: torch.Tensor, block_ids: list[int], block_size: int,
-                num_tokens: int) -> torch.Tensor:
-    """Rows of the first `num_tokens` slots of `block_ids`.
-
-    kv_cache: [num_blocks, L, block_size, H] -> returns [num_tokens, L, H].
-    """
-    blocks = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    slots = (blocks[:, None] * block_size
-             + torch.arange(block_size, device=kv_cache.device)).flatten()[:num_tokens]
-    return kv_cache[slots // block_size, :, slots % block_size]
 
 
 def _request_params(sampling_params) -> dict:

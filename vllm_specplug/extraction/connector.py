@@ -151,7 +151,9 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             ids = list(request.all_token_ids)[:-1]
         else:
             ids = list(request.prompt_token_ids or [])
-        return torch.tensor(ids, dtype=torch.int64)
+        # An aborted request may not have computed all of them (chunked prefill):
+        # rows past num_computed_tokens were never written.
+        return torch.tensor(ids[:request.num_computed_tokens], dtype=torch.int64)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         if not 0 <= self.group_id < len(block_ids):

@@ -124,10 +124,11 @@ def test_connector_refuses_paths_outside_its_directory(extraction, tmp_path):
     assert len(again.outputs[0].token_ids) == 2
 
 
-def cli(*args, **kwargs):
+def cli(*args, output=subprocess.PIPE):
+    # A run we do not read while it goes must write to a file: a full pipe
+    # would stall it.
     return subprocess.Popen([sys.executable, "-m", "vllm_specplug.cli.main", "extract",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+                             *args], stdout=output, stderr=output, text=True)
 
 
 def manifest_lines(out):
@@ -142,12 +143,14 @@ def test_cli_killed_mid_run_resumes_without_loss_or_duplicates(tmp_path, tiny_mo
     out = str(tmp_path / "data")
     args = ["--model", str(tiny_model_dir), "--prompts", prompts, "--out", out,
             "--batch-size", "2"]
-    first = cli(*args)
+    log = open(tmp_path / "first-run.log", "w")
+    first = cli(*args, output=log)
     deadline = time.monotonic() + 300
     while manifest_lines(out) < 2 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     first.send_signal(signal.SIGKILL)
     first.wait()
+    log.close()
     assert first.returncode == -signal.SIGKILL, "the run finished before the kill"
     assert 2 <= manifest_lines(out) < len(conversations)
     second = cli(*args)

@@ -173,3 +173,16 @@ def test_corrupt_manifest_line_names_file_and_line(tmp_path):
     manifest.write_text(lines[0] + '{"sample_id": 3, "bogus": true}\n')
     with pytest.raises(ValueError, match=r"manifest.jsonl:2: corrupt manifest line"):
         ds.HiddenStatesDataset(tmp_path)
+
+
+def test_staging_copies_of_packed_samples_are_dropped(tmp_path):
+    from vllm_specplug.extraction.pipeline import STAGING_DIR, _drop_packed_staging
+
+    make_dataset(tmp_path, [[3, 4]])
+    staging = tmp_path / STAGING_DIR
+    staging.mkdir()
+    for name in ("s0", "s1", "s7"):   # s0, s1 are packed; s7 is not yet
+        ds.save_safetensors_atomic({"token_ids": torch.arange(3)},
+                                   staging / f"{name}.safetensors")
+    _drop_packed_staging(tmp_path, {r.sample_id for r in ds.recover(tmp_path)})
+    assert [p.name for p in staging.iterdir()] == ["s7.safetensors"]

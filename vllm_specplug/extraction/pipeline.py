@@ -139,6 +139,7 @@ def run_extract(options: ExtractOptions, report_to=sys.stderr,
     info = prepare_output(options)
     report = ExtractReport()
     done = {r.sample_id for r in ds.recover(options.out)}
+    _drop_packed_staging(options.out, done)
     lines, line_errors = read_prompt_file(options.prompts)
     _report_errors(line_errors, report, report_to)
     todo = [line for line in lines if line.sample_id not in done]
@@ -149,6 +150,14 @@ def run_extract(options: ExtractOptions, report_to=sys.stderr,
     report.bytes_on_disk = sum(p.stat().st_size for p in
                                (Path(options.out) / ds.SHARD_DIR).glob("*.safetensors"))
     return report
+
+
+def _drop_packed_staging(out, done: set[str]) -> None:
+    """A kill between a shard's manifest lines and the deletion of its staging
+    files leaves copies of samples that are already in the dataset."""
+    for path in (Path(out) / STAGING_DIR).glob("*.safetensors"):
+        if path.stem in done:
+            path.unlink()
 
 
 def _report_errors(errors: list, report: ExtractReport, report_to) -> None:

@@ -1,8 +1,10 @@
 """Prompts -> extraction -> training -> vLLM's built-in `eagle3` loads our head.
 
 The head is trained in the module fixture on the tiny target's own answers to
-chat prompts from its training split, then served next to an untrained head of
-the same shape; both must reproduce the target's greedy output exactly.
+chat prompts from its training split, then served by vLLM; it must reproduce
+the target's greedy output exactly and be accepted. (The untrained head of the
+same shape is compared side by side in examples/eagle3_end_to_end.py; its
+acceptance length there is 1.00.)
 """
 import pytest
 from vllm import SamplingParams
@@ -34,11 +36,9 @@ def trained(tmp_path_factory, tiny_model_dir):
                                             MAX_NEW_TOKENS)
     trainer = e2e.train_head(tiny_model_dir, data_dir, work / "head", epochs=3,
                              ttt_steps=K, log=lambda *_: None)
-    e2e.write_untrained_head(trainer, work / "untrained")
     prompts = e2e.eval_prompt_ids(tiny_model_dir, NUM_EVAL)
     return {"trainer": trainer, "prompts": prompts,
-            "trained": serve(tiny_model_dir, work / "head", prompts),
-            "untrained": serve(tiny_model_dir, work / "untrained", prompts)}
+            "trained": serve(tiny_model_dir, work / "head", prompts)}
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +48,15 @@ def reference(trained, baseline_llm):
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("head", ["trained", "untrained"])
-def test_eagle3_with_our_head_is_lossless(trained, reference, head):
-    outputs, counts = trained[head]
+def test_eagle3_with_our_head_is_lossless(trained, reference):
+    outputs, counts = trained["trained"]
     assert counts.num_drafts > 0, "vLLM did not speculate with the head"
     assert outputs == reference
 
 
 def test_trained_head_is_accepted(trained):
     _, good = trained["trained"]
-    _, random = trained["untrained"]
     assert good.mean_acceptance_length >= 1.8
-    assert good.mean_acceptance_length > random.mean_acceptance_length + 0.5
     # every draft position is accepted more often than by chance
     assert all(p > 0.3 for p in good.per_position_acceptance)
 

@@ -1,9 +1,10 @@
 """Hidden-state extraction in a real engine, checked against transformers.
 
 One extraction engine (our connector + vLLM's `extract_hidden_states` method)
-serves the module; the CLI tests run `vllm-specplug extract` as a subprocess,
-because one of them kills it.
+serves the module; the kill test runs `vllm-specplug extract` as a subprocess
+(it is killed), then resumes on the module's engine.
 """
+import io
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 from vllm import SamplingParams
 
+from vllm_specplug.cli.main import main
 from vllm_specplug.extraction import dataset as ds
 from vllm_specplug.extraction.pipeline import (ExtractOptions, STAGING_DIR,
                                                make_extraction_llm, prepare_output,
@@ -44,6 +46,7 @@ def extraction(tmp_path_factory, tiny_model_dir):
     conversations = chat_conversations(held_out_prompts(6))
     options = ExtractOptions(
         model=str(tiny_model_dir), out=str(root / "data"), regenerate=True,
+        storage_root=str(root),     # lets other outputs under root share the engine
         prompts=write_prompts(root / "prompts.jsonl", conversations),
         max_new_tokens=MAX_NEW_TOKENS, batch_size=4, max_model_len=1024)
     llm = make_extraction_llm(options, prepare_output(options))
@@ -87,7 +90,7 @@ def test_tokens_are_the_template_plus_the_targets_greedy_reply(
 
 def test_connector_saves_prompt_and_response_in_one_pass(extraction, hf_model):
     options, llm, _, _ = extraction
-    storage = os.path.join(options.out, STAGING_DIR)
+    storage = options.storage_root
     out = llm.generate(["def parse(text):\n    "],
                        SamplingParams(max_tokens=12, temperature=0.0,
                                       extra_args={"kv_transfer_params": {
@@ -111,8 +114,7 @@ def test_connector_saves_prompt_and_response_in_one_pass(extraction, hf_model):
 
 def test_connector_refuses_paths_outside_its_directory(extraction, tmp_path):
     options, llm, _, _ = extraction
-    escape = os.path.relpath(tmp_path / "escaped.safetensors",
-                             os.path.join(options.out, STAGING_DIR))
+    escape = os.path.relpath(tmp_path / "escaped.safetensors", options.storage_root)
     params = SamplingParams(max_tokens=2, extra_args={
         "kv_transfer_params": {"hidden_states_path": escape}})
     out = llm.generate(["import os"], params, use_tqdm=False)[0]
@@ -136,15 +138,16 @@ def manifest_lines(out):
     return open(path).read().count("\n") if os.path.exists(path) else 0
 
 
-def test_cli_killed_mid_run_resumes_without_loss_or_duplicates(tmp_path, tiny_model_dir):
+def test_cli_killed_mid_run_resumes_without_loss_or_duplicates(extraction, tmp_path,
+                                                              tiny_model_dir):
+    options, llm, _, _ = extraction
     conversations = chat_conversations(train_prompts(24), with_answers=True)
     prompts = write_prompts(tmp_path / "p.jsonl", conversations,
                             extra_lines=['{"messages": [', '{"prompt": ""}'])
-    out = str(tmp_path / "data")
-    args = ["--model", str(tiny_model_dir), "--prompts", prompts, "--out", out,
-            "--batch-size", "2"]
+    out = os.path.join(options.storage_root, "killed")
     log = open(tmp_path / "first-run.log", "w")
-    first = cli(*args, output=log)
+    first = cli("--model", str(tiny_model_dir), "--prompts", prompts, "--out", out,
+                "--batch-size", "2", output=log)
     deadline = time.monotonic() + 300
     while manifest_lines(out) < 2 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -153,10 +156,15 @@ def test_cli_killed_mid_run_resumes_without_loss_or_duplicates(tmp_path, tiny_mo
     log.close()
     assert first.returncode == -signal.SIGKILL, "the run finished before the kill"
     assert 2 <= manifest_lines(out) < len(conversations)
-    second = cli(*args)
-    stdout, stderr = second.communicate(timeout=600)
-    assert second.returncode == 0, stderr[-3000:]
-    assert "line 25: malformed JSON" in stderr and "line 26: empty prompt" in stderr
+    # The second run is the same pipeline, on the module's engine (saves a start).
+    errors = io.StringIO()
+    report = run_extract(ExtractOptions(model=str(tiny_model_dir), prompts=prompts,
+                                        out=out, batch_size=2,
+                                        storage_root=options.storage_root),
+                         report_to=errors, llm=llm)
+    assert report.num_resumed >= 2 and report.num_resumed + report.num_samples == 24
+    assert "line 25: malformed JSON" in errors.getvalue()
+    assert "line 26: empty prompt" in errors.getvalue()
     records = ds.read_manifest(out)
     assert sorted(r.source_line for r in records) == list(range(1, 25))
     assert manifest_lines(out) == len(records)          # no duplicate lines
@@ -173,22 +181,21 @@ def test_cli_killed_mid_run_resumes_without_loss_or_duplicates(tmp_path, tiny_mo
             assert handle.get_slice("input_ids").get_shape()[0] > 0
 
 
-def test_cli_rejects_bad_layers_before_any_work(tmp_path, tiny_model_dir):
+def test_cli_rejects_bad_layers_before_any_work(tmp_path, tiny_model_dir, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", chat_conversations(["x = 1\n"]))
     out = tmp_path / "never"
-    proc = cli("--model", str(tiny_model_dir), "--prompts", prompts, "--out", str(out),
-               "--layers", "2", "9")
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 2
+    code = main(["extract", "--model", str(tiny_model_dir), "--prompts", prompts,
+                 "--out", str(out), "--layers", "2", "9"])
+    stderr = capsys.readouterr().err
+    assert code == 2
     assert "eagle_aux_hidden_state_layer_ids [2, 9]" in stderr and "[0, 6]" in stderr
     assert not out.exists()
 
 
-def test_cli_rejects_an_unwritable_output_directory(tmp_path, tiny_model_dir):
+def test_cli_rejects_an_unwritable_output_directory(tmp_path, tiny_model_dir, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", chat_conversations(["x = 1\n"]))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    proc = cli("--model", str(tiny_model_dir), "--prompts", prompts,
-               "--out", str(blocker / "data"))
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "cannot write there" in stderr
+    code = main(["extract", "--model", str(tiny_model_dir), "--prompts", prompts,
+                 "--out", str(blocker / "data")])
+    assert code == 2 and "cannot write there" in capsys.readouterr().err

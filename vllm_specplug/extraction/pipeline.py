@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,14 @@ class ExtractOptions:
     temperature: float = 0.0
     batch_size: int = 32
     max_model_len: int = 2048
+    # The connector's shared_storage_path; OUT/staging must lie inside it.
+    # Default OUT/staging. A common root lets one engine serve several outputs.
+    storage_root: str | None = None
     engine_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def storage(self) -> Path:
+        return Path(self.storage_root or Path(self.out) / STAGING_DIR).resolve()
 
 
 @dataclass
@@ -99,6 +107,10 @@ def prepare_output(options: ExtractOptions) -> ds.DatasetInfo:
     except OSError as error:
         raise ValueError(f"--out {out}: cannot write there ({error.strerror}); "
                          "choose a writable directory") from error
+    staging = (out / STAGING_DIR).resolve()
+    if staging != options.storage and options.storage not in staging.parents:
+        raise ValueError(f"--out {out}: its staging directory {staging} is not inside "
+                         f"the connector's storage {options.storage}")
     if (out / ds.INFO_FILE).exists():
         existing = ds.DatasetInfo.load(out)
         if (existing.model, existing.layer_ids) != (info.model, info.layer_ids):
@@ -123,7 +135,7 @@ def make_extraction_llm(options: ExtractOptions, info: ds.DatasetInfo):
         kv_transfer_config={
             "kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer",
             "kv_connector_extra_config": {
-                "shared_storage_path": str(Path(options.out) / STAGING_DIR)}},
+                "shared_storage_path": str(options.storage)}},
         **options.engine_kwargs)
 
 
@@ -256,8 +268,10 @@ def _prefill_to_staging(llm, options, conversations: dict[str, list[int]]) -> No
     from vllm import SamplingParams
 
     ids = list(conversations)
+    relative = {sid: os.path.relpath(staging_path(options.out, sid).resolve(),
+                                     options.storage) for sid in ids}
     params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-        "hidden_states_path": f"{sid}.safetensors", "include_output_tokens": False}})
+        "hidden_states_path": relative[sid], "include_output_tokens": False}})
         for sid in ids]
     outputs = llm.generate([{"prompt_token_ids": conversations[i]} for i in ids],
                            params, use_tqdm=False)

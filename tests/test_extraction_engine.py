@@ -126,11 +126,12 @@ def test_connector_refuses_paths_outside_its_directory(extraction, tmp_path):
     assert len(again.outputs[0].token_ids) == 2
 
 
-def cli(*args, output=subprocess.PIPE):
-    # A run we do not read while it goes must write to a file: a full pipe
-    # would stall it.
+def cli(*args, output):
+    # Its own session, so the kill takes the engine processes with it, as a
+    # `kill -9` of a job does; output to a file, not an unread (filling) pipe.
     return subprocess.Popen([sys.executable, "-m", "vllm_specplug.cli.main", "extract",
-                             *args], stdout=output, stderr=output, text=True)
+                             *args], stdout=output, stderr=output, text=True,
+                            start_new_session=True)
 
 
 def manifest_lines(out):
@@ -151,10 +152,11 @@ def test_cli_killed_mid_run_resumes_without_loss_or_duplicates(extraction, tmp_p
     deadline = time.monotonic() + 300
     while manifest_lines(out) < 2 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    first.send_signal(signal.SIGKILL)
+    os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     log.close()
-    assert first.returncode == -signal.SIGKILL, "the run finished before the kill"
+    assert first.returncode == -signal.SIGKILL, \
+        f"the run ended before the kill: {open(log.name).read()[-2000:]}"
     assert 2 <= manifest_lines(out) < len(conversations)
     # The second run is the same pipeline, on the module's engine (saves a start).
     errors = io.StringIO()

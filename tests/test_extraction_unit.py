@@ -186,3 +186,14 @@ def test_staging_copies_of_packed_samples_are_dropped(tmp_path):
                                    staging / f"{name}.safetensors")
     _drop_packed_staging(tmp_path, {r.sample_id for r in ds.recover(tmp_path)})
     assert [p.name for p in staging.iterdir()] == ["s7.safetensors"]
+
+
+def test_waiting_for_a_file_whose_save_failed_raises_the_reason(tmp_path):
+    from vllm_specplug.extraction.connector import error_marker_path
+    from vllm_specplug.extraction.pipeline import wait_for_files
+
+    path = tmp_path / "x.safetensors"
+    with open(error_marker_path(str(path)), "w") as handle:
+        handle.write("OSError: No space left on device")
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        wait_for_files([path])

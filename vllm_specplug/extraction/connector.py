@@ -20,7 +20,8 @@ Per request (`SamplingParams(extra_args={"kv_transfer_params": {...}})`):
 the extra config key of the same name, itself default True),
 `save_hidden_states` (False: nothing written, e.g. a generation-only pass). The finished
 request's `kv_transfer_params` carry `hidden_states_path` and `num_tokens`, or
-`hidden_states_error`.
+`hidden_states_error`. A save that fails on the worker leaves
+`<hidden_states_path>.error` with the reason instead of the file.
 """
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
 
 from vllm_specplug.extraction.gather import gather_rows
+from vllm_specplug.extraction.registrar import CONNECTOR_NAME
 from vllm_specplug.extraction.storage import (StoragePathError, resolve_inside,
                                               save_safetensors_atomic)
 
 logger = logging.getLogger("vllm_specplug.extraction")
 
-CONNECTOR_NAME = "SpecplugHiddenStatesConnector"
+ERROR_SUFFIX = ".error"
 # Keys of a saved per-request file.
 HIDDEN_STATES_KEY = "hidden_states"
 TOKEN_IDS_KEY = "token_ids"
@@ -203,9 +205,11 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             save_safetensors_atomic(
                 {HIDDEN_STATES_KEY: hidden.to("cpu"), TOKEN_IDS_KEY: pending.token_ids},
                 pending.path, metadata=self.file_metadata)
-        except Exception:       # noqa: BLE001 - one bad file must not stop serving
+        except Exception as error:  # noqa: BLE001 - one bad file must not stop serving
             logger.exception("saving hidden states of %s to %s failed",
                              pending.req_id, pending.path)
+            # The client already holds the path: leave the reason beside it.
+            _write_error_marker(pending.path, f"{type(error).__name__}: {error}")
         # Reported either way: the blocks must be released.
         self._written.add(pending.req_id)
 
@@ -215,6 +219,19 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return "LBNHC"
+
+
+def error_marker_path(path: str) -> str:
+    """Where a failed save leaves its reason instead of the file."""
+    return f"{path}{ERROR_SUFFIX}"
+
+
+def _write_error_marker(path: str, message: str) -> None:
+    try:
+        with open(error_marker_path(path), "w") as handle:
+            handle.write(message)
+    except OSError:
+        logger.exception("could not write the error marker of %s", path)
 
 
 def _request_params(sampling_params) -> dict:

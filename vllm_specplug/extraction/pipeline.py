@@ -23,8 +23,10 @@ from safetensors.torch import load_file
 
 from vllm_specplug.extraction import dataset as ds
 from vllm_specplug.extraction.connector import (CONNECTOR_NAME, HIDDEN_STATES_KEY,
-                                                TOKEN_IDS_KEY, check_layer_ids)
+                                                TOKEN_IDS_KEY, check_layer_ids,
+                                                error_marker_path)
 from vllm_specplug.extraction.prompts import (LineError, LineFormatError, PromptLine,
+                                              Templated,
                                               read_prompt_file, template_conversation,
                                               template_for_generation, with_response)
 
@@ -216,20 +218,17 @@ def _extract_batch(llm, tokenizer, options, batch: list[PromptLine], report,
     conversations, errors = _templated(llm, tokenizer, options, pending)
     _report_errors(errors, report, report_to)
     start = time.perf_counter()
-    _prefill_to_staging(llm, options, conversations)
+    _prefill_to_staging(llm, options, {sid: t.input_ids for sid, t in
+                                       conversations.items()})
     wait_for_files([staging_path(options.out, sid) for sid in conversations])
     report.extract_seconds += time.perf_counter() - start
-    samples = []
-    for line in batch:
-        if line.sample_id in staged or line.sample_id in conversations:
-            samples.append(_load_sample(tokenizer, options, line))
-    return samples
+    return [_load_sample(tokenizer, options, line, conversations.get(line.sample_id))
+            for line in batch if line.sample_id in staged or line.sample_id in conversations]
 
 
 def _templated(llm, tokenizer, options, lines: list[PromptLine]):
-    """sample_id -> input_ids of the whole conversation, and the line errors."""
-    conversations, errors = {}, []
-    prompts = {}
+    """sample_id -> the whole templated conversation, and the line errors."""
+    conversations, prompts, errors = {}, {}, []
     for line in lines:
         try:
             if options.regenerate:
@@ -237,18 +236,18 @@ def _templated(llm, tokenizer, options, lines: list[PromptLine]):
                                                                   line.messages)
             else:
                 conversations[line.sample_id] = template_conversation(
-                    tokenizer, line.messages).input_ids
+                    tokenizer, line.messages)
         except LineFormatError as error:
             errors.append(LineError(line.line_number, str(error)))
     if prompts:
         for sample_id, response in _generate(llm, options, prompts).items():
-            conversations[sample_id] = prompts[sample_id] + response
-    too_long = [sid for sid, ids in conversations.items()
-                if len(ids) >= options.max_model_len]
+            conversations[sample_id] = with_response(prompts[sample_id], response)
     for line in lines:
-        if line.sample_id in too_long:
-            errors.append(LineError(line.line_number, f"{len(conversations.pop(line.sample_id))} "
-                                    f"tokens do not fit --max-model-len {options.max_model_len}"))
+        templated = conversations.get(line.sample_id)
+        if templated and len(templated.input_ids) >= options.max_model_len:
+            del conversations[line.sample_id]
+            errors.append(LineError(line.line_number, f"{len(templated.input_ids)} tokens "
+                                    f"do not fit --max-model-len {options.max_model_len}"))
     return conversations, errors
 
 
@@ -286,6 +285,10 @@ def wait_for_files(paths: list[str | Path]) -> None:
     paths = [Path(p) for p in paths]
     deadline = time.monotonic() + FILE_WAIT_S
     while not all(p.exists() for p in paths):
+        for path in paths:
+            marker = Path(error_marker_path(str(path)))
+            if marker.exists():
+                raise RuntimeError(f"saving {path} failed: {marker.read_text()}")
         if time.monotonic() > deadline:
             missing = [str(p) for p in paths if not p.exists()]
             raise TimeoutError(f"hidden-state files not written after {FILE_WAIT_S} s: "
@@ -293,13 +296,16 @@ def wait_for_files(paths: list[str | Path]) -> None:
         time.sleep(0.02)
 
 
-def _load_sample(tokenizer, options, line: PromptLine) -> ds.Sample:
+def _load_sample(tokenizer, options, line: PromptLine,
+                 templated: Templated | None) -> ds.Sample:
+    """`templated`: None for a staging file left by an earlier run, whose
+    conversation is templated again here (and must still match)."""
     tensors = load_file(str(staging_path(options.out, line.sample_id)))
     input_ids = tensors[TOKEN_IDS_KEY].to(torch.int64)
-    if options.regenerate:
+    if templated is None and options.regenerate:
         prompt_ids = template_for_generation(tokenizer, line.messages)
         templated = with_response(prompt_ids, input_ids[len(prompt_ids):].tolist())
-    else:
+    elif templated is None:
         templated = template_conversation(tokenizer, line.messages)
     if templated.input_ids != input_ids.tolist():
         raise RuntimeError(f"line {line.line_number}: staged tokens differ from the "

@@ -35,7 +35,6 @@ class LineError:
 
 @dataclass
 class Templated:
-    prompt_ids: list[int]        # what the target is given (regenerate) or all
     input_ids: list[int]
     loss_mask: list[int]         # 1 on assistant-response tokens
 
@@ -117,7 +116,7 @@ def template_conversation(tokenizer, messages: list[dict]) -> Templated:
         start = _checked_prefix(tokenizer, messages[:i], True, input_ids)
         end = _checked_prefix(tokenizer, messages[:i + 1], False, input_ids)
         loss_mask[start:end] = [1] * (end - start)
-    return Templated(input_ids, input_ids, loss_mask)
+    return Templated(input_ids, loss_mask)
 
 
 def _checked_prefix(tokenizer, messages, add_generation_prompt, input_ids) -> int:
@@ -130,5 +129,5 @@ def _checked_prefix(tokenizer, messages, add_generation_prompt, input_ids) -> in
 
 
 def with_response(prompt_ids: list[int], response_ids: list[int]) -> Templated:
-    return Templated(prompt_ids, list(prompt_ids) + list(response_ids),
+    return Templated(list(prompt_ids) + list(response_ids),
                      [0] * len(prompt_ids) + [1] * len(response_ids))

@@ -27,7 +27,8 @@ def split_ids(sample_ids: list[str], held_out_fraction: float) -> tuple[list, li
     held_out = [s for s in sample_ids if bucket(s) < held_out_fraction]
     if not held_out and held_out_fraction > 0 and len(sample_ids) > 1:
         held_out = [min(sample_ids, key=bucket)]
-    train = [s for s in sample_ids if s not in set(held_out)]
+    held = set(held_out)
+    train = [s for s in sample_ids if s not in held]
     return train, held_out
 
 

@@ -52,8 +52,7 @@ def save_checkpoint(root: str | Path, step: int, head, optimizer, trainer_state:
     root = Path(root)
     directory = _step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
-    save_safetensors_atomic({k: v.detach().contiguous() for k, v in head.state_dict().items()},
-                            directory / "model.safetensors")
+    save_safetensors_atomic(head.state_dict(), directory / "model.safetensors")
     tensors, meta = optimizer_tensors(optimizer)
     save_safetensors_atomic(tensors, directory / "optimizer.safetensors")
     write_json_atomic({**trainer_state, "optimizer": meta}, directory / "state.json")

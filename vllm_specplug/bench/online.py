@@ -1,0 +1,206 @@
+"""Online benchmark: concurrent streaming clients against running
+OpenAI-compatible servers (`vllm serve`, ours or anyone's), one after another.
+
+Per request: time to first token (TTFT) and inter-token latency (ITL: the time
+between the first and the last token over the tokens in between; a
+speculative server sends several tokens per chunk, so per-chunk gaps would
+mislead). Per (server, concurrency): requests/s, output tokens/s, TTFT and ITL
+percentiles, and speculation counters read from `/metrics` before and after.
+Chat prompts go to /v1/chat/completions, plain ones to /v1/completions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from vllm_specplug.bench.compare import token_mismatches
+from vllm_specplug.bench.prompts import BenchPrompt
+from vllm_specplug.metrics import SpecDecodeCounts, parse_prometheus_counts
+
+PERCENTILES = (50, 90, 99)
+
+
+class ServerError(RuntimeError):
+    """A server that cannot be reached or answers with an error."""
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    url: str          # http://host:port, no trailing /v1
+    model: str        # served model name
+
+
+@dataclass
+class RequestTiming:
+    text: str = ""
+    num_tokens: int = 0
+    ttft: float = math.nan
+    itl: float = math.nan
+    error: str | None = None
+
+
+@dataclass
+class OnlineRow:
+    name: str
+    concurrency: int
+    num_requests: int
+    num_completed: int = 0
+    num_failed: int = 0
+    seconds: float = 0.0
+    num_output_tokens: int = 0
+    ttft_ms: dict = field(default_factory=dict)
+    itl_ms: dict = field(default_factory=dict)
+    counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    speedup: float = math.nan          # tokens/s over the first server's
+    num_mismatches: int | None = None  # greedy texts differing from the first server's
+    texts: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def requests_per_second(self) -> float:
+        return self.num_completed / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.seconds if self.seconds else 0.0
+
+
+def _get(url: str, timeout: float) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read()
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise ServerError(f"cannot reach {url}: {reason} (is the server running? "
+                          "start one with `vllm serve MODEL`)") from None
+
+
+def connect(name: str, url: str, model: str | None = None, timeout: float = 10) -> Server:
+    """Check the server answers and find its served model name."""
+    url = url.rstrip("/").removesuffix("/v1")
+    if not url.startswith(("http://", "https://")):
+        raise ServerError(f"--url {url!r}: expected http://HOST:PORT")
+    try:
+        served = [m["id"] for m in json.loads(_get(url + "/v1/models", timeout))["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ServerError(f"{url}/v1/models did not answer as an OpenAI-compatible "
+                          "server does") from None
+    if model is not None and model not in served:
+        raise ServerError(f"{url} serves {served}, not --model-name {model!r}")
+    return Server(name, url, model or served[0])
+
+
+def read_counts(server: Server) -> SpecDecodeCounts:
+    return parse_prometheus_counts(_get(server.url + "/metrics", 10).decode())
+
+
+def _body(server: Server, prompt: BenchPrompt, max_tokens: int, temperature: float):
+    body = {"model": server.model, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if prompt.messages is not None:
+        return "/v1/chat/completions", {**body, "messages": prompt.messages}
+    return "/v1/completions", {**body, "prompt": prompt.text}
+
+
+def _chunk_text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def stream_request(server: Server, prompt: BenchPrompt, max_tokens: int,
+                   temperature: float, timeout: float) -> RequestTiming:
+    """One streaming request, timed from sending to the last token."""
+    path, body = _body(server, prompt, max_tokens, temperature)
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    timing, pieces, first, last = RequestTiming(), [], None, None
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("usage"):
+                    timing.num_tokens = chunk["usage"]["completion_tokens"]
+                text = "".join(_chunk_text(c) for c in chunk.get("choices", []))
+                if text:
+                    last = time.perf_counter()
+                    first = first or last
+                    pieces.append(text)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        timing.error = f"{type(error).__name__}: {error}"
+        return timing
+    timing.text = "".join(pieces)
+    if first is not None:
+        timing.ttft = first - start
+        if timing.num_tokens > 1:
+            timing.itl = (last - first) / (timing.num_tokens - 1)
+    return timing
+
+
+def _percentiles(values: list[float]) -> dict:
+    finite = [v * 1000 for v in values if not math.isnan(v)]
+    if not finite:
+        return {p: math.nan for p in PERCENTILES}
+    return {p: float(np.percentile(finite, p)) for p in PERCENTILES}
+
+
+def run_level(server: Server, prompts: list[BenchPrompt], concurrency: int,
+              max_tokens: int, temperature: float, timeout: float,
+              progress) -> OnlineRow:
+    """All prompts through `concurrency` clients; counters around the run."""
+    row = OnlineRow(server.name, concurrency, len(prompts))
+    before = read_counts(server)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(stream_request, server, p, max_tokens, temperature, timeout)
+                   for p in prompts]
+        timings = []
+        for future in futures:
+            timings.append(future.result())
+            progress.update(1)
+    row.seconds = time.perf_counter() - start
+    row.counts = read_counts(server) - before
+    done = [t for t in timings if t.error is None]
+    row.num_completed, row.num_failed = len(done), len(timings) - len(done)
+    row.num_output_tokens = sum(t.num_tokens for t in done)
+    row.ttft_ms = _percentiles([t.ttft for t in done])
+    row.itl_ms = _percentiles([t.itl for t in done])
+    row.texts = [t.text if t.error is None else None for t in timings]
+    return row
+
+
+def run_online(servers: list[Server], prompts: list[BenchPrompt], concurrencies: list[int],
+               max_tokens: int, temperature: float = 0.0, timeout: float = 600
+               ) -> list[OnlineRow]:
+    rows = []
+    with tqdm(total=len(servers) * len(concurrencies) * len(prompts), desc="bench online",
+              unit="req") as progress:
+        for server in servers:
+            progress.set_postfix_str(server.name)
+            for level in concurrencies:
+                rows.append(run_level(server, prompts, level, max_tokens, temperature,
+                                      timeout, progress))
+    _compare_to_first(rows, servers[0].name, greedy=temperature == 0)
+    return rows
+
+
+def _compare_to_first(rows: list[OnlineRow], first: str, greedy: bool) -> None:
+    base = {r.concurrency: r for r in rows if r.name == first}
+    for row in rows:
+        ref = base[row.concurrency]
+        if ref.tokens_per_second:
+            row.speedup = row.tokens_per_second / ref.tokens_per_second
+        if greedy and row.num_failed == 0 and ref.num_failed == 0:
+            # Text, not ids: streamed chunks carry text. Compared per character.
+            row.num_mismatches = len(token_mismatches(
+                [list(t) for t in ref.texts], [list(t) for t in row.texts]))

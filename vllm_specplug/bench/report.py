@@ -1,0 +1,121 @@
+"""Tables, JSON and PNG plots of `vllm-specplug bench` results."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from functools import reduce
+from operator import add
+from pathlib import Path
+
+from vllm_specplug.metrics import SpecDecodeCounts
+
+
+def _exact_text(num_mismatches: int | None) -> str:
+    if num_mismatches is None:
+        return "-"
+    return "yes" if num_mismatches == 0 else f"NO({num_mismatches})"
+
+
+def _acceptance_text(counts: SpecDecodeCounts) -> tuple[str, str]:
+    if counts.num_drafts == 0:
+        return "-", ""
+    return (f"{counts.mean_acceptance_length:.2f}",
+            " ".join(f"{p:.2f}" for p in counts.per_position_acceptance))
+
+
+def format_offline_table(rows) -> str:
+    header = (f"{'method':<18}{'batch':>6}{'tok/s':>9}{'min':>9}{'x none':>8}"
+              f"{'accept len':>11}{'drafts':>8}{'exact':>8}  per-position acceptance")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        if row.error is not None:
+            lines.append(f"{row.name:<18}{row.batch_size:>6}  failed: {row.error[:90]}")
+            continue
+        length, per_pos = _acceptance_text(row.counts)
+        speedup = "-" if math.isnan(row.speedup) else f"{row.speedup:.2f}"
+        lines.append(f"{row.name:<18}{row.batch_size:>6}{row.median_tokens_per_second:>9.1f}"
+                     f"{row.min_tokens_per_second:>9.1f}{speedup:>8}{length:>11}"
+                     f"{row.counts.num_drafts:>8}{_exact_text(row.num_mismatches):>8}  "
+                     f"{per_pos}")
+    return "\n".join(lines)
+
+
+def format_online_table(rows) -> str:
+    header = (f"{'server':<14}{'conc':>5}{'done':>6}{'fail':>5}{'req/s':>7}{'tok/s':>8}"
+              f"{'x first':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}"
+              f"{'accept len':>11}{'exact':>8}  per-position acceptance")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        length, per_pos = _acceptance_text(row.counts)
+        speedup = "-" if math.isnan(row.speedup) else f"{row.speedup:.2f}"
+        lines.append(
+            f"{row.name:<14}{row.concurrency:>5}{row.num_completed:>6}{row.num_failed:>5}"
+            f"{row.requests_per_second:>7.2f}{row.tokens_per_second:>8.1f}{speedup:>8}"
+            f"{row.ttft_ms[50]:>8.1f}/{row.ttft_ms[99]:<8.1f}"
+            f"{row.itl_ms[50]:>7.2f}/{row.itl_ms[99]:<8.2f}{length:>11}"
+            f"{_exact_text(row.num_mismatches):>8}  {per_pos}")
+    return "\n".join(lines)
+
+
+def row_dict(row) -> dict:
+    data = {k: v for k, v in asdict(row).items() if k not in ("token_ids", "texts", "counts")}
+    data["counts"] = row.counts.as_dict()
+    for key, value in list(data.items()):
+        if isinstance(value, float) and math.isnan(value):
+            data[key] = None
+    return data
+
+
+def write_results(out_dir: str | Path, stem: str, table: str, rows, settings: dict
+                  ) -> dict[str, Path]:
+    """`<stem>.txt` (the table), `<stem>.json` (settings + rows) and the plot."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"table": out / f"{stem}.txt", "json": out / f"{stem}.json",
+             "plot": out / f"{stem}.png"}
+    paths["table"].write_text(table + "\n")
+    paths["json"].write_text(json.dumps(
+        {"settings": settings, "rows": [row_dict(r) for r in rows]}, indent=2) + "\n")
+    plot_rows(rows, paths["plot"], x_name=stem)
+    return paths
+
+
+def _by_name(rows) -> dict[str, list]:
+    groups: dict[str, list] = {}
+    for row in rows:
+        if getattr(row, "error", None) is None:
+            groups.setdefault(row.name, []).append(row)
+    return groups
+
+
+def plot_rows(rows, path: Path, x_name: str) -> None:
+    """Left: speed-up over the first row's method by batch size (offline) or
+    concurrency (online). Right: per-position acceptance, all runs of a method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    online = x_name == "online"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, group in _by_name(rows).items():
+        xs = [r.concurrency if online else r.batch_size for r in group]
+        left.plot(xs, [r.speedup for r in group], marker="o", label=name)
+        counts = reduce(add, (r.counts for r in group), SpecDecodeCounts())
+        rates = counts.per_position_acceptance
+        if rates:
+            right.plot(range(1, len(rates) + 1), rates, marker="o",
+                       label=f"{name} (len {counts.mean_acceptance_length:.2f})")
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set(xlabel="concurrent clients" if online else "batch size",
+             ylabel="tokens/s ÷ first (no speculation)", title="speed-up")
+    left.set_xscale("log", base=2)
+    right.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
+              title="per-position acceptance")
+    for ax in (left, right):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,182 @@
+"""`vllm-specplug bench`: speculative decoding measured side by side.
+
+    vllm-specplug bench offline --model DIR --prompts FILE.jsonl \\
+        --spec '{"method": "specplug_suffix", "num_speculative_tokens": 4}' \\
+        --spec vllm-suffix='{"method": "suffix", "num_speculative_tokens": 4}' \\
+        --batch-sizes 1 16 --repeats 3 --out results/
+    vllm-specplug bench online --url none=http://127.0.0.1:8000 \\
+        --url ours=http://127.0.0.1:8001 --prompts FILE.jsonl --concurrency 1 8 --out results/
+
+Offline runs no speculation first, then each spec, one engine at a time.
+Online measures servers already running, the first one as the reference.
+Both print a table and write `<mode>.txt`, `<mode>.json` and `<mode>.png`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+BUILTIN_PROMPT_SETS = ("held-out", "repeat-edit")
+
+
+def _common(parser) -> None:
+    parser.add_argument("--prompts", default=None, help="JSONL, one request a line: "
+                        '{"messages": [...]} (chat) or {"prompt": "..."} (plain); '
+                        "or a built-in code set: " + ", ".join(BUILTIN_PROMPT_SETS))
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N lines")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (greedy) also checks outputs against the reference")
+    parser.add_argument("--out", default=None, help="directory for table, JSON and PNG")
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("bench", help="benchmark speculative configs offline or "
+                            "servers online", description=__doc__,
+                            formatter_class=_raw_formatter())
+    modes = parser.add_subparsers(dest="mode", required=True)
+    offline = modes.add_parser("offline", help="vllm.LLM engines, one per spec")
+    offline.add_argument("--model", required=True,
+                         help="local model directory, or a built-in name ('tiny')")
+    offline.add_argument("--spec", action="append", default=[], metavar="[NAME=]JSON|@FILE",
+                         help="a speculative_config (repeat for several); ours or vLLM's")
+    offline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    offline.add_argument("--repeats", type=int, default=3, help="report min and median")
+    offline.add_argument("--max-model-len", type=int, default=2048)
+    offline.add_argument("--dtype", default="auto")
+    offline.add_argument("--engine-args", default="{}",
+                         help="JSON of further vllm.LLM keyword arguments")
+    _common(offline)
+    offline.set_defaults(func=run_offline_command)
+    online = modes.add_parser("online", help="running OpenAI-compatible servers")
+    online.add_argument("--url", action="append", required=True, metavar="[NAME=]URL",
+                        help="a server, e.g. ours=http://127.0.0.1:8000 (repeat; the "
+                        "first is the reference)")
+    online.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    online.add_argument("--model-name", default=None,
+                        help="served model name (default: the server's first)")
+    online.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    _common(online)
+    online.set_defaults(func=run_online_command)
+
+
+def _raw_formatter():
+    import argparse
+
+    return argparse.RawDescriptionHelpFormatter
+
+
+def _builtin_prompt_sets():
+    from vllm_specplug.models import held_out_prompts
+    from vllm_specplug.models.corpus import repetitive_prompts
+
+    return {"held-out": held_out_prompts, "repeat-edit": repetitive_prompts}
+
+
+def _load_prompts(args):
+    from vllm_specplug.bench.prompts import BenchPrompt, read_bench_prompts
+
+    if args.prompts is None:
+        raise ValueError("--prompts is required: a JSONL file, or a built-in set "
+                         f"({', '.join(BUILTIN_PROMPT_SETS)}) for the built-in model")
+    if args.prompts in BUILTIN_PROMPT_SETS:
+        texts = _builtin_prompt_sets()[args.prompts](args.num_prompts or 24)
+        return [BenchPrompt(text=t) for t in texts]
+    return read_bench_prompts(args.prompts, args.num_prompts)
+
+
+def _positive(args, *names) -> None:
+    for name in names:
+        values = getattr(args, name)
+        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def _fail(error: Exception) -> int:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+def _finish(rows, table: str, out: str | None, mode: str, settings: dict) -> int:
+    from vllm_specplug.bench.report import write_results
+
+    print(table)
+    if out:
+        paths = write_results(out, mode, table, rows, settings)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    failed = [r for r in rows if getattr(r, "error", None) or getattr(r, "num_failed", 0)
+              or r.num_mismatches]
+    return 1 if failed else 0
+
+
+def run_offline_command(args) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm_specplug.bench.offline import run_offline
+    from vllm_specplug.bench.prompts import PromptFileError, engine_inputs
+    from vllm_specplug.bench.report import format_offline_table
+    from vllm_specplug.bench.specs import SpecError, named_specs
+    from vllm_specplug.cli.extract import _model_dir
+
+    try:
+        _positive(args, "batch_sizes", "repeats", "max_tokens")
+        specs = named_specs(args.spec)
+        engine_kwargs = json.loads(args.engine_args)
+        if not isinstance(engine_kwargs, dict):
+            raise ValueError("--engine-args must be a JSON object")
+        model = _model_dir(args.model)
+        if model.startswith(("/", ".", "~")) and not os.path.isdir(model):
+            raise ValueError(f"--model {model}: no such directory (a local model "
+                             "directory, a hub id, or a built-in name such as 'tiny')")
+        prompts = _load_prompts(args)
+    except (SpecError, PromptFileError, ValueError, FileNotFoundError) as error:
+        return _fail(error)
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    inputs = engine_inputs(prompts, AutoTokenizer.from_pretrained(model))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=0)
+    rows = run_offline(model, inputs, specs, args.batch_sizes, args.repeats, params,
+                       max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
+    settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
+                "max_tokens": args.max_tokens, "temperature": args.temperature,
+                "repeats": args.repeats, "specs": {s.name: s.config for s in specs}}
+    print(f"\n{model}: {len(prompts)} prompts, {args.max_tokens} new tokens, "
+          f"temperature {args.temperature}, {args.repeats} repeat(s); tok/s = median")
+    return _finish(rows, format_offline_table(rows), args.out, "offline", settings)
+
+
+def _servers(urls: list[str], model_name: str | None):
+    from vllm_specplug.bench.online import connect
+
+    servers, names = [], set()
+    for i, argument in enumerate(urls):
+        name, _, url = argument.rpartition("=") if "=" in argument else ("", "", argument)
+        name = name or f"server{i + 1}"
+        if name in names:
+            raise ValueError(f"--url {argument!r}: the name {name!r} is used twice")
+        names.add(name)
+        servers.append(connect(name, url, model_name))
+    return servers
+
+
+def run_online_command(args) -> int:
+    from vllm_specplug.bench.online import ServerError, run_online
+    from vllm_specplug.bench.prompts import PromptFileError
+    from vllm_specplug.bench.report import format_online_table
+
+    try:
+        _positive(args, "concurrency", "max_tokens")
+        prompts = _load_prompts(args)
+        servers = _servers(args.url, args.model_name)
+    except (ServerError, PromptFileError, ValueError) as error:
+        return _fail(error)
+    rows = run_online(servers, prompts, args.concurrency, args.max_tokens,
+                      args.temperature, args.timeout)
+    settings = {"servers": {s.name: s.url for s in servers}, "prompts": args.prompts,
+                "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+                "temperature": args.temperature}
+    print(f"\n{len(prompts)} requests per level, {args.max_tokens} max new tokens, "
+          f"temperature {args.temperature}; latency percentiles in ms")
+    return _finish(rows, format_online_table(rows), args.out, "online", settings)

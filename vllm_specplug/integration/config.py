@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_specplug.integration.guard import (DEFAULT_MAX_PROPOSER_FAILURES, OPTION as
+                                             MAX_FAILURES_OPTION, parse_max_failures)
 from vllm_specplug.proposers.base import ProposerConfigError
 from vllm_specplug.registry import (UnknownProposerError, available_proposers,
                                     get_proposer_class, is_registered)
@@ -26,6 +28,8 @@ SELECTION_ATTR = "specplug_selection"
 class ProposerSelection:
     method: str
     options_json: str  # validated options, JSON so the selection pickles anywhere
+    # Failures tolerated before the proposer is switched off (integration/guard.py).
+    max_proposer_failures: int = DEFAULT_MAX_PROPOSER_FAILURES
 
     @property
     def options(self) -> dict[str, Any]:
@@ -63,6 +67,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if not is_registered(method):
         return None
     cls = get_proposer_class(method)
+    max_failures = parse_max_failures(method, raw.get(MAX_FAILURES_OPTION))
+    raw = {k: v for k, v in raw.items() if k != MAX_FAILURES_OPTION}
     ours = {f.name for f in dataclasses.fields(cls.options_cls)}
     options = {k: v for k, v in raw.items() if k in ours}
     rest = {k: v for k, v in raw.items() if k not in ours and k != "method"}
@@ -78,9 +84,11 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if unknown:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: unknown option(s) {unknown}; "
-            f"accepted: {sorted(ours)} plus vLLM's speculative_config fields")
+            f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION} and vLLM's "
+            "speculative_config fields")
     parsed = cls.options_cls.from_dict(method, options)
-    selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True))
+    selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
+                                  max_failures)
     return {**rest, "method": "custom_class", "model": DRAFTER_QUALNAME}, selection
 
 

@@ -65,9 +65,8 @@ class SuffixProposer(Proposer):
         opts: SuffixOptions = self.options
         drafts = []
         for i, req_id in enumerate(batch.req_ids):
-            # arctic wants a contiguous int32 array
-            context = np.ascontiguousarray(batch.history(i)[-opts.max_tree_depth:],
-                                           dtype=np.int32)
+            # arctic wants a contiguous, writable int32 array (the history is read-only)
+            context = np.array(batch.history(i)[-opts.max_tree_depth:], dtype=np.int32)
             draft = self.cache.speculate(
                 req_id, context,
                 max_spec_tokens=batch.num_spec_tokens,  # None hits an arctic bug

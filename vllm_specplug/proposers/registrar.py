@@ -2,6 +2,7 @@
 registered proposer names."""
 from __future__ import annotations
 
+from vllm_specplug.integration import kernel_overrides
 from vllm_specplug.patches import arg_utils, gpu_model_runner
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
@@ -14,4 +15,7 @@ def register_proposers() -> list[str]:
     # Only workers import the model runner; patch it there, when they do.
     when = when_imported(RUNNER_MODULE, gpu_model_runner.install)
     items.append(f"patch:{RUNNER_MODULE} ({when})")
+    # After the platform's own kernel overrides, which workers register right
+    # after loading plugins and before importing the model runner.
+    when_imported(RUNNER_MODULE, kernel_overrides.install)
     return items + [f"proposer:{name}" for name in available_proposers()]

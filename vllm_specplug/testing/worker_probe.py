@@ -15,3 +15,11 @@ class SpecplugProbe:
         from vllm_specplug.plugin import registration_state
 
         return registration_state()
+
+    def specplug_kernel_override(self, name: str) -> str | None:
+        """Qualified name of the implementation vLLM's kernel dispatcher
+        routes `name` to in this worker (None: the original kernel)."""
+        from vllm.triton_utils import dispatcher
+
+        entry = dispatcher._registry.get(name)
+        return None if entry is None else f"{entry[1].__module__}.{entry[1].__qualname__}"

@@ -9,65 +9,30 @@ distribution; see `vllm_specplug/vllm_alias.py`)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from vllm_specplug.metrics import parse_prometheus_counts
 from vllm_specplug.testing.engine import generate, greedy_params
+from vllm_specplug.testing.server import VLLM_COMMAND, serving
 
 SPEC = {"method": "specplug_suffix", "num_speculative_tokens": 4}
-STARTUP_SECONDS = 300
-VLLM_COMMAND = str(Path(sys.executable).parent / "vllm")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(process, base: str, log_name: str) -> None:
-    deadline = time.time() + STARTUP_SECONDS
-    while time.time() < deadline:
-        assert process.poll() is None, f"vllm serve exited; see {log_name}"
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(2)
-    process.kill()
-    pytest.fail(f"vllm serve did not start in {STARTUP_SECONDS}s; see {log_name}")
+# Every method of ours under load (test_load_*), next to no speculation.
+LOAD_SPECS = {
+    "ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4},
+    "hybrid": {"method": "specplug_hybrid", "num_speculative_tokens": 4,
+               "proposers": [{"method": "specplug_suffix"}, {"method": "specplug_ngram"}]},
+}
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
-    """{"none": url, "ours": url}: both started at once, then awaited."""
+    """{"none": url, "ours": url, "ngram": url, "hybrid": url}: started at once."""
     logs = tmp_path_factory.mktemp("serve")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    started = {}
-    for name, extra in (("none", []), ("ours", ["--speculative-config", json.dumps(SPEC)])):
-        port, log = free_port(), open(logs / f"{name}.log", "w")
-        command = [VLLM_COMMAND, "serve", str(tiny_model_dir), "--port", str(port),
-                   "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-                   "--max-model-len", "1024", "--served-model-name", "tiny", *extra]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        started[name] = (process, f"http://127.0.0.1:{port}", log)
-    try:
-        for process, base, log in started.values():
-            _wait_healthy(process, base, log.name)
-        yield {name: base for name, (_, base, _) in started.items()}
-    finally:
-        for process, _, log in started.values():
-            process.terminate()
-            process.wait(timeout=60)
-            log.close()
+    with serving(tiny_model_dir, {"none": None, "ours": SPEC, **LOAD_SPECS}, logs) as urls:
+        yield urls
 
 
 def _client(base: str):
@@ -147,3 +112,74 @@ def test_bench_online_against_both_servers(servers, tmp_path):
     assert all(r["counts"]["mean_acceptance_length"] > 1 for r in rows if r["name"] == "ours")
     assert (out / "online.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ours" in (out / "online.txt").read_text()
+
+
+NUM_LOAD_REQUESTS, LOAD_CONCURRENCY = 100, 12
+
+
+@pytest.fixture(scope="module")
+def load_runs(servers, eval_prompts):
+    """The same mixed plan against every server, one server at a time:
+    {name: (plan, results, summary, counts during the load, gauges after)}."""
+    from vllm_specplug.bench.load import load_summary, make_plan, run_load, wait_until_idle
+    from vllm_specplug.bench.online import connect, read_counts
+    from vllm_specplug.bench.prompts import BenchPrompt
+
+    prompts = [BenchPrompt(text=t) for t in eval_prompts[:12]] + [
+        BenchPrompt(messages=[{"role": "user", "content": f"Continue this code:\n{t}"}])
+        for t in eval_prompts[12:18]]
+    plan = make_plan(prompts, NUM_LOAD_REQUESTS, seed=0)
+    runs = {}
+    for name, url in servers.items():
+        server = connect(name, url)
+        before = read_counts(server)
+        results, seconds = run_load(server, plan, LOAD_CONCURRENCY)
+        gauges = wait_until_idle(server)
+        runs[name] = (plan, results, load_summary(results, seconds),
+                      read_counts(server) - before, gauges)
+    return runs
+
+
+def test_load_plan_mixes_request_kinds(load_runs):
+    plan = load_runs["none"][0]
+    assert sum(r.abort for r in plan) >= 5 and sum(r.n == 2 for r in plan) >= 5
+    assert sum(not r.stream for r in plan) >= 20 and sum(r.max_tokens == 1 for r in plan) >= 10
+    assert sum(r.prompt.messages is not None for r in plan) >= 20
+
+
+def test_load_no_request_lost_or_duplicated(load_runs):
+    for name, (plan, results, summary, _, _) in load_runs.items():
+        assert [r.index for r in results] == [q.index for q in plan], name
+        for request, result in zip(plan, results):
+            assert result.error is None, (name, request, result.error)
+            assert result.status == ("aborted" if request.abort else "completed") or (
+                request.abort and result.status == "completed")  # ended before 2 chunks
+            if result.status == "completed":
+                assert len(result.texts) == request.n, (name, request)
+        assert summary["failed"] == 0 and summary["aborted"] >= 3, (name, summary)
+
+
+def test_load_outputs_equal_no_speculation(load_runs):
+    reference = load_runs["none"][1]
+    for name, (plan, results, _, _, _) in load_runs.items():
+        differing = [q.index for q, r, ref in zip(plan, results, reference)
+                     if q.greedy and r.status == ref.status == "completed"
+                     and r.texts != ref.texts]
+        assert not differing, f"{name}: requests {differing} differ from no speculation"
+
+
+def test_load_frees_every_kv_block(load_runs):
+    for name, (*_, gauges) in load_runs.items():
+        assert gauges["vllm:num_requests_running"] == 0, name
+        assert gauges["vllm:num_requests_waiting"] == 0, name
+        assert gauges["vllm:kv_cache_usage_perc"] == 0, (name, gauges["vllm:kv_cache_usage_perc"])
+
+
+def test_load_metrics_consistent(load_runs):
+    for name, (*_, counts, _) in load_runs.items():
+        if name == "none":
+            assert counts.num_drafts == 0
+            continue
+        assert counts.num_drafts > 0, name
+        assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens, name
+        assert sum(counts.accepted_per_pos) == counts.num_accepted_tokens, name

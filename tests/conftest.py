@@ -22,6 +22,14 @@ def tiny_model_dir():
 
 
 @pytest.fixture(scope="session")
+def tiny_eagle3_dir(tiny_model_dir):
+    """The built-in EAGLE-3 head for `tiny` (trained and cached on first use)."""
+    from vllm_specplug.models.heads import build_head
+
+    return build_head("tiny-eagle3")
+
+
+@pytest.fixture(scope="session")
 def eval_prompts() -> list[str]:
     return held_out_prompts(NUM_EVAL_PROMPTS)
 

@@ -1,11 +1,14 @@
 """Prompts -> extraction -> training -> vLLM's built-in `eagle3` loads our head.
 
-The head is trained in the module fixture on the tiny target's own answers to
-chat prompts from its training split, then served by vLLM; it must reproduce
-the target's greedy output exactly and be accepted. (The untrained head of the
+The head is the built-in `tiny-eagle3` (`vllm-specplug build-model
+tiny-eagle3`: trained by our extraction + training on the tiny target's own
+answers to chat prompts from its training split, cached), served by vLLM; it
+must reproduce the target's greedy output exactly and be accepted. (The untrained head of the
 same shape is compared side by side in examples/eagle3_end_to_end.py; its
 acceptance length there is 1.00.)
 """
+import json
+
 import pytest
 from vllm import SamplingParams
 
@@ -14,7 +17,7 @@ from vllm_specplug.testing.metrics import read_spec_decode_counts
 from vllm_specplug.training import end_to_end as e2e
 
 K = 3
-NUM_TRAIN, NUM_EVAL, MAX_NEW_TOKENS = 160, 24, 48
+NUM_EVAL, MAX_NEW_TOKENS = 24, 48
 
 
 def serve(model_dir, head_dir, prompts):
@@ -30,15 +33,11 @@ def serve(model_dir, head_dir, prompts):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_model_dir):
-    work = tmp_path_factory.mktemp("eagle3")
-    data_dir, _ = e2e.extract_training_data(tiny_model_dir, work, NUM_TRAIN,
-                                            MAX_NEW_TOKENS)
-    trainer = e2e.train_head(tiny_model_dir, data_dir, work / "head", epochs=3,
-                             ttt_steps=K, log=lambda *_: None)
+def trained(tiny_eagle3_dir, tiny_model_dir):
     prompts = e2e.eval_prompt_ids(tiny_model_dir, NUM_EVAL)
-    return {"trainer": trainer, "prompts": prompts,
-            "trained": serve(tiny_model_dir, work / "head", prompts)}
+    log = json.loads((tiny_eagle3_dir / "training_log.json").read_text())
+    return {"history": log["history"], "prompts": prompts,
+            "trained": serve(tiny_model_dir, tiny_eagle3_dir, prompts)}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +61,6 @@ def test_trained_head_is_accepted(trained):
 
 
 def test_held_out_agreement_rose_during_training(trained):
-    history = trained["trainer"].state.history
+    history = trained["history"]
     first, last = history[0]["agreement"], history[-1]["agreement"]
     assert all(b > a + 0.3 for a, b in zip(first, last))

@@ -1,9 +1,10 @@
 """`vllm-specplug demo`: the main job on a built-in model.
 
-Generates from held-out prompts with no speculation, vLLM's built-in `ngram`
-and `suffix` methods and ours (n-gram, suffix decoding, hybrid) at the same
-number of draft tokens, one engine at a time, and prints speed, acceptance
-and exactness side by side; writes the table, JSON and a PNG.
+Generates from held-out prompts with no speculation, vLLM's built-in `ngram`,
+`suffix` and `eagle3` (with the built-in EAGLE-3 head, trained by our own
+extraction and training) and ours (n-gram, suffix decoding, hybrid) at the
+same number of draft tokens, one engine at a time, and prints speed,
+acceptance and exactness side by side; writes the table, JSON and a PNG.
 """
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # The table is the output; vLLM's per-engine start-up logs drown it.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The table is the output; vLLM's per-engine start-up warnings (about this
+    # machine, repeated for each of the engines) drown it.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm_specplug.bench.offline import side_by_side
     from vllm_specplug.bench.report import format_offline_table, write_results
     from vllm_specplug.models import build_model, held_out_prompts
+    from vllm_specplug.models.heads import build_head
 
     model_dir = build_model(args.model)
     info = read_build_info(model_dir)
@@ -48,8 +51,11 @@ def run(args) -> int:
           f"held-out loss {info['held_out_loss']:.3f} nats "
           f"(unigram {info['unigram_held_out_loss']:.3f}), at {model_dir}")
     prompts = held_out_prompts(args.num_prompts)
-    rows = side_by_side(model_dir, prompts, {"none": None, **DEMO_METHODS},
-                        args.max_tokens)
+    methods = {"none": None, **DEMO_METHODS}
+    if args.model == "tiny":
+        methods["vllm-eagle3"] = {"method": "eagle3", "num_speculative_tokens": K,
+                                  "model": str(build_head("tiny-eagle3"))}
+    rows = side_by_side(model_dir, prompts, methods, args.max_tokens)
     table = format_offline_table(rows)
     print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} new tokens each, "
           f"greedy, one batch, K={K} draft tokens; exact = token for token equal "
@@ -57,7 +63,7 @@ def run(args) -> int:
     print(table)
     paths = write_results(args.out, "demo", table, rows,
                           {"model": args.model, "num_prompts": len(prompts),
-                           "max_tokens": args.max_tokens, "specs": DEMO_METHODS})
+                           "max_tokens": args.max_tokens, "specs": methods})
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     ok = all(r.error is None and r.num_mismatches == 0 for r in rows)
     return 0 if ok else 1

@@ -89,6 +89,26 @@ def resolve_spec(name_or_spec: str | ModelSpec) -> ModelSpec:
     return MODEL_SPECS[name_or_spec]
 
 
+def build_cached(final: Path, build) -> Path:
+    """`final`, made by `build(tmp_dir)` unless a finished build is there.
+
+    Builds run beside the final place and are renamed into it, under a file
+    lock: a killed build never leaves a directory that looks finished, and
+    concurrent builders of the same key wait for one another."""
+    with _file_lock(final.parent.parent / "locks" / f"{final.name}.lock"):
+        if (final / BUILD_INFO_FILE).is_file():
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        try:
+            build(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def build_model(name_or_spec: str | ModelSpec = "tiny",
                 cache_dir: Path | None = None, progress: bool = True) -> Path:
     """Return the directory of the built model, building it if needed."""
@@ -96,22 +116,13 @@ def build_model(name_or_spec: str | ModelSpec = "tiny",
     corpus = load_corpus()
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / "models" / f"{spec.name}-{cache_key(spec, corpus)}"
-    with _file_lock(root / "locks" / f"{final.name}.lock"):
-        if (final / BUILD_INFO_FILE).is_file():
-            return final
-        # Build beside the final place and rename: a killed build never
-        # leaves a directory that looks finished.
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-        try:
-            from vllm_specplug.models.train import train_and_save
 
-            train_and_save(spec, corpus, tmp, progress=progress)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    def build(tmp: Path) -> None:
+        from vllm_specplug.models.train import train_and_save
+
+        train_and_save(spec, corpus, tmp, progress=progress)
+
+    return build_cached(final, build)
 
 
 def read_build_info(model_dir: Path) -> dict:

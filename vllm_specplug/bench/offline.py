@@ -108,9 +108,9 @@ def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) ->
 
 
 def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],
-                 max_tokens: int, **engine_kwargs) -> list[OfflineRow]:
-    """All `inputs` as one greedy batch through each method, once; the first
-    method must be the baseline (config None)."""
+                 max_tokens: int, repeats: int = 1, **engine_kwargs) -> list[OfflineRow]:
+    """All `inputs` as one greedy batch through each method, `repeats` times;
+    the first method must be the baseline (config None)."""
     from vllm import SamplingParams
 
     names = list(methods)
@@ -118,4 +118,5 @@ def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],
         raise ValueError("the first method must be the baseline (config None)")
     specs = [NamedSpec(name, methods[name]) for name in names]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return run_offline(str(model), inputs, specs, [len(inputs)], 1, params, **engine_kwargs)
+    return run_offline(str(model), inputs, specs, [len(inputs)], repeats, params,
+                       **engine_kwargs)

@@ -90,31 +90,47 @@ def _by_name(rows) -> dict[str, list]:
 
 
 def plot_rows(rows, path: Path, x_name: str) -> None:
-    """Left: speed-up over the first row's method by batch size (offline) or
-    concurrency (online). Right: per-position acceptance, all runs of a method."""
+    """Left: speed-up over the first method by batch size (offline) or
+    concurrency (online), bars when there is one of them. Right: per-position
+    acceptance over all runs of a method. One colour per method in both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     online = x_name == "online"
+    groups = _by_name(rows)
+    colours = {name: f"C{i}" for i, name in enumerate(groups)}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for name, group in _by_name(rows).items():
+    xs_all = sorted({r.concurrency if online else r.batch_size for r in rows})
+    for i, (name, group) in enumerate(groups.items()):
         xs = [r.concurrency if online else r.batch_size for r in group]
-        left.plot(xs, [r.speedup for r in group], marker="o", label=name)
+        speedups = [r.speedup for r in group]
+        if len(xs_all) == 1:
+            left.bar(i, speedups[0], color=colours[name])
+        else:
+            left.plot(xs, speedups, marker="o", label=name, color=colours[name])
         counts = reduce(add, (r.counts for r in group), SpecDecodeCounts())
         rates = counts.per_position_acceptance
         if rates:
-            right.plot(range(1, len(rates) + 1), rates, marker="o",
+            right.plot(range(1, len(rates) + 1), rates, marker="o", color=colours[name],
                        label=f"{name} (len {counts.mean_acceptance_length:.2f})")
     left.axhline(1.0, color="grey", linewidth=0.8)
-    left.set(xlabel="concurrent clients" if online else "batch size",
-             ylabel="tokens/s ÷ first (no speculation)", title="speed-up")
-    left.set_xscale("log", base=2)
+    unit = "concurrent clients" if online else "batch size"
+    if len(xs_all) == 1:
+        left.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right",
+                        fontsize=8)
+        left.set_xlabel(f"{unit} {xs_all[0]}")
+    else:
+        left.set(xlabel=unit)
+        left.set_xscale("log", base=2)
+        left.legend(fontsize=7)
+    left.set(ylabel="tokens/s ÷ first (no speculation)", title="speed-up")
     right.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
               title="per-position acceptance")
+    right.xaxis.get_major_locator().set_params(integer=True)
+    right.legend(fontsize=7)
     for ax in (left, right):
-        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

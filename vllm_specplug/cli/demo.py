@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SPECS))
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="generations per method; tok/s is the median")
     parser.add_argument("--out", default="specplug-demo",
                         help="directory for demo.txt, demo.json and demo.png")
     parser.set_defaults(func=run)
@@ -55,10 +57,10 @@ def run(args) -> int:
     if args.model == "tiny":
         methods["vllm-eagle3"] = {"method": "eagle3", "num_speculative_tokens": K,
                                   "model": str(build_head("tiny-eagle3"))}
-    rows = side_by_side(model_dir, prompts, methods, args.max_tokens)
+    rows = side_by_side(model_dir, prompts, methods, args.max_tokens, args.repeats)
     table = format_offline_table(rows)
     print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} new tokens each, "
-          f"greedy, one batch, K={K} draft tokens; exact = token for token equal "
+          f"greedy, one batch, median of {args.repeats}, K={K} draft tokens; exact = token for token equal "
           "to no speculation")
     print(table)
     paths = write_results(args.out, "demo", table, rows,

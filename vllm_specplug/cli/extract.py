@@ -4,7 +4,8 @@
         [--layers 2 3 4 6] [--regenerate] [--max-new-tokens N]
 
 Resumable: run it again with the same arguments and finished samples are kept.
-Format: docs/extraction.md.
+Exit codes: 2 bad arguments or input (nothing done), 1 a write failed mid-run
+(disk full: free space and re-run, it resumes). Format: docs/extraction.md.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _model_dir(name: str) -> str:
 
 def run(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm_specplug.extraction.errors import OutputWriteError
     from vllm_specplug.extraction.pipeline import ExtractOptions, run_extract
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
@@ -59,7 +61,10 @@ def run(args) -> int:
         batch_size=args.batch_size, max_model_len=args.max_model_len)
     try:
         report = run_extract(options)
-    except (ValueError, FileNotFoundError) as error:
+    except OutputWriteError as error:      # disk full mid-run: resumable
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as error:   # bad input, before any work
         print(f"error: {error}", file=sys.stderr)
         return 2
     rate = report.num_tokens / report.extract_seconds if report.extract_seconds else 0
@@ -79,10 +84,14 @@ def _dataset_tokens(out: str) -> int:
 
 
 def run_export(args) -> int:
+    from vllm_specplug.extraction.errors import OutputWriteError
     from vllm_specplug.extraction.speculators import export_speculators
 
     try:
         count = export_speculators(args.data, args.out)
+    except OutputWriteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

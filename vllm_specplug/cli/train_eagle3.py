@@ -3,6 +3,8 @@
     vllm-specplug train-eagle3 --data DIR --target MODEL --out HEAD_DIR
 
 Resumes from HEAD_DIR/checkpoints when present (--no-resume starts over).
+Exit codes: 2 bad arguments or input (named error, before training), 1 a write
+failed (disk full: free space and re-run the same command, it resumes).
 Writes HEAD_DIR/config.json + model.safetensors (with d2t/t2d),
 token_ranking.json (FR-Spec token map), training_log.json, training_curve.png.
 """
@@ -51,7 +53,7 @@ def _check(args) -> str | None:
 
 def run(args) -> int:
     from vllm_specplug.cli.extract import _model_dir
-    from vllm_specplug.training.plots import plot_agreement
+    from vllm_specplug.extraction.errors import OutputWriteError
     from vllm_specplug.training.trainer import TrainConfig, run_training
 
     problem = _check(args)
@@ -69,13 +71,35 @@ def run(args) -> int:
         shutil.rmtree(Path(args.out) / "checkpoints", ignore_errors=True)
     try:
         trainer = run_training(config, resume=not args.no_resume)
-    except (ValueError, FileNotFoundError) as error:
+        plot = _plot(trainer, Path(args.out) / "training_curve.png")
+    except OutputWriteError as error:      # disk full mid-run: resumable
+        print(f"error: {error}{_resume_note(args.out)}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as error:   # bad input, before training
         print(f"error: {error}", file=sys.stderr)
         return 2
-    plot = plot_agreement(trainer.state.history, Path(args.out) / "training_curve.png")
     last = trainer.state.history[-1]["agreement"]
     print(f"head written to {args.out} ({sum(p.numel() for p in trainer.head.parameters())} "
           f"parameters, draft vocab {trainer.vocab.size}); held-out top-1 agreement "
           f"per step {' '.join(f'{a:.3f}' for a in last)}; "
           f"{trainer.state.seconds:.1f} s of training; curve {plot}")
     return 0
+
+
+def _plot(trainer, path: Path) -> Path:
+    from vllm_specplug.extraction.errors import OutputWriteError
+    from vllm_specplug.training.plots import plot_agreement
+
+    try:
+        return plot_agreement(trainer.state.history, path)
+    except OSError as error:
+        raise OutputWriteError.wrap(error, path) from error
+
+
+def _resume_note(out: str) -> str:
+    from vllm_specplug.training.checkpoint import latest_step
+
+    step = latest_step(out)
+    return (f" (the last complete checkpoint is step {step}, "
+            f"{Path(out) / 'checkpoints'}; nothing before it is lost)"
+            if step is not None else " (no checkpoint was written yet)")

@@ -22,13 +22,16 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_specplug.extraction import dataset as ds
-from vllm_specplug.extraction.connector import (CONNECTOR_NAME, HIDDEN_STATES_KEY,
-                                                TOKEN_IDS_KEY, check_layer_ids,
-                                                error_marker_path)
+from vllm_specplug.extraction.connector import (CONNECTOR_NAME, ERROR_SUFFIX,
+                                                HIDDEN_STATES_KEY, TOKEN_IDS_KEY,
+                                                check_layer_ids, error_marker_path)
+from vllm_specplug.extraction.errors import OutputWriteError, errno_in
 from vllm_specplug.extraction.prompts import (LineError, LineFormatError, PromptLine,
                                               Templated,
                                               read_prompt_file, template_conversation,
                                               template_for_generation, with_response)
+from vllm_specplug.extraction.repair import ensure_info
+from vllm_specplug.extraction.storage import check_writable_dir
 
 logger = logging.getLogger("vllm_specplug.extract")
 STAGING_DIR = "staging"
@@ -63,6 +66,7 @@ class ExtractReport:
     num_resumed: int = 0          # already in the manifest
     num_recovered: int = 0        # packed from staging files of a killed run
     errors: list[str] = field(default_factory=list)
+    repairs: list[str] = field(default_factory=list)   # damage set aside at start
     seconds: float = 0.0
     extract_seconds: float = 0.0  # the hidden-state prefills alone
     bytes_on_disk: int = 0
@@ -89,8 +93,10 @@ def model_num_layers(model: str) -> tuple[int, int, str]:
             str(text.get("dtype") or text.get("torch_dtype") or "float32"))
 
 
-def prepare_output(options: ExtractOptions) -> ds.DatasetInfo:
-    """Everything checkable before an engine starts: layers, directory, info."""
+def prepare_output(options: ExtractOptions,
+                   notes: list[str] | None = None) -> ds.DatasetInfo:
+    """Everything checkable before an engine starts: layers, directory, info.
+    Repairs of dataset.json are appended to `notes`."""
     if not (Path(options.model) / "config.json").exists():
         raise ValueError(f"--model {options.model}: no config.json there; give a "
                          "local Hugging Face model directory")
@@ -100,28 +106,13 @@ def prepare_output(options: ExtractOptions) -> ds.DatasetInfo:
     info = ds.DatasetInfo(str(Path(options.model).resolve()), list(layer_ids),
                           hidden_size, dtype, num_layers)
     out = Path(options.out)
-    try:
-        (out / STAGING_DIR).mkdir(parents=True, exist_ok=True)
-        (out / ds.SHARD_DIR).mkdir(exist_ok=True)
-        probe = out / ".write-probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"--out {out}: cannot write there ({error.strerror}); "
-                         "choose a writable directory") from error
+    for directory in (out, out / STAGING_DIR, out / ds.SHARD_DIR):
+        check_writable_dir(directory)
     staging = (out / STAGING_DIR).resolve()
     if staging != options.storage and options.storage not in staging.parents:
         raise ValueError(f"--out {out}: its staging directory {staging} is not inside "
                          f"the connector's storage {options.storage}")
-    if (out / ds.INFO_FILE).exists():
-        existing = ds.DatasetInfo.load(out)
-        if (existing.model, existing.layer_ids) != (info.model, info.layer_ids):
-            raise ValueError(
-                f"--out {out} holds a dataset of {existing.model} layers "
-                f"{existing.layer_ids}; this run asks for {info.model} layers "
-                f"{info.layer_ids}. Use another --out or the same --layers")
-    else:
-        info.save(out)
+    ensure_info(out, info, notes if notes is not None else [])
     return info
 
 
@@ -150,9 +141,11 @@ def run_extract(options: ExtractOptions, report_to=sys.stderr,
     """`llm`: an engine from `make_extraction_llm` for the same output directory
     (reused, not shut down); by default one is started and stopped here."""
     start = time.perf_counter()
-    info = prepare_output(options)
     report = ExtractReport()
-    done = {r.sample_id for r in ds.recover(options.out)}
+    info = prepare_output(options, report.repairs)
+    done = {r.sample_id for r in ds.recover(options.out, report.repairs)}
+    for note in report.repairs:
+        print(f"repaired: {note}", file=report_to)
     _drop_packed_staging(options.out, done)
     lines, line_errors = read_prompt_file(options.prompts)
     _report_errors(line_errors, report, report_to)
@@ -168,10 +161,13 @@ def run_extract(options: ExtractOptions, report_to=sys.stderr,
 
 def _drop_packed_staging(out, done: set[str]) -> None:
     """A kill between a shard's manifest lines and the deletion of its staging
-    files leaves copies of samples that are already in the dataset."""
+    files leaves copies of samples that are already in the dataset; a failed
+    save (disk full) leaves an error marker, stale once the run is repeated."""
     for path in (Path(out) / STAGING_DIR).glob("*.safetensors"):
         if path.stem in done:
             path.unlink()
+    for path in (Path(out) / STAGING_DIR).glob(f"*{ERROR_SUFFIX}"):
+        path.unlink()
 
 
 def _report_errors(errors: list, report: ExtractReport, report_to) -> None:
@@ -288,12 +284,22 @@ def wait_for_files(paths: list[str | Path]) -> None:
         for path in paths:
             marker = Path(error_marker_path(str(path)))
             if marker.exists():
-                raise RuntimeError(f"saving {path} failed: {marker.read_text()}")
+                raise _save_failed(path, marker.read_text())
         if time.monotonic() > deadline:
             missing = [str(p) for p in paths if not p.exists()]
             raise TimeoutError(f"hidden-state files not written after {FILE_WAIT_S} s: "
                                f"{missing[:3]} (see the engine log)")
         time.sleep(0.02)
+
+
+def _save_failed(path: Path, reason: str) -> Exception:
+    """The worker's reason for a failed save; a failed write (disk full, ...)
+    becomes an OutputWriteError, which `extract` reports with exit code 1."""
+    number = errno_in(reason)
+    if number is None and reason:
+        return RuntimeError(f"saving {path} failed on the engine's worker: {reason}")
+    detail = os.strerror(number) if number else "no reason recorded: disk full?"
+    return OutputWriteError(number, path, f"{detail}, on the engine's worker")
 
 
 def _load_sample(tokenizer, options, line: PromptLine,

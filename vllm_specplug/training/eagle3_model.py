@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from vllm_specplug.extraction.storage import save_safetensors_atomic
+from vllm_specplug.extraction.storage import save_safetensors_atomic, write_text_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 INIT_STD = 0.02
@@ -227,13 +228,67 @@ class Eagle3Head(nn.Module):
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         save_safetensors_atomic(self.state_dict(), out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        write_text_atomic(json.dumps(self.config.to_hf(), indent=2), out / "config.json")
 
     @classmethod
     def from_pretrained(cls, head_dir: str | Path) -> "Eagle3Head":
-        hf = json.loads((Path(head_dir) / "config.json").read_text())
-        head = cls(HeadConfig(**hf["specplug_head_config"]))
-        head.load_state_dict(load_file(str(Path(head_dir) / "model.safetensors")))
+        """A head written by `save_pretrained`; HeadLoadError names what is wrong."""
+        head = cls(_read_head_config(Path(head_dir)))
+        path = Path(head_dir) / "model.safetensors"
+        tensors = load_tensors(path, HeadLoadError, HEAD_FIX)
+        problems = tensor_problems(head, tensors)
+        if problems:
+            raise HeadLoadError(f"{path}: {'; '.join(problems)}; {HEAD_FIX}")
+        head.load_state_dict(tensors)
         return head
+
+
+class HeadLoadError(ValueError):
+    """A head directory whose config.json or tensors do not make our head."""
+
+
+HEAD_FIX = ("a head directory holds config.json and model.safetensors as "
+            "`vllm-specplug train-eagle3` writes them, from one run: re-run it with "
+            "the same --out to write them again (it resumes from OUT/checkpoints)")
+
+
+def _read_head_config(head_dir: Path) -> HeadConfig:
+    path = head_dir / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+        return HeadConfig(**hf["specplug_head_config"])
+    except FileNotFoundError:
+        raise HeadLoadError(f"{path}: missing; {HEAD_FIX}") from None
+    except (KeyError, TypeError) as error:
+        raise HeadLoadError(f"{path}: no usable specplug_head_config ({error}): not "
+                            f"written by vllm-specplug (vLLM's eagle3 loads other "
+                            f"heads itself); {HEAD_FIX}") from error
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HeadLoadError(f"{path}: unreadable ({error}); {HEAD_FIX}") from error
+
+
+def load_tensors(path: Path, error_class: type, fix: str) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file; `error_class` naming the file and `fix`."""
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise error_class(f"{path}: missing; {fix}") from None
+    except (OSError, SafetensorError) as error:
+        raise error_class(f"{path}: not a readable safetensors file ({error}): cut "
+                          f"short or overwritten; {fix}") from error
+
+
+def tensor_problems(module: nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Missing, unexpected and mis-shaped (or mis-typed) tensor names, against
+    `module`'s state dict; empty when `tensors` load exactly."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{name} {list(tensors[name].shape)} {tensors[name].dtype} (expected "
+             f"{list(want.shape)} {want.dtype})" for name, want in expected.items()
+             if name in tensors and (tensors[name].shape != want.shape
+                                     or tensors[name].dtype != want.dtype)]
+    return [f"{label} tensors: {', '.join(names)}" for label, names in
+            (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
+            if names]

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from vllm_specplug.extraction.dataset import HiddenStatesDataset
+from vllm_specplug.extraction.storage import check_writable_dir, write_text_atomic
 from vllm_specplug.training import checkpoint as ckpt
 from vllm_specplug.training.batches import Batch, collate, split_ids
 from vllm_specplug.training.eagle3_model import Eagle3Head, HeadConfig
 from vllm_specplug.training.target import TargetParts
-from vllm_specplug.training.vocab import (DraftVocab, build_draft_vocab, count_tokens,
+from vllm_specplug.training.vocab import (DraftVocab, build_draft_vocab,
+                                          check_token_ids, count_tokens,
                                           export_token_ranking)
 
 
@@ -122,7 +124,8 @@ def step_losses(head: Eagle3Head, batch: Batch, target: TargetParts,
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.dataset = HiddenStatesDataset(config.data)
+        check_writable_dir(config.out)
+        self.dataset = HiddenStatesDataset(config.data)   # checks every shard header
         info = self.dataset.info
         self.aux_index, self.last_index = layer_roles(info.layer_ids,
                                                       info.num_hidden_layers)
@@ -135,8 +138,8 @@ class Trainer:
         train_ids, held_ids = split_ids(ids, config.held_out_fraction)
         if not train_ids:
             raise ValueError(f"--data {config.data}: no training samples")
-        self.train = HiddenStatesDataset(config.data, train_ids)
-        self.held_out = HiddenStatesDataset(config.data, held_ids)
+        self.train = self.dataset.subset(train_ids)
+        self.held_out = self.dataset.subset(held_ids)
         self.vocab = self._vocab()
         self.head = make_head(head_config(self.target, info, self.vocab), self.vocab,
                               self.target, config.seed)
@@ -150,7 +153,8 @@ class Trainer:
         vocab_size = int(self.target.config["vocab_size"])
         size = self.config.draft_vocab_size or min(32000, vocab_size // 2)
         vocab = build_draft_vocab(count_tokens(self.train, vocab_size), size)
-        Path(self.config.out).mkdir(parents=True, exist_ok=True)
+        for index in range(len(self.held_out)):     # damage found now, not at step 0
+            check_token_ids(self.held_out, self.held_out[index], vocab_size)
         export_token_ranking(vocab, Path(self.config.out) / "token_ranking.json")
         return vocab
 
@@ -158,7 +162,17 @@ class Trainer:
         state = ckpt.load_latest(self.config.out, self.head, self.optimizer)
         if state is None:
             return False
-        self.state = TrainState(**state)
+        try:
+            self.state = TrainState(**state)
+        except TypeError as error:
+            raise ckpt.CheckpointError(f"{self.config.out}/checkpoints: trainer state "
+                                       f"unusable ({error}); pass --no-resume") from error
+        if not torch.equal(self.head.d2t, self.vocab.d2t):
+            raise ckpt.CheckpointError(
+                f"{self.config.out}/checkpoints: the checkpoint's draft vocabulary "
+                f"differs from the one --data {self.config.data} gives now (the "
+                "dataset changed?); resume with the data it was trained on, or pass "
+                "--no-resume to start over")
         return True
 
     def batch_at(self, step: int) -> Batch:
@@ -223,35 +237,36 @@ class Trainer:
         """Train up to the last step; False when stopped early by `stop_after`."""
         from tqdm import tqdm
 
-        config = self.config
-        bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train",
-                   unit="step")
-        while self.state.step < self.total_steps:
-            if stop_after is not None and self.state.step >= stop_after:
-                bar.close()
-                return False
-            start = time.perf_counter()
-            loss = self.train_step(self.state.step)
-            self.state.seconds += time.perf_counter() - start
-            self.state.step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            step = self.state.step
-            if step % config.eval_every == 0 or step == self.total_steps:
-                bar.write(_format_eval(self.record_eval(step, loss)))
-            if step % config.checkpoint_every == 0 or step == self.total_steps:
-                self.checkpoint()
-        bar.close()
+        with tqdm(total=self.total_steps, initial=self.state.step, desc="train",
+                  unit="step") as bar:    # closed on errors too: they print below it
+            while self.state.step < self.total_steps:
+                if stop_after is not None and self.state.step >= stop_after:
+                    return False
+                self._fit_step(bar)
         return True
+
+    def _fit_step(self, bar) -> None:
+        start = time.perf_counter()
+        loss = self.train_step(self.state.step)
+        self.state.seconds += time.perf_counter() - start
+        self.state.step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        step, config = self.state.step, self.config
+        if step % config.eval_every == 0 or step == self.total_steps:
+            bar.write(_format_eval(self.record_eval(step, loss)))
+        if step % config.checkpoint_every == 0 or step == self.total_steps:
+            self.checkpoint()
 
     def save_final(self) -> Path:
         out = Path(self.config.out)
         self.head.save_pretrained(out)
-        (out / "training_log.json").write_text(json.dumps({
+        write_text_atomic(json.dumps({
             "config": asdict(self.config), "seconds": self.state.seconds,
             "num_train_samples": len(self.train),
             "num_held_out_samples": len(self.held_out),
-            "total_steps": self.total_steps, "history": self.state.history}, indent=1))
+            "total_steps": self.total_steps, "history": self.state.history}, indent=1),
+            out / "training_log.json")
         return out
 
 

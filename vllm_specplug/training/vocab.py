@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_specplug.extraction.errors import DatasetError
+from vllm_specplug.extraction.storage import write_text_atomic
+
 
 @dataclass
 class DraftVocab:
@@ -35,11 +38,22 @@ class DraftVocab:
         return self.target_ids.numel()
 
 
+def check_token_ids(dataset, item: dict, vocab_size: int) -> dict:
+    if item["input_ids"].numel() and int(item["input_ids"].max()) >= vocab_size:
+        raise DatasetError(
+            f"{getattr(dataset, 'root', 'dataset')}: sample {item['sample_id']} has "
+            f"token id {int(item['input_ids'].max())}, beyond the target's vocabulary "
+            f"({vocab_size}): extracted from another model? Train with the --target "
+            "the dataset was extracted from")
+    return item
+
+
 def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
-    """Loss-masked token counts over the whole dataset: [vocab_size] int64."""
+    """Loss-masked token counts over the whole dataset: [vocab_size] int64.
+    Reads every sample once, so damaged samples stop training before it starts."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for index in tqdm(range(len(dataset)), desc="count tokens", unit="sample"):
-        item = dataset[index]
+        item = check_token_ids(dataset, dataset[index], vocab_size)
         ids = item["input_ids"][item["loss_mask"].bool()]
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     return counts
@@ -60,10 +74,10 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab
 def export_token_ranking(vocab: DraftVocab, path: str | Path) -> None:
     """FR-Spec-style token map: target ids by loss-masked frequency, as JSON."""
     seen = int((vocab.counts > 0).sum())
-    Path(path).write_text(json.dumps({
+    write_text_atomic(json.dumps({
         "ranking": vocab.ranking[:seen].tolist(),
         "counts": vocab.counts[vocab.ranking[:seen]].tolist(),
         "draft_vocab_size": vocab.size,
         "covered_fraction": float(vocab.counts[vocab.target_ids].sum()
                                   / max(1, int(vocab.counts.sum()))),
-    }))
+    }), path)

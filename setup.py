@@ -36,6 +36,7 @@ setup(
             "specplug_ngram = vllm_specplug.proposers.ngram:NgramProposer",
             "specplug_suffix = vllm_specplug.proposers.suffix:SuffixProposer",
             "specplug_hybrid = vllm_specplug.proposers.hybrid:HybridProposer",
+            "specplug_eagle3 = vllm_specplug.proposers.eagle3:Eagle3TreeProposer",
         ],
     },
 )

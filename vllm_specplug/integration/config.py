@@ -20,7 +20,6 @@ from vllm_specplug.proposers.base import ProposerConfigError
 from vllm_specplug.registry import (UnknownProposerError, available_proposers,
                                     get_proposer_class, is_registered)
 
-DRAFTER_QUALNAME = "vllm_specplug.integration.drafter.SpecplugDrafter"
 SELECTION_ATTR = "specplug_selection"
 
 
@@ -72,10 +71,6 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     ours = {f.name for f in dataclasses.fields(cls.options_cls)}
     options = {k: v for k, v in raw.items() if k in ours}
     rest = {k: v for k, v in raw.items() if k not in ours and k != "method"}
-    if rest.get("num_speculative_tokens") is None:
-        raise ProposerConfigError(
-            f"speculative_config for method {method!r}: num_speculative_tokens is "
-            "required (the most draft tokens per request per step)")
     if "model" in rest:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: 'model' is not accepted; "
@@ -87,9 +82,24 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
             f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION} and vLLM's "
             "speculative_config fields")
     parsed = cls.options_cls.from_dict(method, options)
+    num_spec = cls.vllm_num_speculative_tokens(parsed, rest.get("num_speculative_tokens"))
+    if num_spec is None:
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: num_speculative_tokens is "
+            "required (the most draft tokens per request per step)")
+    if hasattr(parsed, "resolved"):
+        parsed = parsed.resolved(rest.get("num_speculative_tokens"))
     selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
                                   max_failures)
-    return {**rest, "method": "custom_class", "model": DRAFTER_QUALNAME}, selection
+    return {**rest, "num_speculative_tokens": num_spec, "method": "custom_class",
+            "model": cls.drafter_qualname}, selection
+
+
+def check_target(selection: ProposerSelection, target_hf) -> None:
+    """The selected proposer's checks against the target model's config."""
+    cls = get_proposer_class(selection.method)
+    options = cls.options_cls.from_dict(selection.method, selection.options)
+    cls.check_target(selection.method, options, target_hf)
 
 
 def attach(spec_config: Any, selection: ProposerSelection) -> None:

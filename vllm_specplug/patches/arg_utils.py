@@ -21,6 +21,7 @@ def _create_speculative_config(original):
             translated = spec_config.translate(raw)
             if translated is not None:
                 self.speculative_config, selection = translated
+                spec_config.check_target(selection, target_model_config.hf_config)
                 setattr(self, _SAVED_SELECTION, selection)
         created = original(self, target_model_config, target_parallel_config)
         selection = getattr(self, _SAVED_SELECTION, None)

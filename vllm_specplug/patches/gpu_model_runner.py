@@ -14,12 +14,16 @@ from vllm_specplug.patches.registry import patch_registry
 
 def _propose_draft_token_ids(original):
     from vllm_specplug.integration.drafter import SpecplugDrafter
+    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                 sampling_metadata, hidden_states, sample_hidden_states,
                                 aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, TreeEagleDrafter):
+            return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
+                                              aux_hidden_states)
         if not isinstance(drafter, SpecplugDrafter):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
@@ -34,14 +38,52 @@ def _propose_draft_token_ids(original):
 
 def _on_request_state_removed(original):
     from vllm_specplug.integration.drafter import SpecplugDrafter
+    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
 
     def on_request_state_removed(self, req_id, req_state):
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, SpecplugDrafter):
+        if isinstance(drafter, (SpecplugDrafter, TreeEagleDrafter)):
             drafter.on_request_removed(req_id)
         return original(self, req_id, req_state)
 
     return on_request_state_removed
+
+
+def _prepare_inputs(original):
+    from vllm_specplug.integration import tree_step
+    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
+
+    def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, TreeEagleDrafter):
+            tree_step.set_current(tree_step.build_step(self, scheduler_output,
+                                                       drafter.trees))
+        return result
+
+    return prepare_inputs
+
+
+def _setup_aux_hidden_states(original):
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.tree_sampler import TreeRejectionSampler
+
+    def setup(self):
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, TreeEagleDrafter):
+            return original(self)
+        if not supports_eagle3(self.get_model()):
+            raise RuntimeError(
+                f"specplug_eagle3: the target {type(self.get_model()).__name__} does not "
+                "expose auxiliary hidden states (vLLM's SupportsEagle3 interface)")
+        self.use_aux_hidden_state_outputs = True
+        self.model.set_aux_hidden_state_layers(drafter.aux_layer_ids)
+        self.rejection_sampler = TreeRejectionSampler(
+            self.sampler, self.speculative_config, self.device, self)
+
+    return setup
 
 
 def install() -> list[str]:
@@ -55,5 +97,20 @@ def install() -> list[str]:
     patch_registry.apply(GPUModelRunner, "_on_request_state_removed",
                          _on_request_state_removed(GPUModelRunner._on_request_state_removed),
                          reason="tell vllm-specplug proposers a request finished")
+    # Tree EAGLE (specplug_eagle3): rope positions = seq_len + depth for tree
+    # nodes, which vLLM computes as seq_len + index (its slot mapping, which
+    # we keep, is computed in the same function just before).
+    patch_registry.apply(GPUModelRunner, "_prepare_inputs",
+                         _prepare_inputs(GPUModelRunner._prepare_inputs),
+                         reason="tree positions and layout for specplug_eagle3")
+    # vLLM enables auxiliary hidden states and builds its chain sampler only
+    # for its own eagle3; ours needs both: aux states and tree verification.
+    patch_registry.apply(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs",
+                         _setup_aux_hidden_states(
+                             GPUModelRunner._setup_eagle3_aux_hidden_state_outputs),
+                         reason="aux hidden states and tree verification for "
+                                "specplug_eagle3")
     return ["patch:GPUModelRunner.propose_draft_token_ids",
-            "patch:GPUModelRunner._on_request_state_removed"]
+            "patch:GPUModelRunner._on_request_state_removed",
+            "patch:GPUModelRunner._prepare_inputs",
+            "patch:GPUModelRunner._setup_eagle3_aux_hidden_state_outputs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ class ProposerOptions:
 
 
 def _check_type(name: str, key: str, value: Any, hint: Any) -> None:
-    allowed = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    allowed = typing.get_args(hint) if is_union else (hint,)
     allowed = tuple(typing.get_origin(a) or a for a in allowed)
     ok = any(_matches(value, a) for a in allowed)
     if not ok:
@@ -120,6 +122,20 @@ class Proposer(ABC):
     """
     options_cls: ClassVar[type[ProposerOptions]] = ProposerOptions
     uses_hidden_states: ClassVar[bool] = False
+    # The object vLLM's `custom_class` instantiates in the worker for this method.
+    drafter_qualname: ClassVar[str] = "vllm_specplug.integration.drafter.SpecplugDrafter"
+
+    @classmethod
+    def vllm_num_speculative_tokens(cls, options: ProposerOptions,
+                                    num_speculative_tokens: int | None) -> int | None:
+        """The per-step draft allowance vLLM's scheduler is given (None: the
+        user must set num_speculative_tokens)."""
+        return num_speculative_tokens
+
+    @classmethod
+    def check_target(cls, name: str, options: ProposerOptions, target_hf) -> None:
+        """Front-end check against the target's HF config (before the engine
+        starts); raise ProposerConfigError naming the field."""
 
     def __init__(self, options: ProposerOptions, context: ProposerContext) -> None:
         self.options = options

@@ -3,7 +3,7 @@ registered proposer names."""
 from __future__ import annotations
 
 from vllm_specplug.integration import kernel_overrides
-from vllm_specplug.patches import arg_utils, gpu_model_runner
+from vllm_specplug.patches import arg_utils, cpu_attn, gpu_model_runner
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -18,4 +18,5 @@ def register_proposers() -> list[str]:
     # After the platform's own kernel overrides, which workers register right
     # after loading plugins and before importing the model runner.
     when_imported(RUNNER_MODULE, kernel_overrides.install)
+    when_imported(cpu_attn.MODULE, cpu_attn.install)
     return items + [f"proposer:{name}" for name in available_proposers()]

@@ -187,3 +187,36 @@ def build_draft_tree(candidates: DraftCandidates, root_token_ids: torch.Tensor,
 
     return build_draft_tree_triton(candidates, root_token_ids, seq_lens,
                                    num_draft_tokens)
+
+
+def tree_from_parents(token_ids: torch.Tensor, parent_ids: torch.Tensor,
+                      num_nodes: torch.Tensor, seq_lens: torch.Tensor) -> DraftTree:
+    """A DraftTree from explicit node lists, for trees an engine scheduled.
+
+    Args:
+        token_ids: [B, N] int64, node 0 = root; entries past `num_nodes[b]`
+            are padding.
+        parent_ids: [B, N] int64, parent node of each node (root: NO_NODE),
+            parents before children; padding entries may hold anything.
+        num_nodes: [B] int64, real nodes per request (root included, >= 1).
+        seq_lens: [B] int64, the root's position.
+    Padding nodes are unreachable: no child or sibling link points to them,
+    so no verifier can accept them (their mask rows see only themselves).
+    """
+    batch, width = token_ids.shape
+    node = torch.arange(width, device=token_ids.device)
+    pad = node[None, :] >= num_nodes[:, None]
+    parents = torch.where(pad, 0, parent_ids)
+    parents[:, 0] = NO_NODE
+    depths, mask = _ancestry(parents)
+    first_child, next_sibling = _links(parents)
+    first_child = torch.where(first_child >= num_nodes[:, None], NO_NODE, first_child)
+    next_sibling = torch.where(next_sibling >= num_nodes[:, None], NO_NODE, next_sibling)
+    mask = mask & ~(pad[:, :, None] | pad[:, None, :]) | torch.diag_embed(pad)
+    depths = torch.where(pad, 0, depths)
+    return DraftTree(
+        token_ids=token_ids, parent_ids=torch.where(pad, NO_NODE, parents),
+        cand_ids=torch.full_like(token_ids, NO_NODE), depths=depths,
+        positions=seq_lens[:, None] + depths, attn_mask=mask,
+        packed_mask=pack_mask(mask), first_child_ids=first_child,
+        next_sibling_ids=next_sibling)

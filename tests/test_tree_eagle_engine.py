@@ -1,0 +1,146 @@
+"""specplug_eagle3 in a real engine: EAGLE-2 dynamic trees drafted by the
+built-in EAGLE-3 head, verified in one forward with tree attention, KV
+compacted. Greedy output equals no speculation token for token (chains and
+trees of 4, 16 and 64 nodes, alone and batched, and the edge cases of a
+request's life); sampled output follows the target's distribution."""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.testing.compare import assert_same_tokens
+from vllm_specplug.testing.engine import (generate, generate_each, generate_with_abort,
+                                          greedy_params, make_llm, shutdown_llm)
+from vllm_specplug.testing.metrics import read_spec_decode_counts
+
+from tests.conftest import MAX_NEW_TOKENS
+from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
+from tests.test_proposers_engine import REPETITIVE
+
+TREES = {  # name: (topk, num_steps, num_draft_tokens)
+    "chain_k3": (1, 3, 4),
+    "tree4_topk2": (2, 3, 4),
+    "tree16_topk4": (4, 4, 16),
+    "tree64_topk8": (8, 8, 64),
+}
+
+
+def tree_config(head_dir, topk: int, num_steps: int, num_draft_tokens: int) -> dict:
+    return {"method": "specplug_eagle3", "model": str(head_dir), "topk": topk,
+            "num_steps": num_steps, "num_draft_tokens": num_draft_tokens}
+
+
+@pytest.fixture(scope="module", params=list(TREES))
+def tree_llm(request, tiny_model_dir, tiny_eagle3_dir):
+    llm = make_llm(tiny_model_dir, tree_config(tiny_eagle3_dir, *TREES[request.param]))
+    llm.tree_name = request.param
+    yield llm
+    shutdown_llm(llm)
+
+
+def test_batch_equals_no_speculation_and_accepts(tree_llm, eval_prompts, baseline_outputs):
+    before = read_spec_decode_counts(tree_llm)
+    ours = generate(tree_llm, eval_prompts, greedy_params(MAX_NEW_TOKENS)).token_ids
+    counts = read_spec_decode_counts(tree_llm) - before
+    assert_same_tokens(baseline_outputs["batched"], ours, eval_prompts)
+    topk, num_steps, num_nodes = TREES[tree_llm.tree_name]
+    assert counts.num_draft_tokens == counts.num_drafts * (num_nodes - 1)
+    assert counts.mean_acceptance_length > 1.8  # the head is trained
+    depths = [p for p in counts.per_position_acceptance if p > 0]
+    assert len(depths) <= num_steps  # accepted depth never exceeds the tree's
+
+
+def test_single_prompts_equal_no_speculation(tree_llm, eval_prompts, baseline_outputs):
+    if tree_llm.tree_name != "tree16_topk4":
+        pytest.skip("alone-vs-batched is checked on one tree shape (engine time)")
+    ours = generate_each(tree_llm, eval_prompts[:8], greedy_params(MAX_NEW_TOKENS))
+    assert_same_tokens(baseline_outputs["single"][:8], ours, eval_prompts[:8])
+
+
+@pytest.mark.parametrize("make_params", [
+    lambda base: greedy_params(1),
+    lambda base: greedy_params(MAX_NEW_TOKENS, stop=["return"]),
+    lambda base: greedy_params(MAX_NEW_TOKENS, stop_token_ids=[base[12]]),
+], ids=["max_tokens_1", "stop_string", "stop_token"])
+def test_stopping_requests_equal_no_speculation(tree_llm, baseline_llm, make_params):
+    if tree_llm.tree_name != "tree16_topk4":
+        pytest.skip("request edge cases are checked on one tree shape (engine time)")
+    prompts = [REPETITIVE, REPETITIVE[:120]]
+    base_ids = generate(baseline_llm, prompts[:1], greedy_params(MAX_NEW_TOKENS)).token_ids[0]
+    params = make_params(base_ids)
+    expected = generate(baseline_llm, prompts, params)
+    ours = generate(tree_llm, prompts, params)
+    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+    assert ours.texts == expected.texts
+
+
+def test_abort_mid_generation_leaves_others_exact(tree_llm, baseline_llm, eval_prompts):
+    if tree_llm.tree_name != "tree16_topk4":
+        pytest.skip("request edge cases are checked on one tree shape (engine time)")
+    prompts = eval_prompts[:4]
+    params = greedy_params(MAX_NEW_TOKENS)
+    expected = generate(baseline_llm, prompts, params).token_ids
+    produced = generate_with_abort(tree_llm, prompts, params, abort_index=1,
+                                   abort_after_steps=3)
+    for i in (0, 2, 3):
+        assert produced[str(i)] == expected[i]
+    aborted = produced["1"]
+    assert len(aborted) < len(expected[1]) and aborted == expected[1][:len(aborted)]
+
+
+def test_sampled_tokens_follow_the_target_distribution(tree_llm, baseline_llm):
+    """Tokens 2-4 are emitted by stochastic tree verification; at
+    temperature 0.8 they follow the distribution without speculation."""
+    if tree_llm.tree_name != "tree16_topk4":
+        pytest.skip("stochastic verification is checked on one tree shape")
+    plain = sample_positions(baseline_llm, 0.8)
+    before = read_spec_decode_counts(tree_llm)
+    ours = sample_positions(tree_llm, 0.8)
+    counts = read_spec_decode_counts(tree_llm) - before
+    assert counts.num_accepted_tokens > 0, counts
+    for position in (1, 2, 3):
+        p = same_distribution_p(plain[position], ours[position])
+        assert p > P_MIN, f"position {position}: p = {p:.2e}"
+
+
+def test_chunked_prefill_prefix_caching_and_preemption_stay_exact(
+        tiny_model_dir, tiny_eagle3_dir, eval_prompts, baseline_llm):
+    """Long prompts prefilled in chunks, a shared prefix served from the
+    cache, and a KV space so small that requests are preempted and resumed."""
+    prompts = [REPETITIVE * 3 + p for p in eval_prompts[:12]]  # shared long prefix
+    params = greedy_params(MAX_NEW_TOKENS)
+    expected = generate(baseline_llm, prompts, params).token_ids
+    llm = make_llm(tiny_model_dir, tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"]),
+                   enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=128, num_gpu_blocks_override=48)
+    try:
+        ours = generate(llm, prompts, params).token_ids
+        metrics = {m.name: m for m in llm.get_metrics()}
+    finally:
+        shutdown_llm(llm)
+    assert_same_tokens(expected, ours, prompts)
+    assert metrics["vllm:num_preemptions"].value > 0, "no request was preempted"
+    assert metrics["vllm:prefix_cache_hits"].value > 0, "the prefix cache was not used"
+
+
+def test_chain_acceptance_equals_vllm_eagle3(tree_llm, tiny_model_dir, tiny_eagle3_dir,
+                                            eval_prompts):
+    """topk=1 drafts the chain vLLM's eagle3 drafts with the same head and K."""
+    if tree_llm.tree_name != "chain_k3":
+        pytest.skip("the chain is compared with vLLM's eagle3 (K=3)")
+    from vllm_specplug.training import end_to_end as e2e
+
+    def acceptance(llm):
+        before = read_spec_decode_counts(llm)
+        generate(llm, eval_prompts, greedy_params(MAX_NEW_TOKENS))
+        return read_spec_decode_counts(llm) - before
+
+    ours = acceptance(tree_llm)
+    vllm_llm = make_llm(tiny_model_dir, e2e.eagle3_config(tiny_eagle3_dir, 3))
+    try:
+        vllm = acceptance(vllm_llm)
+    finally:
+        shutdown_llm(vllm_llm)
+    assert ours.num_drafts > 0
+    assert ours.mean_acceptance_length == pytest.approx(vllm.mean_acceptance_length, rel=0.03)
+    for a, b in zip(ours.per_position_acceptance, vllm.per_position_acceptance):
+        assert a == pytest.approx(b, abs=0.03)

@@ -1,0 +1,137 @@
+"""specplug_eagle3 without an engine: options and head checks in the front
+end (named errors before any engine starts), trees from scheduled node
+lists, the CPU kernel's KV layout probe, and the head's tree drafting."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_specplug.proposers.base import ProposerConfigError
+from vllm_specplug.verification.metadata import NO_NODE
+from vllm_specplug.verification.tree_build import tree_from_parents
+from vllm_specplug.verification.tree_greedy import verify_tree_greedy
+
+
+def engine_args_error(model_dir, spec: dict) -> str:
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_specplug.plugin as plugin
+
+    plugin.register()
+    args = EngineArgs(model=str(model_dir), speculative_config=spec, dtype="float32")
+    with pytest.raises(ProposerConfigError) as info:
+        args.create_engine_config()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"topk": 2, "num_steps": 3, "num_draft_tokens": 16}, "num_draft_tokens"),
+    ({"topk": 0}, "topk"),
+    ({"num_steps": "4"}, "num_steps"),
+    ({"topk": 4096}, "topk"),
+    ({"depth": 3}, "depth"),
+])
+def test_bad_options_name_the_field(tiny_model_dir, tiny_eagle3_dir, options, field):
+    spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), **options}
+    assert field in engine_args_error(tiny_model_dir, spec)
+
+
+def test_missing_head_directory_is_named(tiny_model_dir, tmp_path):
+    spec = {"method": "specplug_eagle3", "model": str(tmp_path / "nope")}
+    assert "config.json" in engine_args_error(tiny_model_dir, spec)
+
+
+def copy_head(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_head_for_another_target_is_refused(tiny_model_dir, tiny_eagle3_dir, tmp_path):
+    head = copy_head(tiny_eagle3_dir, tmp_path / "head")
+    config = json.loads((head / "config.json").read_text())
+    config["target_hidden_size"] = 256
+    (head / "config.json").write_text(json.dumps(config))
+    message = engine_args_error(tiny_model_dir, {"method": "specplug_eagle3",
+                                                 "model": str(head)})
+    assert "target_hidden_size 256" in message
+
+
+def test_head_with_missing_tensor_is_refused(tiny_model_dir, tiny_eagle3_dir, tmp_path):
+    head = copy_head(tiny_eagle3_dir, tmp_path / "head")
+    tensors = load_file(str(head / "model.safetensors"))
+    del tensors["fc.weight"]
+    save_file(tensors, str(head / "model.safetensors"))
+    message = engine_args_error(tiny_model_dir, {"method": "specplug_eagle3",
+                                                 "model": str(head)})
+    assert "missing fc.weight" in message
+
+
+def test_padded_trees_verify_like_each_tree_alone():
+    """tree_from_parents: padding nodes are unreachable, real nodes keep
+    their links, and greedy verification of the batch equals each alone."""
+    parents = torch.tensor([[NO_NODE, 0, 0, 1, 2], [NO_NODE, 0, 1, 0, 0]])
+    tokens = torch.tensor([[9, 3, 4, 5, 6], [9, 3, 5, 7, 7]])
+    num_nodes = torch.tensor([5, 3])
+    tree = tree_from_parents(tokens, parents, num_nodes, torch.tensor([10, 20]))
+    assert tree.first_child_ids[1].tolist() == [1, 2, NO_NODE, NO_NODE, NO_NODE]
+    assert tree.positions[0].tolist() == [10, 11, 11, 12, 12]
+    argmax = torch.tensor([[4, 0, 6, 0, 8], [3, 5, 1, 7, 7]])
+    batched = verify_tree_greedy(tree, argmax, backend="torch")
+    assert batched.accepted_node_ids[0, :3].tolist() == [0, 2, 4]
+    assert batched.output_token_ids[0, :3].tolist() == [4, 6, 8]
+    # request 1 accepts 1 -> 2 and never its padding nodes 3, 4 (token 7 = argmax)
+    assert batched.accepted_node_ids[1, :3].tolist() == [0, 1, 2]
+    assert int(batched.num_accepted[1]) == 2
+
+
+@pytest.mark.parametrize("isa, block_size", [("vec", 32), ("vec16", 16)])
+def test_cpu_layout_probe_reads_and_writes_what_the_kernel_wrote(isa, block_size):
+    from vllm import _custom_ops as ops
+
+    from vllm_specplug.integration.cpu_kv_layout import probe_layout
+
+    heads, size = 2, 32
+    layout = probe_layout(isa, block_size, heads, size, torch.float32)
+    cache = torch.zeros(3, heads, block_size, 2 * size)
+    key_cache, value_cache = cache.view(3, heads, 2 * block_size, size).chunk(2, dim=2)
+    keys, values = torch.randn(37, heads, size), torch.randn(37, heads, size)
+    slots = torch.randperm(3 * block_size)[:37]
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    read_keys, read_values = layout.read(cache, slots)
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    rewritten = torch.zeros_like(cache)
+    layout.write(rewritten, slots, keys, values)
+    assert torch.equal(rewritten, cache)
+
+
+def test_head_drafts_valid_trees(tiny_eagle3_dir):
+    """Trees from the head: right size, parents first, depth <= num_steps,
+    distinct siblings, and topk=1 a chain."""
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+    from vllm_specplug.proposers.eagle3_loading import load_head
+
+    head = load_head(tiny_eagle3_dir)
+    torch.manual_seed(0)
+    runtime = HeadRuntime(head, torch.nn.Embedding(head.config.vocab_size,
+                                                   head.config.hidden_size))
+    aux_width = len(head.config.aux_layer_ids) * head.config.target_hidden_size
+    for req_id, length in (("a", 9), ("b", 3)):
+        runtime.ingest(req_id, torch.randn(length, aux_width),
+                       torch.randint(0, 4096, (length,)), torch.arange(length))
+    roots, positions = torch.tensor([5, 6]), torch.tensor([9, 3])
+    for topk, steps, nodes in ((1, 4, 5), (4, 5, 16), (8, 8, 64)):
+        tree = runtime.draft_trees(["a", "b"], roots, positions, topk, steps, nodes)
+        assert tree.token_ids.shape == (2, nodes)
+        assert (tree.parent_ids[:, 1:] < torch.arange(1, nodes)).all()
+        assert int(tree.depths.max()) <= steps
+        assert torch.equal(tree.positions, positions[:, None] + tree.depths)
+        if topk == 1:
+            assert tree.parent_ids[0].tolist() == list(range(-1, nodes - 1))
+        for b in range(2):
+            pairs = {(int(p), int(t)) for p, t in zip(tree.parent_ids[b, 1:],
+                                                      tree.token_ids[b, 1:])}
+            assert len(pairs) == nodes - 1  # siblings carry distinct tokens

@@ -1,0 +1,175 @@
+"""Tree verification in the model runner, then KV compaction.
+
+Replaces the runner's `rejection_sampler` when the method is specplug_eagle3
+(vLLM's `RejectionSampler` verifies chains only). The logits it receives are
+vLLM's: one row per scheduled node (root first) for requests with drafts,
+one row for the others, in batch order. Every request becomes a tree
+(`tree_from_parents`; no drafts = a root alone) and goes through our greedy
+(temperature 0) or stochastic (SpecInfer-style, lossless) tree verification;
+the output has vLLM's layout ([B, max_spec_len + 1], PLACEHOLDER-padded), so
+the scheduler and metrics read accepted counts and per-depth acceptance as
+they do for chains.
+
+Batches whose sampling needs vLLM's full sampler (logprobs, penalties, bad
+words, allowed ids, min_tokens, logit bias, min_p, custom logits processors)
+accept no drafts this step: every request gets vLLM's own sample at its root
+(lossless, only speculation is lost).
+"""
+from __future__ import annotations
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                     MinPLogitsProcessor,
+                                                     MinTokensLogitsProcessor)
+from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_constraints
+
+from vllm_specplug.integration import tree_step
+from vllm_specplug.integration.cpu_kv_layout import known_layout
+from vllm_specplug.verification.metadata import PLACEHOLDER_TOKEN_ID
+from vllm_specplug.verification.tree_build import tree_from_parents
+from vllm_specplug.verification.tree_greedy import verify_tree_greedy
+from vllm_specplug.verification.tree_sampling import verify_tree_stochastic
+
+GREEDY_BELOW = 1e-5  # vLLM marks greedy requests with temperature -1
+
+
+def _active(processor) -> bool:
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return bool(processor.min_toks)
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return bool(processor.biases)
+    if isinstance(processor, MinPLogitsProcessor):
+        return bool(processor.min_p_count)
+    return True  # a custom processor: assume it changes the distribution
+
+
+def needs_full_sampler(meta) -> bool:
+    """Sampling features tree verification does not apply to draft nodes."""
+    holder = meta.thinking_budget_state_holder
+    return (meta.max_num_logprobs is not None or not meta.no_penalties
+            or bool(meta.bad_words_token_ids) or meta.allowed_token_ids_mask is not None
+            or (holder is not None and holder.has_tracked_requests())
+            or any(_active(p) for p in meta.logitsprocs.all))
+
+
+class TreeRejectionSampler(RejectionSampler):
+    def __init__(self, sampler, speculative_config, device, runner) -> None:
+        super().__init__(sampler, speculative_config, device)
+        self.runner = runner
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        step = tree_step.current()
+        if step is None:
+            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+        if needs_full_sampler(sampling_metadata):
+            return self._roots_only(metadata, logits, sampling_metadata, step)
+        return self._verify(metadata, logits, sampling_metadata, step)
+
+    def _roots_only(self, metadata, logits, sampling_metadata, step) -> SamplerOutput:
+        """vLLM's sampler at every request's root row; all drafts rejected."""
+        num_nodes = torch.tensor(metadata.num_draft_tokens) + 1
+        roots = (torch.cumsum(num_nodes, 0) - num_nodes).to(logits.device)
+        out = self.sampler(logits=logits[roots], sampling_metadata=sampling_metadata)
+        step.accepted = {r.req_id: [0] for r in step.requests}
+        return SamplerOutput(
+            sampled_token_ids=_pad(out.sampled_token_ids, metadata.max_spec_len + 1),
+            logprobs_tensors=out.logprobs_tensors)
+
+    def _verify(self, metadata, logits, sampling_metadata, step) -> SamplerOutput:
+        tree, rows = _trees(metadata, step, logits.device)
+        target = logits[rows.clamp(min=0)].float()  # [B, N, V]
+        result = verify_tree_greedy(tree, target.argmax(-1), validate=False)
+        if not sampling_metadata.all_greedy:
+            sampled = _verify_stochastic(tree, target, rows, sampling_metadata)
+            greedy = sampling_metadata.temperature < GREEDY_BELOW
+            for name in ("output_token_ids", "num_accepted", "accepted_node_ids"):
+                chosen = torch.where(greedy.view(-1, *[1] * (getattr(result, name).dim() - 1)),
+                                     getattr(result, name), getattr(sampled, name))
+                setattr(result, name, chosen)
+        by_row = {r.row: r for r in step.requests}
+        for row, request in by_row.items():
+            path = result.accepted_node_ids[row, :int(result.num_accepted[row]) + 1]
+            step.accepted[request.req_id] = path.tolist()
+        compact_kv(self.runner, step)
+        return SamplerOutput(sampled_token_ids=result.output_token_ids.to(torch.int32),
+                             logprobs_tensors=None)
+
+
+def _pad(token_ids: torch.Tensor, width: int) -> torch.Tensor:
+    out = torch.full((token_ids.shape[0], width), PLACEHOLDER_TOKEN_ID,
+                     dtype=token_ids.dtype, device=token_ids.device)
+    out[:, :token_ids.shape[1]] = token_ids
+    return out
+
+
+def _trees(metadata, step, device):
+    """Padded trees of every request and their logits rows [B, N] (-1 = pad)."""
+    num_drafts = torch.tensor(metadata.num_draft_tokens)
+    batch, width = len(num_drafts), metadata.max_spec_len + 1
+    starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
+    node = torch.arange(width)
+    num_nodes = num_drafts + 1
+    rows = torch.where(node[None] < num_nodes[:, None], starts[:, None] + node[None], -1)
+    token_ids = torch.zeros(batch, width, dtype=torch.long)
+    draft_starts = starts - torch.arange(batch)  # drafts exclude the roots
+    flat = metadata.draft_token_ids.cpu().long()
+    parents = torch.zeros(batch, width, dtype=torch.long)
+    for request in step.requests:
+        n = request.num_nodes
+        first = int(draft_starts[request.row])
+        token_ids[request.row, 1:n] = flat[first:first + n - 1]
+        parents[request.row, :n] = torch.from_numpy(request.parent_ids)
+    tree = tree_from_parents(token_ids, parents, num_nodes, torch.zeros(batch, dtype=torch.long))
+    return _to(tree, device), rows.to(device)
+
+
+def _to(tree, device):
+    for name, value in vars(tree).items():
+        setattr(tree, name, value.to(device))
+    return tree
+
+
+def _verify_stochastic(tree, target_logits, rows, sampling_metadata):
+    """Node distributions after temperature/top-k/top-p (vLLM's own
+    `apply_sampling_constraints`), then lossless tree rejection sampling."""
+    batch, width, vocab = target_logits.shape
+    valid = rows >= 0
+    flat = target_logits[valid]  # [sum nodes, V], request-major
+    cu_nodes = torch.cumsum(valid.sum(1), 0).to(torch.int32)
+    probs_flat = apply_sampling_constraints(flat.clone(), cu_nodes,
+                                            sampling_metadata).softmax(-1)
+    probs = target_logits.new_zeros(batch, width, vocab)
+    probs[:, :] = probs_flat[cu_nodes.long() - valid.sum(1)][:, None]  # pads: root's row
+    probs[valid] = probs_flat
+    uniform = torch.empty(batch, width, device=target_logits.device)
+    exp = torch.empty(batch, vocab, device=target_logits.device)
+    for b in range(batch):
+        generator = sampling_metadata.generators.get(b)
+        uniform[b].uniform_(generator=generator)
+        exp[b].exponential_(generator=generator)
+    return verify_tree_stochastic(tree, probs, uniform, exp, validate=False)
+
+
+def compact_kv(runner, step) -> None:
+    """Move each accepted node's K/V from slot position seq_len + node to
+    seq_len + depth in every attention layer (rows of this step's slot
+    mapping, which vLLM computed from sequential positions)."""
+    src, dst = [], []
+    for request in step.requests:
+        path = step.accepted.get(request.req_id, [0])
+        for depth, node in enumerate(path):
+            if node != depth:
+                src.append(request.first_token + node)
+                dst.append(request.first_token + depth)
+    if not src:
+        return
+    slots = runner.input_batch.block_table[0].slot_mapping.gpu
+    src_slots, dst_slots = slots[src].long(), slots[dst].long()
+    for kv_cache in runner.kv_caches:
+        layout = known_layout(kv_cache)
+        if layout is None:  # tree attention ran on every layer of a non-chain tree
+            raise RuntimeError("KV compaction: no known layout for a KV cache "
+                               f"{tuple(kv_cache.shape)}; tree attention did not run")
+        keys, values = layout.read(kv_cache, src_slots)  # every read before any write
+        layout.write(kv_cache, dst_slots, keys, values)

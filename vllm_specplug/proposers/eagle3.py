@@ -1,0 +1,158 @@
+"""`specplug_eagle3`: EAGLE-3 heads drafting EAGLE-2 dynamic trees inside vLLM.
+
+EAGLE-3 (arXiv 2503.01840) heads draft from the target's auxiliary hidden
+states; EAGLE-2 (arXiv 2406.16858) expands the best `topk` nodes by path
+score for `num_steps` levels and keeps the best `num_draft_tokens - 1` as a
+tree that the target verifies in one forward (SGLang's
+`speculative_eagle_topk`, `speculative_num_steps`,
+`speculative_num_draft_tokens`). `topk=1` is the chain vLLM's `eagle3` drafts.
+
+This module holds the options (validated in the front end, with the target's
+config, before any engine starts) and the proposer, which owns the head
+(`eagle3_head.py`). The engine side (tree positions, tree attention, tree
+verification, KV compaction) lives in `integration/tree_*.py`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerConfigError,
+                                          ProposerContext, ProposerOptions, StopReason,
+                                          require)
+
+TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.tree_drafter.TreeEagleDrafter"
+DEFAULT_NUM_STEPS = 5
+METHOD = "specplug_eagle3"
+
+
+@dataclass(frozen=True)
+class Eagle3TreeOptions(ProposerOptions):
+    model: str = ""  # head directory, as vLLM's eagle3 loads it
+    topk: int = 1  # beam width per draft step (1 = chain)
+    num_steps: int | None = None  # draft depth; default num_speculative_tokens or 5
+    num_draft_tokens: int | None = None  # tree size incl. the root; default 1 + num_steps
+
+    def validate(self, name: str) -> None:
+        require(bool(self.model), name, "model is required: the EAGLE-3 head directory "
+                "(config.json + model.safetensors, e.g. from `vllm-specplug "
+                "train-eagle3` or `vllm-specplug build-model tiny-eagle3`)")
+        require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
+        if self.num_steps is not None:
+            require(self.num_steps >= 1, name, f"num_steps={self.num_steps} must be >= 1")
+        if self.num_draft_tokens is not None and self.num_steps is not None:
+            most = 1 + self.topk * self.num_steps
+            require(2 <= self.num_draft_tokens <= most, name,
+                    f"num_draft_tokens={self.num_draft_tokens} must be in [2, 1 + topk * "
+                    f"num_steps = {most}]: raise topk or num_steps, or lower it")
+
+    def resolved(self, num_speculative_tokens: int | None) -> "Eagle3TreeOptions":
+        """Defaults filled: num_steps from num_speculative_tokens, the tree
+        size from num_steps (a chain when topk=1)."""
+        steps = self.num_steps or num_speculative_tokens or DEFAULT_NUM_STEPS
+        size = self.num_draft_tokens or 1 + steps
+        resolved = Eagle3TreeOptions(self.model, self.topk, steps, size)
+        resolved.validate(METHOD)
+        return resolved
+
+
+def read_head_config(name: str, head_dir: str) -> dict[str, Any]:
+    path = Path(head_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProposerConfigError(
+            f"speculative_config for method {name!r}: model={head_dir!r} has no "
+            "config.json: give the directory of an EAGLE-3 head") from None
+    except (OSError, ValueError) as error:
+        raise ProposerConfigError(f"speculative_config for method {name!r}: {path} is "
+                                  f"unreadable ({error})") from error
+
+
+def check_head_fits_target(name: str, options: Eagle3TreeOptions, target_hf) -> None:
+    """A head whose shapes do not fit the target fails here, naming the field."""
+    head = read_head_config(name, options.model)
+    hidden = int(getattr(target_hf, "hidden_size"))
+    layers = int(getattr(target_hf, "num_hidden_layers"))
+    vocab = int(getattr(target_hf, "vocab_size"))
+    head_target_hidden = int(head.get("target_hidden_size") or head.get("hidden_size", -1))
+    require(head_target_hidden == hidden, name,
+            f"the head's target_hidden_size {head_target_hidden} != the target's "
+            f"hidden_size {hidden}: the head was trained for another model")
+    require(int(head.get("vocab_size", -1)) == vocab, name,
+            f"the head's vocab_size {head.get('vocab_size')} != the target's {vocab}")
+    aux = head.get("eagle_aux_hidden_state_layer_ids") or []
+    require(len(aux) > 0 and all(0 <= int(i) <= layers for i in aux), name,
+            f"the head's eagle_aux_hidden_state_layer_ids {aux} do not fit a target "
+            f"of {layers} layers")
+    draft_vocab = int(head.get("draft_vocab_size") or vocab)
+    require(options.topk <= draft_vocab, name,
+            f"topk={options.topk} exceeds the head's draft vocabulary ({draft_vocab})")
+    from vllm_specplug.proposers.eagle3_loading import head_tensor_problems
+
+    try:
+        problems = head_tensor_problems(options.model)
+    except Exception as error:  # unreadable file or config: say which
+        raise ProposerConfigError(f"speculative_config for method {name!r}: model="
+                                  f"{options.model!r} is not a loadable EAGLE-3 head "
+                                  f"({type(error).__name__}: {error})") from error
+    require(not problems, name, f"model={options.model!r}: the head's tensors do not "
+            f"match its config.json: {'; '.join(problems)}")
+    for field_name in ("sliding_window", "attn_logit_softcapping"):
+        if options.topk > 1 and getattr(target_hf, field_name, None):
+            raise ProposerConfigError(
+                f"speculative_config for method {name!r}: topk={options.topk} needs tree "
+                f"attention, which does not support the target's {field_name} yet; use "
+                "topk=1")
+
+
+class Eagle3TreeProposer(Proposer):
+    """Drafts EAGLE-2 trees with an EAGLE-3 head. The engine drives it through
+    `TreeEagleDrafter` (it needs the target's hidden states and the tree
+    layout), not through the token-history `propose` of model-free methods."""
+    options_cls: ClassVar[type[ProposerOptions]] = Eagle3TreeOptions
+    uses_hidden_states: ClassVar[bool] = True
+    drafter_qualname: ClassVar[str] = TREE_DRAFTER_QUALNAME
+    accepts_model: ClassVar[bool] = True
+
+    @classmethod
+    def vllm_num_speculative_tokens(cls, options: Eagle3TreeOptions,
+                                    num_speculative_tokens: int | None) -> int:
+        """What vLLM's scheduler must allow per step: every tree node but the root."""
+        return options.resolved(num_speculative_tokens).num_draft_tokens - 1
+
+    @classmethod
+    def check_target(cls, name: str, options: Eagle3TreeOptions, target_hf) -> None:
+        check_head_fits_target(name, options, target_hf)
+
+    def __init__(self, options: ProposerOptions, context: ProposerContext) -> None:
+        super().__init__(options, context)
+        self.head = None  # HeadRuntime, set by the drafter once the target is loaded
+
+    def stop_request(self, req_id: str, reason: StopReason) -> None:
+        if self.head is not None:
+            self.head.forget(req_id)
+
+    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+        raise ProposerConfigError(
+            "specplug_eagle3 drafts trees from the target's hidden states and is "
+            "driven by vllm_specplug.integration.tree_drafter.TreeEagleDrafter; it "
+            "has no token-history propose()")
+
+
+def chain_parents(num_nodes: int) -> np.ndarray:
+    """Parents of a chain of `num_nodes` nodes (root included)."""
+    return np.arange(-1, num_nodes - 1, dtype=np.int64)
+
+
+def is_chain(parent_ids: np.ndarray) -> bool:
+    return bool(np.array_equal(parent_ids, chain_parents(len(parent_ids))))
+
+
+def device_of(context: ProposerContext) -> torch.device:
+    return torch.device(context.device)

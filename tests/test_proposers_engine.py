@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_specplug.testing.compare import assert_same_tokens
-from vllm_specplug.testing.engine import (generate, generate_each, generate_with_abort,
+from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
+                                           assert_same_tokens, assert_stopping_matches)
+from vllm_specplug.testing.engine import (generate, generate_each,
                                           greedy_params)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
@@ -51,20 +52,9 @@ def test_batch_equals_no_speculation_and_speculates(spec_llm, eval_prompts,
 def test_stopping_requests_equal_no_speculation(spec_llm, baseline_llm, make_params):
     prompts = [REPETITIVE, REPETITIVE[:120]]
     base_ids = generate(baseline_llm, prompts[:1], greedy_params(MAX_NEW_TOKENS)).token_ids[0]
-    params = make_params(base_ids)
-    expected = generate(baseline_llm, prompts, params)
-    ours = generate(spec_llm, prompts, params)
-    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
-    assert ours.texts == expected.texts
+    assert_stopping_matches(spec_llm, baseline_llm, prompts, make_params(base_ids))
 
 
 def test_abort_mid_generation_leaves_others_exact(spec_llm, baseline_llm, eval_prompts):
-    prompts = eval_prompts[:4]
-    params = greedy_params(MAX_NEW_TOKENS)
-    expected = generate(baseline_llm, prompts, params).token_ids
-    produced = generate_with_abort(spec_llm, prompts, params, abort_index=1,
-                                   abort_after_steps=3)
-    for i in (0, 2, 3):
-        assert produced[str(i)] == expected[i]
-    aborted = produced["1"]
-    assert len(aborted) < len(expected[1]) and aborted == expected[1][:len(aborted)]
+    assert_abort_leaves_others_exact(spec_llm, baseline_llm, eval_prompts[:4],
+                                     greedy_params(MAX_NEW_TOKENS))

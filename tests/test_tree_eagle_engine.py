@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_specplug.testing.compare import assert_same_tokens
-from vllm_specplug.testing.engine import (generate, generate_each, generate_with_abort,
+from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
+                                           assert_same_tokens, assert_stopping_matches)
+from vllm_specplug.testing.engine import (generate, generate_each,
                                           greedy_params, make_llm, shutdown_llm)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
@@ -66,25 +67,14 @@ def test_stopping_requests_equal_no_speculation(tree_llm, baseline_llm, make_par
         pytest.skip("request edge cases are checked on one tree shape (engine time)")
     prompts = [REPETITIVE, REPETITIVE[:120]]
     base_ids = generate(baseline_llm, prompts[:1], greedy_params(MAX_NEW_TOKENS)).token_ids[0]
-    params = make_params(base_ids)
-    expected = generate(baseline_llm, prompts, params)
-    ours = generate(tree_llm, prompts, params)
-    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
-    assert ours.texts == expected.texts
+    assert_stopping_matches(tree_llm, baseline_llm, prompts, make_params(base_ids))
 
 
 def test_abort_mid_generation_leaves_others_exact(tree_llm, baseline_llm, eval_prompts):
     if tree_llm.tree_name != "tree16_topk4":
         pytest.skip("request edge cases are checked on one tree shape (engine time)")
-    prompts = eval_prompts[:4]
-    params = greedy_params(MAX_NEW_TOKENS)
-    expected = generate(baseline_llm, prompts, params).token_ids
-    produced = generate_with_abort(tree_llm, prompts, params, abort_index=1,
-                                   abort_after_steps=3)
-    for i in (0, 2, 3):
-        assert produced[str(i)] == expected[i]
-    aborted = produced["1"]
-    assert len(aborted) < len(expected[1]) and aborted == expected[1][:len(aborted)]
+    assert_abort_leaves_others_exact(tree_llm, baseline_llm, eval_prompts[:4],
+                                     greedy_params(MAX_NEW_TOKENS))
 
 
 def test_sampled_tokens_follow_the_target_distribution(tree_llm, baseline_llm):
@@ -111,7 +101,8 @@ def test_chunked_prefill_prefix_caching_and_preemption_stay_exact(
     expected = generate(baseline_llm, prompts, params).token_ids
     llm = make_llm(tiny_model_dir, tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"]),
                    enable_prefix_caching=True, enable_chunked_prefill=True,
-                   max_num_batched_tokens=128, num_gpu_blocks_override=48)
+                   max_num_batched_tokens=128, block_size=32,
+                   num_gpu_blocks_override=24, max_model_len=512)
     try:
         ours = generate(llm, prompts, params).token_ids
         metrics = {m.name: m for m in llm.get_metrics()}

@@ -12,6 +12,7 @@ from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
 from vllm_specplug.testing.engine import (generate, generate_each,
                                           greedy_params, make_llm, shutdown_llm)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
+from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
 from tests.conftest import MAX_NEW_TOKENS
 from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
@@ -77,19 +78,38 @@ def test_abort_mid_generation_leaves_others_exact(tree_llm, baseline_llm, eval_p
                                      greedy_params(MAX_NEW_TOKENS))
 
 
-def test_sampled_tokens_follow_the_target_distribution(tree_llm, baseline_llm):
+SAMPLE_TEMPERATURE = 1.0
+
+
+@pytest.fixture(scope="module")
+def plain_samples(baseline_llm):
+    return sample_positions(baseline_llm, SAMPLE_TEMPERATURE)
+
+
+def test_sampled_tokens_follow_the_target_distribution(tree_llm, plain_samples):
     """Tokens 2-4 are emitted by stochastic tree verification; at
-    temperature 0.8 they follow the distribution without speculation."""
+    temperature 1 they follow the distribution without speculation."""
     if tree_llm.tree_name != "tree16_topk4":
         pytest.skip("stochastic verification is checked on one tree shape")
-    plain = sample_positions(baseline_llm, 0.8)
     before = read_spec_decode_counts(tree_llm)
-    ours = sample_positions(tree_llm, 0.8)
+    ours = sample_positions(tree_llm, SAMPLE_TEMPERATURE)
     counts = read_spec_decode_counts(tree_llm) - before
     assert counts.num_accepted_tokens > 0, counts
     for position in (1, 2, 3):
-        p = same_distribution_p(plain[position], ours[position])
+        p = same_distribution_p(plain_samples[position], ours[position])
         assert p > P_MIN, f"position {position}: p = {p:.2e}"
+
+
+def test_a_wrong_verifier_is_caught(tiny_model_dir, tiny_eagle3_dir, plain_samples):
+    """Power: the same test rejects a verifier that accepts every first child."""
+    llm = make_llm(tiny_model_dir, tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"]),
+                   worker_extension_cls=PROBE_QUALNAME)
+    try:
+        assert llm.collective_rpc("specplug_break_tree_verifier") == ["AlwaysAcceptFirstChild"]
+        wrong = sample_positions(llm, SAMPLE_TEMPERATURE)
+    finally:
+        shutdown_llm(llm)
+    assert min(same_distribution_p(plain_samples[p], wrong[p]) for p in (1, 2, 3)) < P_MIN
 
 
 def test_chunked_prefill_prefix_caching_and_preemption_stay_exact(

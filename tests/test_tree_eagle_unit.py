@@ -34,6 +34,7 @@ def engine_args_error(model_dir, spec: dict) -> str:
     ({"num_steps": "4"}, "num_steps"),
     ({"topk": 4096}, "topk"),
     ({"depth": 3}, "depth"),
+    ({"draft_temperature": 0.0}, "draft_temperature"),
 ])
 def test_bad_options_name_the_field(tiny_model_dir, tiny_eagle3_dir, options, field):
     spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), **options}

@@ -17,24 +17,34 @@ def _exact_text(num_mismatches: int | None) -> str:
     return "yes" if num_mismatches == 0 else f"NO({num_mismatches})"
 
 
+def accepted_positions(counts: SpecDecodeCounts) -> list[float]:
+    """Per-position acceptance up to the deepest position ever accepted (a
+    tree of N nodes reports N - 1 positions; those past its depth stay 0)."""
+    rates = list(counts.per_position_acceptance)
+    while rates and rates[-1] == 0.0:
+        rates.pop()
+    return rates
+
+
 def _acceptance_text(counts: SpecDecodeCounts) -> tuple[str, str]:
     if counts.num_drafts == 0:
         return "-", ""
     return (f"{counts.mean_acceptance_length:.2f}",
-            " ".join(f"{p:.2f}" for p in counts.per_position_acceptance))
+            " ".join(f"{p:.2f}" for p in accepted_positions(counts)))
 
 
 def format_offline_table(rows) -> str:
-    header = (f"{'method':<18}{'batch':>6}{'tok/s':>9}{'min':>9}{'x none':>8}"
+    w = max([18] + [len(row.name) + 1 for row in rows])  # method column
+    header = (f"{'method':<{w}}{'batch':>6}{'tok/s':>9}{'min':>9}{'x none':>8}"
               f"{'accept len':>11}{'drafts':>8}{'exact':>8}  per-position acceptance")
     lines = [header, "-" * len(header)]
     for row in rows:
         if row.error is not None:
-            lines.append(f"{row.name:<18}{row.batch_size:>6}  failed: {row.error[:90]}")
+            lines.append(f"{row.name:<{w}}{row.batch_size:>6}  failed: {row.error[:90]}")
             continue
         length, per_pos = _acceptance_text(row.counts)
         speedup = "-" if math.isnan(row.speedup) else f"{row.speedup:.2f}"
-        lines.append(f"{row.name:<18}{row.batch_size:>6}{row.median_tokens_per_second:>9.1f}"
+        lines.append(f"{row.name:<{w}}{row.batch_size:>6}{row.median_tokens_per_second:>9.1f}"
                      f"{row.min_tokens_per_second:>9.1f}{speedup:>8}{length:>11}"
                      f"{row.counts.num_drafts:>8}{_exact_text(row.num_mismatches):>8}  "
                      f"{per_pos}")
@@ -100,7 +110,8 @@ def plot_rows(rows, path: Path, x_name: str) -> None:
 
     online = x_name == "online"
     groups = _by_name(rows)
-    colours = {name: f"C{i}" for i, name in enumerate(groups)}
+    palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
+    colours = {name: palette(i % palette.N) for i, name in enumerate(groups)}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     xs_all = sorted({r.concurrency if online else r.batch_size for r in rows})
     for i, (name, group) in enumerate(groups.items()):
@@ -111,7 +122,7 @@ def plot_rows(rows, path: Path, x_name: str) -> None:
         else:
             left.plot(xs, speedups, marker="o", label=name, color=colours[name])
         counts = reduce(add, (r.counts for r in group), SpecDecodeCounts())
-        rates = counts.per_position_acceptance
+        rates = accepted_positions(counts)
         if rates:
             right.plot(range(1, len(rates) + 1), rates, marker="o", color=colours[name],
                        label=f"{name} (len {counts.mean_acceptance_length:.2f})")

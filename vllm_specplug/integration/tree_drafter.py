@@ -53,7 +53,8 @@ class TreeEagleDrafter:
     def load_model(self, target_model) -> None:
         """The head shares the target's token embedding (as vLLM's eagle3)."""
         head = self.head_model.to(self.device)
-        self.head = HeadRuntime(head, target_model.embed_input_ids)
+        self.head = HeadRuntime(head, target_model.embed_input_ids,
+                                self.options.draft_temperature)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "

@@ -81,7 +81,7 @@ class TreeRejectionSampler(RejectionSampler):
         target = logits[rows.clamp(min=0)].float()  # [B, N, V]
         result = verify_tree_greedy(tree, target.argmax(-1), validate=False)
         if not sampling_metadata.all_greedy:
-            sampled = _verify_stochastic(tree, target, rows, sampling_metadata)
+            sampled = self._verify_stochastic(tree, target, rows, sampling_metadata)
             greedy = sampling_metadata.temperature < GREEDY_BELOW
             for name in ("output_token_ids", "num_accepted", "accepted_node_ids"):
                 chosen = torch.where(greedy.view(-1, *[1] * (getattr(result, name).dim() - 1)),
@@ -94,6 +94,33 @@ class TreeRejectionSampler(RejectionSampler):
         compact_kv(self.runner, step)
         return SamplerOutput(sampled_token_ids=result.output_token_ids.to(torch.int32),
                              logprobs_tensors=None)
+
+    def _verify_stochastic(self, tree, target_logits, rows, sampling_metadata):
+        """Node distributions after temperature/top-k/top-p (vLLM's own
+        `apply_sampling_constraints`), then lossless tree rejection sampling."""
+        batch, width, vocab = target_logits.shape
+        valid = rows >= 0
+        flat = target_logits[valid]  # [sum nodes, V], request-major
+        cu_nodes = torch.cumsum(valid.sum(1), 0).to(torch.int32)
+        probs_flat = apply_sampling_constraints(flat.clone(), cu_nodes,
+                                                sampling_metadata).softmax(-1)
+        probs = probs_flat[cu_nodes.long() - valid.sum(1)][:, None].repeat(1, width, 1)
+        probs[valid] = probs_flat  # padding rows keep the root's (never read)
+        uniform, exp = self.random_samples(batch, width, vocab, sampling_metadata,
+                                           target_logits.device)
+        return verify_tree_stochastic(tree, probs, uniform, exp, validate=False)
+
+    @staticmethod
+    def random_samples(batch: int, width: int, vocab: int, sampling_metadata, device):
+        """uniform [B, N] (acceptances) and Exp(1) [B, V] (residual sample),
+        from each seeded request's own generator."""
+        uniform = torch.empty(batch, width, device=device)
+        exp = torch.empty(batch, vocab, device=device)
+        for b in range(batch):
+            generator = sampling_metadata.generators.get(b)
+            uniform[b].uniform_(generator=generator)
+            exp[b].exponential_(generator=generator)
+        return uniform, exp
 
 
 def _pad(token_ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -128,27 +155,6 @@ def _to(tree, device):
     for name, value in vars(tree).items():
         setattr(tree, name, value.to(device))
     return tree
-
-
-def _verify_stochastic(tree, target_logits, rows, sampling_metadata):
-    """Node distributions after temperature/top-k/top-p (vLLM's own
-    `apply_sampling_constraints`), then lossless tree rejection sampling."""
-    batch, width, vocab = target_logits.shape
-    valid = rows >= 0
-    flat = target_logits[valid]  # [sum nodes, V], request-major
-    cu_nodes = torch.cumsum(valid.sum(1), 0).to(torch.int32)
-    probs_flat = apply_sampling_constraints(flat.clone(), cu_nodes,
-                                            sampling_metadata).softmax(-1)
-    probs = target_logits.new_zeros(batch, width, vocab)
-    probs[:, :] = probs_flat[cu_nodes.long() - valid.sum(1)][:, None]  # pads: root's row
-    probs[valid] = probs_flat
-    uniform = torch.empty(batch, width, device=target_logits.device)
-    exp = torch.empty(batch, vocab, device=target_logits.device)
-    for b in range(batch):
-        generator = sampling_metadata.generators.get(b)
-        uniform[b].uniform_(generator=generator)
-        exp[b].exponential_(generator=generator)
-    return verify_tree_stochastic(tree, probs, uniform, exp, validate=False)
 
 
 def compact_kv(runner, step) -> None:

@@ -37,12 +37,18 @@ class Eagle3TreeOptions(ProposerOptions):
     topk: int = 1  # beam width per draft step (1 = chain)
     num_steps: int | None = None  # draft depth; default num_speculative_tokens or 5
     num_draft_tokens: int | None = None  # tree size incl. the root; default 1 + num_steps
+    # Divides the head's logits before path scores are summed: < 1 trusts the
+    # head more (deeper trees), > 1 less (wider). Selection only: verification
+    # uses the target's distribution alone, so any value is lossless.
+    draft_temperature: float = 1.0
 
     def validate(self, name: str) -> None:
         require(bool(self.model), name, "model is required: the EAGLE-3 head directory "
                 "(config.json + model.safetensors, e.g. from `vllm-specplug "
                 "train-eagle3` or `vllm-specplug build-model tiny-eagle3`)")
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
+        require(self.draft_temperature > 0, name,
+                f"draft_temperature={self.draft_temperature} must be > 0")
         if self.num_steps is not None:
             require(self.num_steps >= 1, name, f"num_steps={self.num_steps} must be >= 1")
         if self.num_draft_tokens is not None and self.num_steps is not None:
@@ -56,7 +62,8 @@ class Eagle3TreeOptions(ProposerOptions):
         size from num_steps (a chain when topk=1)."""
         steps = self.num_steps or num_speculative_tokens or DEFAULT_NUM_STEPS
         size = self.num_draft_tokens or 1 + steps
-        resolved = Eagle3TreeOptions(self.model, self.topk, steps, size)
+        resolved = Eagle3TreeOptions(self.model, self.topk, steps, size,
+                                     self.draft_temperature)
         resolved.validate(METHOD)
         return resolved
 

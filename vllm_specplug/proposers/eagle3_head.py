@@ -39,8 +39,10 @@ class RequestCache:
 
 
 class HeadRuntime:
-    def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor],
+                 draft_temperature: float = 1.0):
         self.head = head.eval()
+        self.draft_temperature = draft_temperature
         self.embed = embed  # target token ids [T] -> [T, H] (the target's embedding)
         self.caches: dict[str, RequestCache] = {}
         self.scale = head.config.head_dim ** -0.5
@@ -164,6 +166,6 @@ class HeadRuntime:
         return build_draft_tree(pooled, root_token_ids, root_positions, num_draft_tokens,
                                 validate=False)
 
-    @staticmethod
-    def _topk(logits: torch.Tensor, topk: int):
-        return F.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+    def _topk(self, logits: torch.Tensor, topk: int):
+        """Top-k draft ids and their log-probs (path-score increments)."""
+        return F.log_softmax(logits.float() / self.draft_temperature, dim=-1).topk(topk, dim=-1)

@@ -84,7 +84,8 @@ def run_offline(model: str, inputs: list, specs: list[NamedSpec], batch_sizes: l
         for spec in specs:
             progress.set_postfix_str(spec.name)
             try:
-                with running_llm(model, spec.config, **engine_kwargs) as llm:
+                with running_llm(model, spec.config,
+                                 **{**engine_kwargs, **spec.engine_kwargs}) as llm:
                     rows += _measure_engine(llm, spec, inputs, batch_sizes, repeats,
                                             params, progress)
             except Exception as error:  # one bad config must not lose the others

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BASELINE_NAME = "none"
@@ -27,6 +27,8 @@ class SpecError(ValueError):
 class NamedSpec:
     name: str
     config: dict | None  # None: no speculation
+    # `vllm.LLM` arguments for this row's engine only (e.g. async_scheduling)
+    engine_kwargs: dict = field(default_factory=dict)
 
 
 def _body_text(body: str, argument: str) -> str:

@@ -87,8 +87,8 @@ class TreeRejectionSampler(RejectionSampler):
                 chosen = torch.where(greedy.view(-1, *[1] * (getattr(result, name).dim() - 1)),
                                      getattr(result, name), getattr(sampled, name))
                 setattr(result, name, chosen)
-        by_row = {r.row: r for r in step.requests}
-        for row, request in by_row.items():
+        for request in step.requests:
+            row = request.row
             path = result.accepted_node_ids[row, :int(result.num_accepted[row]) + 1]
             step.accepted[request.req_id] = path.tolist()
         compact_kv(self.runner, step)

@@ -110,6 +110,30 @@ class ProposeBatch:
         return self.token_ids[i, :self.num_tokens[i]]
 
 
+@dataclass
+class DeviceProposeBatch:
+    """One step's requests, with their histories where the model runner
+    keeps them on the device (Model Runner V2's `req_states`), indexed by
+    state slot rather than batch row. Valid only during `propose`."""
+    req_ids: list[str]
+    token_ids: torch.Tensor  # [max_num_reqs, max_len] int32, device; slot s valid up to num_tokens[s]
+    idx_mapping: torch.Tensor  # [num_reqs] int, device: batch row -> state slot
+    num_tokens: torch.Tensor  # [max_num_reqs] int32, device: history length per slot
+    num_sampled: torch.Tensor  # [num_reqs] int32, device: 0 for a partial prefill (no draft)
+
+
+class DeviceDrafter(ABC):
+    """Drafts on the device with no host synchronisation (see
+    `Proposer.device_drafter`). Runs without the per-request lifecycle."""
+
+    @abstractmethod
+    def propose(self, batch: DeviceProposeBatch, draft_ids: torch.Tensor,
+                num_draft: torch.Tensor) -> None:
+        """Write each row's draft into `draft_ids` ([num_reqs, K] int64),
+        padded to K with the row's last token, and its unpadded length into
+        `num_draft` ([num_reqs] int32)."""
+
+
 class Proposer(ABC):
     """A speculative proposer selected by name.
 
@@ -122,6 +146,9 @@ class Proposer(ABC):
     """
     options_cls: ClassVar[type[ProposerOptions]] = ProposerOptions
     uses_hidden_states: ClassVar[bool] = False
+    # Runs under vLLM's Model Runner V2 on CUDA (integration/v2_speculator.py);
+    # False keeps the method on the V1 runner, whose patches it needs.
+    runs_on_model_runner_v2: ClassVar[bool] = True
     # The object vLLM's `custom_class` instantiates in the worker for this method.
     drafter_qualname: ClassVar[str] = "vllm_specplug.integration.drafter.SpecplugDrafter"
 
@@ -153,3 +180,9 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         """Drafts for every request of `batch`, in order."""
+
+    def device_drafter(self, max_num_reqs: int) -> DeviceDrafter | None:
+        """A drafter that works on the device-resident histories of Model
+        Runner V2, used there instead of `propose` and the lifecycle (None:
+        the host path). It must draft what `propose` would."""
+        return None

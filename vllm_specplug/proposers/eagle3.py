@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerConfigError,
-                                          ProposerContext, ProposerOptions, StopReason,
-                                          require)
+                                          ProposerOptions, require)
 
 TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.tree_drafter.TreeEagleDrafter"
 DEFAULT_NUM_STEPS = 5
@@ -125,7 +123,8 @@ class Eagle3TreeProposer(Proposer):
     options_cls: ClassVar[type[ProposerOptions]] = Eagle3TreeOptions
     uses_hidden_states: ClassVar[bool] = True
     drafter_qualname: ClassVar[str] = TREE_DRAFTER_QUALNAME
-    accepts_model: ClassVar[bool] = True
+    # Trees need the V1 runner's patches (positions, attention, verification).
+    runs_on_model_runner_v2: ClassVar[bool] = False
 
     @classmethod
     def vllm_num_speculative_tokens(cls, options: Eagle3TreeOptions,
@@ -136,14 +135,6 @@ class Eagle3TreeProposer(Proposer):
     @classmethod
     def check_target(cls, name: str, options: Eagle3TreeOptions, target_hf) -> None:
         check_head_fits_target(name, options, target_hf)
-
-    def __init__(self, options: ProposerOptions, context: ProposerContext) -> None:
-        super().__init__(options, context)
-        self.head = None  # HeadRuntime, set by the drafter once the target is loaded
-
-    def stop_request(self, req_id: str, reason: StopReason) -> None:
-        if self.head is not None:
-            self.head.forget(req_id)
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         raise ProposerConfigError(
@@ -160,6 +151,3 @@ def chain_parents(num_nodes: int) -> np.ndarray:
 def is_chain(parent_ids: np.ndarray) -> bool:
     return bool(np.array_equal(parent_ids, chain_parents(len(parent_ids))))
 
-
-def device_of(context: ProposerContext) -> torch.device:
-    return torch.device(context.device)

@@ -4,13 +4,15 @@ Take the longest n in [`prompt_lookup_min`, `prompt_lookup_max`] for which
 the request's last n tokens occurred earlier, and propose the tokens that
 followed an earlier occurrence (the most recent one with k tokens after it,
 else the earliest). One [B, W] comparison serves
-the whole batch; longer matches are grown from its few candidates.
+the whole batch; longer matches are grown from its few candidates. Under
+Model Runner V2 the same selection runs on the device (ngram_device.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from vllm_specplug.proposers.base import ProposeBatch, Proposer, ProposerOptions, require
 
@@ -88,6 +90,14 @@ def _preferred_ends(cand_rows, cand_ends, num_tokens, k):
 
 class NgramProposer(Proposer):
     options_cls = NgramOptions
+
+    def device_drafter(self, max_num_reqs: int):
+        from vllm_specplug.proposers.ngram_device import NgramDeviceDrafter
+
+        opts: NgramOptions = self.options
+        return NgramDeviceDrafter(opts.prompt_lookup_min, opts.prompt_lookup_max,
+                                  max_num_reqs, self.context.max_model_len,
+                                  torch.device(self.context.device))
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         opts: NgramOptions = self.options

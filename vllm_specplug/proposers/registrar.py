@@ -3,7 +3,8 @@ registered proposer names."""
 from __future__ import annotations
 
 from vllm_specplug.integration import kernel_overrides
-from vllm_specplug.patches import arg_utils, cpu_attn, gpu_model_runner
+from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, gpu_model_runner,
+                                   gpu_v2_model_runner)
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -11,7 +12,7 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 def register_proposers() -> list[str]:
-    items = arg_utils.install()
+    items = arg_utils.install() + config_vllm.install()
     # Only workers import the model runner; patch it there, when they do.
     when = when_imported(RUNNER_MODULE, gpu_model_runner.install)
     items.append(f"patch:{RUNNER_MODULE} ({when})")
@@ -19,4 +20,6 @@ def register_proposers() -> list[str]:
     # after loading plugins and before importing the model runner.
     when_imported(RUNNER_MODULE, kernel_overrides.install)
     when_imported(cpu_attn.MODULE, cpu_attn.install)
+    # Model Runner V2 (CUDA only; never imported on the CPU platform).
+    when_imported(gpu_v2_model_runner.MODULE, gpu_v2_model_runner.install)
     return items + [f"proposer:{name}" for name in available_proposers()]

@@ -7,10 +7,32 @@ exception, so this is how a test can fail when `register()` breaks.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 PROBE_QUALNAME = "vllm_specplug.testing.worker_probe.SpecplugProbe"
 
 
 class SpecplugProbe:
+    def specplug_runner_state(self) -> dict:
+        return runner_state(self)
+
+    def specplug_record_cudagraph_modes(self) -> None:
+        """From now on, count the CUDA-graph mode of every step this worker
+        runs (needs the engine's `cudagraph_metrics=True`)."""
+        record_cudagraph_modes(self.model_runner)
+
+    def specplug_cudagraph_modes(self) -> list[dict]:
+        """[{num_tokens, num_padded_tokens, mode, count}], most frequent first."""
+        counts = getattr(self.model_runner, "_specplug_cudagraph_counts", Counter())
+        return [{"num_tokens": t, "num_padded_tokens": p, "mode": m, "count": c}
+                for (t, p, m), c in counts.most_common()]
+
+    def specplug_speculator_stats(self) -> dict | None:
+        """Steps, host seconds in propose, draft tokens and slots of our Model
+        Runner V2 speculator (None for any other)."""
+        stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
+        return None if stats is None else stats.as_dict()
+
     def specplug_registration_state(self) -> dict:
         from vllm_specplug.plugin import registration_state
 
@@ -50,3 +72,43 @@ def _always_accept_class():
 
     return AlwaysAcceptFirstChild
 
+
+def runner_state(worker) -> dict:
+    """Which model runner and speculator a worker runs, and its capture sizes."""
+    runner = worker.model_runner
+    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    config = runner.vllm_config
+    return {"runner": f"{type(runner).__module__}.{type(runner).__name__}",
+            "speculator": None if speculator is None else type(speculator).__name__,
+            "async_scheduling": bool(config.scheduler_config.async_scheduling),
+            "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
+            "cudagraph_capture_sizes":
+                list(config.compilation_config.cudagraph_capture_sizes or [])}
+
+
+def record_cudagraph_modes(runner) -> None:
+    """Wrap this runner's `sample_tokens` (the instance's, nothing global) to
+    count the `CUDAGraphStat` vLLM attaches to each step's output."""
+    if hasattr(runner, "_specplug_cudagraph_counts"):
+        runner._specplug_cudagraph_counts.clear()
+        return
+    counts: Counter = Counter()
+    runner._specplug_cudagraph_counts = counts
+    original = runner.sample_tokens
+
+    def sample_tokens(*args, **kwargs):
+        output = original(*args, **kwargs)
+        inner = getattr(output, "model_runner_output", None) or \
+            getattr(output, "_model_runner_output", None) or output
+        stat = getattr(inner, "cudagraph_stats", None)
+        if stat is not None:
+            counts[(stat.num_unpadded_tokens, stat.num_padded_tokens, stat.runtime_mode)] += 1
+        return output
+
+    runner.sample_tokens = sample_tokens
+
+
+def _qualname(cls_or_path) -> str | None:
+    if cls_or_path is None or isinstance(cls_or_path, str):
+        return cls_or_path
+    return f"{cls_or_path.__module__}.{cls_or_path.__qualname__}"

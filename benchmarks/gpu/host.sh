@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the staged GPU host (docs/gpu.md), from the repository root, after the
+# carry calls: install this checkout and arctic-inference next to the staged
+# vLLM, then run one step. Output goes to $OUT (the device tool brings it back).
+#   bash benchmarks/gpu/host.sh install      # once per fresh host
+#   bash benchmarks/gpu/host.sh smoke        # two engines: runner, speculator, exactness
+#   bash benchmarks/gpu/host.sh tests        # tests/gpu + tests/kernels (pytest summary in $OUT)
+#   bash benchmarks/gpu/host.sh bench [--targets ...] [--methods ...]
+#   bash benchmarks/gpu/host.sh report       # one table from every bench run on this host
+set -uo pipefail
+export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
+export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
+OUT=${OUT:-/tmp/out}
+RESULTS=$HOME/results
+mkdir -p "$OUT" "$RESULTS"
+quiet() { grep -v "^INFO\|^(EngineCore\|^(MainProcess\|^(Worker\|WARNING\|^\[" ; }
+case "${1:-}" in
+  install)
+    [ -d "$HOME/vsite/vllm" ] || bash .gpu/unpack.sh || exit 1
+    # arctic-inference (suffix decoding), a cp312 wheel built by scripts/stage-arctic.sh
+    python3 -m pip install -q --no-deps --no-index --upgrade --target "$HOME/vsite" \
+      .gpu/whl/*.whl 2>&1 | tail -3
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade \
+      --target "$HOME/vsite" . 2>&1 | tail -3
+    python3 -c "import vllm, vllm_specplug, arctic_inference.suffix_decoding as s, torch
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__name__)" ;;
+  smoke)
+    python3 -m pytest tests/gpu -q -rs -x -k "runs_on_model_runner_v2 and async" \
+      2>&1 | tee "$OUT/smoke.log" | tail -30 ;;
+  tests)
+    python3 -m pytest tests/gpu tests/kernels -q -rs 2>&1 | tee "$OUT/pytest_gpu.log" \
+      | quiet | tail -40 ;;
+  bench)
+    shift
+    python3 benchmarks/gpu/bench_model_runner_v2.py run --work "$SPECPLUG_GPU_WORK" \
+      --results "$RESULTS" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | quiet | tail -70
+    ;;
+  report)
+    python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
+  *) echo "usage: host.sh install|smoke|tests|bench|report"; exit 2 ;;
+esac

@@ -1,0 +1,79 @@
+"""Decode capture sizes n * (K + 1) under a user's max_cudagraph_capture_size
+(vllm#54933), on real VllmConfigs built by vLLM's EngineArgs.
+
+The CPU platform captures no CUDA graphs, so each test switches the built
+config to what CUDA would have (graphs on, the user's maximum, no explicit
+sizes) and reruns vLLM's own `_set_cudagraph_sizes` (ours wraps it). The GPU
+run checks the sizes an engine really captured (tests/gpu/).
+"""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.integration.cudagraph import decode_capture_sizes, request_counts
+
+K = 5
+QUERY_LEN = K + 1
+
+
+def _sizes(tiny_model_dir, spec: dict | None, max_size: int | None,
+           explicit: list[int] | None = None, max_num_seqs: int = 64) -> list[int]:
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(tiny_model_dir), speculative_config=spec,
+                        max_model_len=512, max_num_seqs=max_num_seqs).create_engine_config()
+    config.model_config.enforce_eager = False
+    compilation = config.compilation_config
+    compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    compilation.max_cudagraph_capture_size = max_size
+    compilation.cudagraph_capture_sizes = explicit
+    config._set_cudagraph_sizes()
+    return list(compilation.cudagraph_capture_sizes)
+
+
+def test_request_counts_follow_vllms_grid():
+    assert request_counts(3) == [1, 2, 3]
+    assert request_counts(20) == [1, 2, 4, 8, 16, 20]
+    counts = request_counts(300)
+    assert counts[-3:] == [272, 288, 300] and 248 in counts and 252 not in counts
+
+
+def test_decode_sizes_are_multiples_under_the_maximum():
+    assert decode_capture_sizes(1, 64, 512) == []
+    assert decode_capture_sizes(6, 64, 5) == []
+    assert decode_capture_sizes(6, 64, 100) == [6, 12, 24, 48, 96]
+
+
+def test_our_method_keeps_decode_sizes_under_a_user_maximum(tiny_model_dir):
+    spec = {"method": "specplug_ngram", "num_speculative_tokens": K}
+    sizes = _sizes(tiny_model_dir, spec, max_size=96)
+    assert sizes[-1] == 96                         # the user's maximum stays
+    for n in (1, 2, 4, 8, 16):                     # every uniform decode step fits a graph
+        assert n * QUERY_LEN in sizes, (n, sizes)
+    plain = _sizes(tiny_model_dir, None, max_size=96)
+    assert set(plain) <= set(sizes) and 6 not in plain   # what vLLM alone gives
+
+
+def test_vllm_defaults_and_explicit_sizes_are_left_alone(tiny_model_dir):
+    spec = {"method": "specplug_ngram", "num_speculative_tokens": K}
+    explicit = [1, 2, 4, 8]
+    assert _sizes(tiny_model_dir, spec, max_size=None, explicit=explicit) == explicit
+    default = _sizes(tiny_model_dir, spec, max_size=None)
+    assert 64 * QUERY_LEN in default or default[-1] < 64 * QUERY_LEN
+    assert all(n * QUERY_LEN in default for n in (1, 2, 4, 8))   # vLLM's own rule
+    own = _sizes(tiny_model_dir, {"method": "ngram", "num_speculative_tokens": K,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+                 max_size=96)
+    assert 6 not in own                            # vLLM's methods: vLLM's behaviour
+
+
+@pytest.mark.parametrize("num_draft_tokens", [6, 12])  # 6 and 12 are off vLLM's grid
+def test_tree_sizes_are_multiples_of_the_node_count(tiny_model_dir, tiny_eagle3_dir,
+                                                    num_draft_tokens):
+    spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": 4,
+            "num_steps": 4, "num_draft_tokens": num_draft_tokens}
+    sizes = _sizes(tiny_model_dir, spec, max_size=128)
+    for n in (1, 2, 4, 8):
+        if n * num_draft_tokens <= 128:
+            assert n * num_draft_tokens in sizes, (n, sizes)

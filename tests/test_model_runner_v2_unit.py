@@ -1,0 +1,159 @@
+"""The Model Runner V2 adapter's host-side logic, on CPU (issue 11).
+
+Model Runner V2 needs CUDA (pinned memory, streams, Triton), so its real
+engine tests live in tests/gpu/. Here: the token gather against a plain
+reference, the adapter driven through a request lifecycle over stand-ins for
+the runner's `req_states` and `input_batch` (the fields it reads, same
+shapes and dtypes), and the VllmConfig decision (runner, async scheduling)
+on real configs built by vLLM's EngineArgs.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v2_helpers import K, Spy, States, make_speculator, step
+from vllm_specplug.integration.v2_speculator import gather_step_tokens
+from vllm_specplug.proposers.base import StopReason
+
+
+def test_gather_step_tokens_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    all_ids = torch.randint(0, 1000, (7, 33), generator=gen, dtype=torch.int32)
+    total_len = torch.tensor([5, 33, 1, 12, 0, 9, 2], dtype=torch.int32)
+    idx = torch.tensor([6, 1, 3, 0], dtype=torch.int64)
+    num_sampled = torch.tensor([2, 4, 1, 0], dtype=torch.int32)
+    got = gather_step_tokens(all_ids, total_len, idx, num_sampled, max_new=4)
+    for b, slot in enumerate(idx.tolist()):
+        n = int(total_len[slot])
+        assert got[b, 0] == num_sampled[b] and got[b, 1] == n
+        want = [int(all_ids[slot, max(p, 0)]) for p in range(n - 4, n)]
+        assert got[b, 2:].tolist() == want
+
+
+CYCLE = [7, 8, 9, 10]
+
+
+def test_adapter_drives_the_lifecycle_and_pads_drafts():
+    states = States()
+    speculator = make_speculator(states)
+    spy = Spy(speculator.session.proposer)
+    states.add("a", 3, CYCLE * 3)           # repeats: n-gram drafts the cycle
+    states.add("b", 1, [1, 2, 3, 4, 5, 6])  # no repeat: no draft
+    states.sample("a", [7])
+    drafts, (req_ids, lists), lengths = step(speculator, states, ["a", "b"], [1, 0])
+    # b is a prefill chunk (nothing sampled): not started yet, no draft
+    assert spy.take() == [("start_request", "a", CYCLE * 3), ("update_request", "a", [7])]
+    assert req_ids == ["a", "b"] and lists == [[8, 9, 10], []]
+    assert lengths == {"a": 3, "b": 0}
+    assert drafts[0].tolist() == [8, 9, 10]
+
+    states.sample("a", [8, 9])   # two tokens accepted
+    states.sample("b", [11])     # b's prefill finished
+    drafts, (_, lists), _ = step(speculator, states, ["a", "b"], [2, 1])
+    assert spy.take() == [("update_request", "a", [8, 9]),
+                          ("start_request", "b", [1, 2, 3, 4, 5, 6]),
+                          ("update_request", "b", [11])]
+    assert lists == [[10, 7, 8], []]
+    assert drafts[1].tolist() == [11, 11, 11]  # padded with the history's last token
+
+    # a finishes and c takes its slot; b is preempted and resumes in slot 0
+    del states.req_id_to_index["a"]
+    states.add("c", 3, [5, 5, 5, 5])
+    history_b = states.history("b")
+    del states.req_id_to_index["b"]
+    states.add("b", 0, history_b, num_prompt=6)
+    states.sample("c", [5])
+    states.sample("b", [12])
+    _, (_, lists), _ = step(speculator, states, ["c", "b"], [1, 1])
+    calls = spy.take()
+    assert ("stop_request", "a", StopReason.FINISHED) in calls
+    assert ("stop_request", "b", StopReason.PREEMPTED) in calls
+    assert ("start_request", "c", [5, 5, 5, 5]) in calls
+    assert ("start_request", "b", [1, 2, 3, 4, 5, 6]) in calls
+    assert ("update_request", "b", [11, 12]) in calls
+    assert lists[0] and set(lists[0]) == {5}
+    assert speculator.session.active == {"b", "c"}
+
+
+def test_adapter_takes_drafts_once_and_skips_dummy_runs():
+    states = States()
+    speculator = make_speculator(states)
+    states.add("a", 2, CYCLE * 2)
+    states.sample("a", [7])
+    step(speculator, states, ["a"], [1])
+    assert speculator.take_drafts() == ([], [])
+    assert speculator.take_draft_lengths() is None
+    batch = SimpleNamespace(num_reqs=1)
+    out = speculator.propose(batch, None, None, None, None, None, None, None, None, None,
+                             None, dummy_run=True)
+    assert out.shape == (1, K)
+    assert speculator.take_drafts() == ([], [])
+
+
+# ------------------------------------------------ the VllmConfig decision
+
+
+def _config(tiny_model_dir, spec: dict, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(tiny_model_dir), speculative_config=spec, max_model_len=512,
+                      **kwargs).create_engine_config()
+
+
+OUR_SPEC = {"method": "specplug_ngram", "num_speculative_tokens": K}
+OUR_SCHEDULER = "vllm_specplug.integration.scheduler.SpecplugAsyncScheduler"
+
+
+def test_cpu_platform_keeps_v1_runner_and_sync_scheduling(tiny_model_dir):
+    config = _config(tiny_model_dir, OUR_SPEC)
+    assert not config.use_v2_model_runner
+    assert not config.scheduler_config.async_scheduling
+    assert config.scheduler_config.scheduler_cls is None
+
+
+@pytest.fixture
+def as_if_cuda_with_v2(monkeypatch):
+    """CUDA's answer to the two questions our patch asks (is this CUDA? may
+    Model Runner V2 run?), everything else from the CPU platform."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+
+
+def test_ours_on_cuda_gets_v2_runner_and_async_scheduling(tiny_model_dir,
+                                                          as_if_cuda_with_v2):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    config = _config(tiny_model_dir, OUR_SPEC)
+    assert config.use_v2_model_runner
+    assert "speculative method 'custom_class'" not in \
+        config._get_v2_model_runner_unsupported_features()
+    assert config.scheduler_config.async_scheduling
+    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+    ours = _config(tiny_model_dir, OUR_SPEC, scheduler_cls=OUR_SCHEDULER)
+    assert ours.scheduler_config.async_scheduling
+    assert ours.scheduler_config.scheduler_cls == OUR_SCHEDULER
+
+
+def test_explicit_choices_are_kept(tiny_model_dir, as_if_cuda_with_v2):
+    sync = _config(tiny_model_dir, OUR_SPEC, async_scheduling=False)
+    assert not sync.scheduler_config.async_scheduling
+    mine = _config(tiny_model_dir, OUR_SPEC, async_scheduling=True,
+                   scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler")
+    assert mine.scheduler_config.async_scheduling
+    assert mine.scheduler_config.scheduler_cls == \
+        "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+
+
+def test_tree_eagle_stays_on_v1_runner(tiny_model_dir, tiny_eagle3_dir, as_if_cuda_with_v2):
+    config = _config(tiny_model_dir, {"method": "specplug_eagle3",
+                                      "model": str(tiny_eagle3_dir), "topk": 2,
+                                      "num_steps": 2, "num_draft_tokens": 4})
+    assert "speculative method 'custom_class'" in \
+        config._get_v2_model_runner_unsupported_features()

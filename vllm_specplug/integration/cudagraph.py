@@ -1,0 +1,41 @@
+"""CUDA-graph capture sizes for speculative decode steps.
+
+A decode step that verifies K draft tokens per request runs n * (K + 1)
+tokens for n requests (for a tree of `num_draft_tokens` nodes, n *
+num_draft_tokens, which vLLM sees as K + 1 with K = num_draft_tokens - 1).
+vLLM only replays a FULL graph for a uniform decode batch whose size is a
+captured multiple of the query length. vLLM 0.32 adds those sizes when it
+chooses the capture range itself, but not when the user passes
+`max_cudagraph_capture_size` (vllm#54933): then every speculative decode step
+that is not a multiple by luck runs eagerly. `decode_capture_sizes` gives
+the sizes to add; `patches/config_vllm.py` adds them for our methods.
+"""
+from __future__ import annotations
+
+# vLLM's request-count grid for decode sizes (config/vllm.py, _set_cudagraph_sizes)
+SMALL_REQUEST_COUNTS = (1, 2, 4)
+FINE_STEP, COARSE_STEP, COARSE_FROM = 8, 16, 256
+
+
+def request_counts(max_num_reqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, ..., 248, 256, 272, ... up to `max_num_reqs` (included)."""
+    counts = [n for n in SMALL_REQUEST_COUNTS if n <= max_num_reqs]
+    counts += range(FINE_STEP, min(max_num_reqs + 1, COARSE_FROM), FINE_STEP)
+    counts += range(COARSE_FROM, max_num_reqs + 1, COARSE_STEP)
+    return sorted(set(counts) | {max_num_reqs})
+
+
+def decode_capture_sizes(query_len: int, max_num_reqs: int, max_size: int) -> list[int]:
+    """Token counts n * query_len (n requests of one uniform decode step each)
+    that fit under `max_size`; empty when a step is one token per request."""
+    if query_len <= 1 or max_size < query_len:
+        return []
+    return [n * query_len for n in request_counts(max_num_reqs) if n * query_len <= max_size]
+
+
+def with_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int) -> list[int]:
+    """`sizes` (vLLM's final, sorted capture sizes) plus the decode sizes under
+    its largest; the largest stays the largest, as vLLM asserts."""
+    if not sizes:
+        return sizes
+    return sorted(set(sizes) | set(decode_capture_sizes(query_len, max_num_reqs, sizes[-1])))

@@ -1,0 +1,305 @@
+"""Our proposers under vLLM's Model Runner V2 (CUDA): a `BaseSpeculator`.
+
+Model Runner V2 (`vllm/v1/worker/gpu/model_runner.py`) calls
+`speculator.propose(...)` once per step, after it has written the step's
+sampled tokens into `req_states.all_token_ids` and advanced `total_len`, and
+expects a `[num_reqs, K]` int64 draft tensor on the GPU, which it scatters
+into `req_states.draft_tokens`. Our proposers run on the host, so each step:
+
+1. one device-to-host copy brings, per request, `num_sampled`, `total_len`
+   and the (at most K+1) tokens appended this step;
+2. `HostHistories` mirrors every request's history on the host (a request
+   seen for the first time, or moved to another state slot, is read whole
+   once); requests gone from `req_states` are stopped;
+3. the shared `ProposerSession` (session.py) updates the proposer, calls
+   `propose` for requests that sampled a token, and validates the drafts;
+4. drafts are padded to K with the history's last token (a padded slot is
+   an ordinary draft token: verification rejects or accepts it losslessly),
+   copied to the GPU, and their true lengths kept for the scheduler:
+   `take_draft_token_ids` (sync scheduling) and the step output's
+   `specplug_draft_lengths` (async scheduling, `SpecplugAsyncScheduler`),
+   both through `patches/gpu_v2_model_runner.py`.
+
+A proposer that offers a `device_drafter` (specplug_ngram) skips all of that:
+its kernels read `req_states.all_token_ids` where vLLM keeps it and write the
+padded drafts in place, with no host synchronisation, as vLLM's own GPU
+n-gram does; the scheduler then reserves K slots per request.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
+from vllm_specplug.proposers.base import DeviceProposeBatch, ProposeBatch, StopReason
+
+# A request slot in req_states that holds no request we know of.
+NO_REQUEST = -1
+# "1": draft on the host even where the proposer can draft on the device
+# (to measure what device drafting buys; benchmarks/gpu/).
+HOST_DRAFTING_ENV = "VLLM_SPECPLUG_HOST_DRAFTING"
+
+
+class HostHistories:
+    """Host copies of the histories (prompt + accepted tokens) of the requests
+    in Model Runner V2's state slots, indexed like `req_states`."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int) -> None:
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.slot_of: dict[str, int] = {}  # req_id -> state slot it was read from
+
+    def knows(self, req_id: str, slot: int) -> bool:
+        return self.slot_of.get(req_id, NO_REQUEST) == slot
+
+    def load(self, req_id: str, slot: int, history: np.ndarray) -> None:
+        self.token_ids[slot, :len(history)] = history
+        self.num_tokens[slot] = len(history)
+        self.slot_of[req_id] = slot
+
+    def append(self, slot: int, new_token_ids: np.ndarray, total_len: int) -> None:
+        start = total_len - len(new_token_ids)
+        self.token_ids[slot, start:total_len] = new_token_ids
+        self.num_tokens[slot] = total_len
+
+    def forget(self, req_id: str) -> None:
+        self.slot_of.pop(req_id, None)
+
+
+def gather_step_tokens(all_token_ids: torch.Tensor, total_len: torch.Tensor,
+                       idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                       max_new: int) -> np.ndarray:
+    """[num_reqs, 2 + max_new] int64 on the host: num_sampled, total_len and
+    the last `max_new` token slots of each request (its new tokens are the
+    last num_sampled of them). One device-to-host copy.
+
+    all_token_ids: [max_num_reqs, max_model_len] int32; total_len:
+    [max_num_reqs] int32; idx_mapping: [num_reqs] int (batch row -> slot);
+    num_sampled: [num_reqs] int32.
+    """
+    slots = idx_mapping.long()
+    lens = total_len[slots].long()
+    offsets = torch.arange(-max_new, 0, device=lens.device)
+    positions = (lens[:, None] + offsets[None, :]).clamp_(min=0)
+    flat = slots[:, None] * all_token_ids.stride(0) + positions
+    tokens = all_token_ids.reshape(-1)[flat].long()
+    packed = torch.cat([num_sampled.long()[:, None], lens[:, None], tokens], dim=1)
+    return packed.cpu().numpy()
+
+
+class SpecplugV2Speculator:
+    """`BaseSpeculator` (duck-typed: vLLM's ABC needs no registration) that
+    drafts with a vllm-specplug proposer. Built by the patched
+    `init_speculator` when the speculative config selects one of ours."""
+
+    supports_mm_inputs = False
+    draft_logits = None  # no draft probabilities: vLLM verifies drafts as greedy tokens
+    num_query_per_req = 1
+    num_extra_query_per_req = 0
+
+    def __init__(self, vllm_config, device: torch.device, req_states,
+                 use_device_drafter: bool | None = None) -> None:
+        self.session = ProposerSession(vllm_config)
+        self.req_states = req_states
+        self.device = device
+        self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        if use_device_drafter is None:
+            use_device_drafter = (device.type == "cuda"
+                                  and os.environ.get(HOST_DRAFTING_ENV) != "1")
+        self.device_drafter = (self.session.proposer.device_drafter(max_num_reqs)
+                               if use_device_drafter else None)
+        self.stats = SpeculatorStats(device)
+        if self.device_drafter is None:  # the host path mirrors every history
+            self.histories = HostHistories(max_num_reqs, vllm_config.model_config.max_model_len)
+            self.drafts_cpu = torch.zeros(max_num_reqs, self.num_speculative_steps,
+                                          dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.drafts = torch.zeros(max_num_reqs, self.num_speculative_steps,
+                                  dtype=torch.int64, device=device)
+        self.num_draft = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # [max_num_reqs, K]: vLLM reads this only with adaptive verification
+        self.draft_token_confidence_probs = torch.ones_like(self.drafts, dtype=torch.float32)
+        self.last_req_ids: list[str] = []
+        self.last_drafts: list[list[int]] = []
+        self.pending_lengths: dict[str, int] | None = None
+
+    # -- BaseSpeculator's cudagraph hooks: nothing of ours runs on the GPU.
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        del cudagraph_mode
+
+    def capture(self) -> None:
+        return None
+
+    def prepare_watermarking(self, *args, **kwargs) -> None:
+        raise RuntimeError("vllm-specplug proposers do not support watermarking")
+
+    @torch.inference_mode()
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs=None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        num_reqs = input_batch.num_reqs
+        if dummy_run:  # profiling, warm-up, DP padding: no requests
+            return self.drafts[:num_reqs]
+        started = time.perf_counter()
+        if self.device_drafter is not None:
+            drafts = self._propose_on_device(input_batch, num_sampled[:num_reqs])
+        else:
+            drafts = self._propose_on_host(input_batch, last_hidden_states, num_sampled,
+                                           num_rejected, num_speculative_tokens)
+        self.stats.host_seconds += time.perf_counter() - started
+        self.stats.num_steps += 1
+        return drafts
+
+    def _last_tokens(self, input_batch) -> torch.Tensor:
+        """[num_reqs] int64 on the device: each request's last token."""
+        return self.req_states.last_sampled_tokens.view(-1)[input_batch.idx_mapping]
+
+    def _propose_on_device(self, input_batch, num_sampled: torch.Tensor) -> torch.Tensor:
+        num_reqs = input_batch.num_reqs
+        drafts, num_draft = self.drafts[:num_reqs], self.num_draft[:num_reqs]
+        last = self._last_tokens(input_batch)
+        batch = DeviceProposeBatch(list(input_batch.req_ids), self.req_states.all_token_ids.gpu,
+                                   input_batch.idx_mapping, self.req_states.total_len.gpu,
+                                   num_sampled)
+        ok = not self.session.guard.disabled and self.session.guard.call(
+            "propose", batch.req_ids, self.device_drafter.propose, batch, drafts, num_draft)[0]
+        if not ok:  # failed or switched off: last-token drafts, rejected as any other
+            drafts.copy_(last[:, None].expand_as(drafts))
+            num_draft.zero_()
+        # A third party's ids outside the vocabulary would index past the
+        # embedding: such slots get the last token (no host sync to check).
+        bad = (drafts < 0) | (drafts >= self.session.vocab_size)
+        torch.where(bad, last[:, None], drafts, out=drafts)
+        self.stats.add_device(num_draft, num_sampled, self.num_speculative_steps)
+        return drafts
+
+    def _propose_on_host(self, input_batch, last_hidden_states, num_sampled, num_rejected,
+                         num_speculative_tokens) -> torch.Tensor:
+        num_reqs = input_batch.num_reqs
+        if self.session.guard.disabled:  # switched off: empty drafts from now on
+            self._keep(list(input_batch.req_ids), [[] for _ in range(num_reqs)])
+            drafts = self.drafts[:num_reqs]
+            return drafts.copy_(self._last_tokens(input_batch)[:, None].expand_as(drafts))
+        k = self.num_speculative_steps if num_speculative_tokens is None else \
+            num_speculative_tokens
+        step = gather_step_tokens(self.req_states.all_token_ids.gpu,
+                                  self.req_states.total_len.gpu, input_batch.idx_mapping,
+                                  num_sampled[:num_reqs], self.num_speculative_steps + 1)
+        req_ids = list(input_batch.req_ids)
+        slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int64)
+        self._retire()
+        self._track(req_ids, slots, step)
+        hidden = self._hidden(input_batch, last_hidden_states, num_rejected, num_reqs)
+        drafts = self._draft(req_ids, slots, step, k, hidden)
+        self.stats.add_host(drafts, step[:, 0], self.num_speculative_steps)
+        return self._to_device(req_ids, slots, drafts, k)
+
+    def _retire(self) -> None:
+        """Stop requests vLLM removed (finished, aborted or preempted: a
+        preempted request comes back as new, in a fresh slot)."""
+        live = self.req_states.req_id_to_index
+        for req_id in [r for r in self.session.active if r not in live]:
+            self.session.stop(req_id, StopReason.FINISHED)
+            self.histories.forget(req_id)
+
+    def _track(self, req_ids: list[str], slots: np.ndarray, step: np.ndarray) -> None:
+        for req_id, slot, row in zip(req_ids, slots, step):
+            num_new, total_len = int(row[0]), int(row[1])
+            if num_new == 0 or self.session.guard.disabled:
+                continue  # a prefill chunk: nothing sampled, nothing to track
+            slot = int(slot)
+            if req_id in self.session.active and self.histories.knows(req_id, slot):
+                new = row[len(row) - num_new:]
+                self.histories.append(slot, new, total_len)
+                self.session.update(req_id, new.tolist())
+                continue
+            if req_id in self.session.active:  # moved to another slot: start again
+                self.session.stop(req_id, StopReason.PREEMPTED)
+            history = self.req_states.all_token_ids.gpu[slot, :total_len].cpu().numpy()
+            self.histories.load(req_id, slot, history)
+            self.session.start(req_id, history, int(self.req_states.prompt_len.np[slot]))
+
+    def _hidden(self, input_batch, last_hidden_states, num_rejected, num_reqs):
+        """[num_reqs, hidden] target hidden state at each request's last
+        accepted position (query end - 1 - rejected drafts), for proposers
+        that ask for it."""
+        if not self.session.uses_hidden_states:
+            return None
+        ends = input_batch.query_start_loc[1:num_reqs + 1].long()
+        return last_hidden_states[ends - 1 - num_rejected[:num_reqs].long()]
+
+    def _draft(self, req_ids, slots, step, k, hidden) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        lens = step[:, 1]
+        rows = [i for i, req_id in enumerate(req_ids)
+                if step[i, 0] > 0 and lens[i] < self.session.max_model_len
+                and req_id in self.session.active and self.session.can_draft(req_id)]
+        if not rows or k <= 0:
+            return drafts
+        batch = ProposeBatch([req_ids[i] for i in rows],
+                             read_only_rows(self.histories.token_ids, slots[rows], lens[rows]),
+                             read_only(lens[rows].astype(np.int64)), k,
+                             None if hidden is None else hidden[rows])
+        for i, draft in zip(rows, self.session.draft(batch)):
+            drafts[i] = draft
+        return drafts
+
+    def _to_device(self, req_ids, slots, drafts, k) -> torch.Tensor:
+        num_reqs = len(req_ids)
+        out = self.drafts_cpu[:num_reqs].numpy()
+        for i, (slot, draft) in enumerate(zip(slots, drafts)):
+            last = self.histories.token_ids[slot, max(self.histories.num_tokens[slot] - 1, 0)]
+            out[i, :] = last
+            out[i, :len(draft)] = draft
+        self.drafts[:num_reqs].copy_(self.drafts_cpu[:num_reqs], non_blocking=True)
+        self._keep(req_ids, [d[:k] for d in drafts])
+        return self.drafts[:num_reqs]
+
+    def _keep(self, req_ids: list[str], drafts: list[list[int]]) -> None:
+        self.last_req_ids, self.last_drafts = req_ids, drafts
+        self.pending_lengths = {r: len(d) for r, d in zip(req_ids, drafts)}
+
+    def take_drafts(self) -> tuple[list[str], list[list[int]]] | None:
+        """The last step's drafts at their true lengths, once (sync
+        scheduling); None on the device path (vLLM reports K slots then)."""
+        if self.device_drafter is not None:
+            return None
+        req_ids, drafts = self.last_req_ids, self.last_drafts
+        self.last_req_ids, self.last_drafts = [], []
+        return req_ids, drafts
+
+    def take_draft_lengths(self) -> dict[str, int] | None:
+        """{req_id: draft length} of the last step, once (async scheduling)."""
+        lengths, self.pending_lengths = self.pending_lengths, None
+        return lengths
+
+
+class SpeculatorStats:
+    """What a step of ours costs and fills, read by benchmarks (the worker
+    probe's `specplug_speculator_stats`). Device counts stay on the device
+    until read, so counting adds no synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.num_steps = 0
+        self.host_seconds = 0.0          # wall time inside propose (launches only, on device)
+        # [2] int64: draft tokens proposed, draft slots offered (K per drafting row)
+        self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self.host_counts = np.zeros(2, dtype=np.int64)
+
+    def add_device(self, num_draft: torch.Tensor, num_sampled: torch.Tensor, k: int) -> None:
+        self.device_counts[0] += num_draft.sum()
+        self.device_counts[1] += (num_sampled > 0).sum() * k
+
+    def add_host(self, drafts: list[list[int]], num_sampled: np.ndarray, k: int) -> None:
+        self.host_counts += (sum(len(d) for d in drafts), int((num_sampled > 0).sum()) * k)
+
+    def as_dict(self) -> dict:
+        tokens, slots = self.host_counts + self.device_counts.cpu().numpy()
+        return {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
+                "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}

@@ -1,0 +1,128 @@
+"""Patches of `vllm.config.vllm.VllmConfig`: `_get_v2_model_runner_unsupported_features`,
+`__post_init__` and `_set_cudagraph_sizes`.
+
+Why: our methods reach vLLM as `method="custom_class"`, which vLLM sends to
+the V1 model runner and runs without async scheduling. On CUDA our model-free
+proposers run under Model Runner V2 (`integration/v2_speculator.py`), with
+async scheduling (vLLM's `AsyncScheduler` by default; `SpecplugAsyncScheduler`,
+whose placeholders follow each request's draft length, on request). Both decisions are made inside VllmConfig with
+no hook: here they are made for our selection only, and only on CUDA with
+Model Runner V2; every other config is untouched. A user's explicit
+`async_scheduling=False`, `scheduler_cls` or `VLLM_USE_V2_MODEL_RUNNER=0`
+is kept.
+
+`_set_cudagraph_sizes`: with a user's `max_cudagraph_capture_size` vLLM drops
+the n * (K + 1) decode sizes it adds otherwise (vllm#54933), so speculative
+decode steps of our methods would run eagerly; we add them back
+(integration/cudagraph.py). Explicit `cudagraph_capture_sizes` are kept as given.
+"""
+from __future__ import annotations
+
+import logging
+
+from vllm_specplug.patches.registry import patch_registry
+
+logger = logging.getLogger("vllm_specplug.config")
+
+CUSTOM_CLASS_ENTRY = "speculative method 'custom_class'"
+NOT_OURS = object()
+
+
+def _v2_capable_selection(config):
+    """Our selection when its proposer runs under Model Runner V2 on this
+    platform (CUDA), else None."""
+    from vllm.platforms import current_platform
+
+    from vllm_specplug.integration.config import selection_of
+    from vllm_specplug.registry import get_proposer_class
+
+    spec = getattr(config, "speculative_config", None)
+    selection = selection_of(spec) if spec is not None else None
+    if selection is None or not current_platform.is_cuda():
+        return None
+    return selection if get_proposer_class(selection.method).runs_on_model_runner_v2 \
+        else None
+
+
+def _unsupported_features(original):
+    def unsupported(self):
+        features = original(self)
+        if _v2_capable_selection(self) is not None:
+            features = [f for f in features if f != CUSTOM_CLASS_ENTRY]
+        return features
+
+    return unsupported
+
+
+def _post_init(original):
+    def post_init(self):
+        wanted = NOT_OURS
+        if _v2_capable_selection(self) is not None:
+            wanted = self.scheduler_config.async_scheduling
+            if wanted:  # vLLM refuses custom_class with async: we decide below
+                self.scheduler_config.async_scheduling = None
+        original(self)
+        if wanted is not NOT_OURS:
+            _decide_async(self, wanted)
+
+    return post_init
+
+
+def _decide_async(config, wanted) -> None:
+    scheduler = config.scheduler_config
+    method = _v2_capable_selection(config).method
+    if wanted is False or not config.use_v2_model_runner:
+        if wanted:
+            raise ValueError(
+                f"speculative_config method {method!r}: async_scheduling=True needs "
+                "Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER=0, or drop "
+                "async_scheduling)")
+        return
+    # vLLM's AsyncScheduler (K slots per request) unless the user names one:
+    # on the H100, uniform K-slot steps replay FULL CUDA graphs, and were 1.9x
+    # faster at batch 1 than SpecplugAsyncScheduler's variable-length steps,
+    # which mostly replay PIECEWISE ones (docs/results/model_runner_v2_h100.txt).
+    scheduler.async_scheduling = True
+    logger.info("vllm-specplug %s: Model Runner V2 with async scheduling (%s)", method,
+                scheduler.scheduler_cls or "AsyncScheduler")
+
+
+def _set_cudagraph_sizes(original):
+    def set_cudagraph_sizes(self):
+        from vllm_specplug.integration.config import selection_of
+        from vllm_specplug.integration.cudagraph import with_decode_sizes
+
+        compilation = self.compilation_config
+        only_max_given = (compilation.max_cudagraph_capture_size is not None
+                          and compilation.cudagraph_capture_sizes is None)
+        original(self)
+        if not only_max_given or selection_of(self.speculative_config) is None:
+            return
+        sizes = list(compilation.cudagraph_capture_sizes or [])
+        wanted = with_decode_sizes(sizes, self.uniform_decode_query_len,
+                                   self.scheduler_config.max_num_seqs)
+        if wanted != sizes:
+            compilation.cudagraph_capture_sizes = wanted
+            logger.info("vllm-specplug: added %d decode capture sizes (multiples of %d) "
+                        "under max_cudagraph_capture_size=%d", len(wanted) - len(sizes),
+                        self.uniform_decode_query_len, wanted[-1])
+
+    return set_cudagraph_sizes
+
+
+def install() -> list[str]:
+    from vllm.config.vllm import VllmConfig
+
+    patch_registry.apply(VllmConfig, "_get_v2_model_runner_unsupported_features",
+                         _unsupported_features(
+                             VllmConfig._get_v2_model_runner_unsupported_features),
+                         reason="run vllm-specplug proposers under Model Runner V2 on CUDA")
+    patch_registry.apply(VllmConfig, "__post_init__", _post_init(VllmConfig.__post_init__),
+                         reason="async scheduling for vllm-specplug proposers on Model "
+                                "Runner V2")
+    patch_registry.apply(VllmConfig, "_set_cudagraph_sizes",
+                         _set_cudagraph_sizes(VllmConfig._set_cudagraph_sizes),
+                         reason="decode capture sizes n*(K+1) under a user's "
+                                "max_cudagraph_capture_size (vllm#54933)")
+    return ["patch:VllmConfig._get_v2_model_runner_unsupported_features",
+            "patch:VllmConfig.__post_init__", "patch:VllmConfig._set_cudagraph_sizes"]

@@ -1,0 +1,2 @@
+"""Chain and tree verification and KV compaction: Triton wrappers and their
+PyTorch references (kernels in `kernels/`)."""

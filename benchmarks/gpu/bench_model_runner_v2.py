@@ -69,7 +69,10 @@ METHODS: dict[str, Method] = {
                                **HYBRID}),
 }
 BATCH_SIZES = (1, 16, 64)
-NUM_PROMPTS = {1: 8, 16: 64, 64: 64}   # distinct prompts per batch size
+# Distinct prompts per batch size and target (suffix decoding's global cache
+# must never meet a prompt twice); the tiny model's steps are short, so it
+# gets more of them to measure over.
+NUM_PROMPTS = {"tiny": {1: 24, 16: 192, 64: 192}, "llama3-8b-shape": {1: 8, 16: 64, 64: 128}}
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
              "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -85,7 +88,8 @@ def prepare(work: Path) -> None:
 
     shutil.copytree(build_model("tiny"), work / "tiny", dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(work / "tiny")
-    prompts = [tokenizer.encode(text) for text in held_out_prompts(sum(NUM_PROMPTS.values()))]
+    prompts = [tokenizer.encode(text)
+               for text in held_out_prompts(sum(NUM_PROMPTS["tiny"].values()))]
     (work / "prompts_tiny.json").write_text(json.dumps(prompts))
     print(f"wrote {work}/tiny and {len(prompts)} prompts")
 
@@ -100,22 +104,25 @@ def targets(work: Path) -> dict[str, dict]:
     # 512-token prompts built from a few hundred distinct ids: dummy weights
     # then continue with text in which n-grams recur, as in real long contexts
     prompts_8b = [[rng.randrange(1000, 1400) for _ in range(512)]
-                  for _ in range(sum(NUM_PROMPTS.values()))]
+                  for _ in range(sum(NUM_PROMPTS["llama3-8b-shape"].values()))]
     return {
         "tiny": dict(model=str(work / "tiny"), prompts=json.loads(
             (work / "prompts_tiny.json").read_text()), max_tokens=128,
+            num_prompts=NUM_PROMPTS["tiny"], tie_check=True,
             engine=dict(dtype="float32", max_model_len=1024)),
         "llama3-8b-shape": dict(model=str(config_dir), prompts=prompts_8b, max_tokens=256,
+                                num_prompts=NUM_PROMPTS["llama3-8b-shape"], tie_check=False,
                                 engine=dict(dtype="bfloat16", load_format="dummy",
                                             skip_tokenizer_init=True, max_model_len=1024)),
     }
 
 
-def prompts_for(prompts: list, batch_size: int) -> list:
+def prompts_for(target: dict, batch_size: int) -> list:
     """The prompts of one batch size: disjoint slices, in BATCH_SIZES order."""
-    start = sum(NUM_PROMPTS[b] for b in BATCH_SIZES[:BATCH_SIZES.index(batch_size)])
-    chosen = prompts[start:start + NUM_PROMPTS[batch_size]]
-    if len(chosen) < NUM_PROMPTS[batch_size]:
+    counts, prompts = target["num_prompts"], target["prompts"]
+    start = sum(counts[b] for b in BATCH_SIZES[:BATCH_SIZES.index(batch_size)])
+    chosen = prompts[start:start + counts[batch_size]]
+    if len(chosen) < counts[batch_size]:
         raise ValueError(f"{len(prompts)} prompts are too few: run 'prepare' again")
     return [{"prompt_token_ids": p} for p in chosen]
 
@@ -147,9 +154,9 @@ def run_method(target: dict, name: str, method: Method) -> list[dict]:
     with environment(method.env), running_llm(target["model"], method.spec, **kwargs) as llm:
         startup = time.perf_counter() - started
         state = llm.collective_rpc("specplug_runner_state")[0]
-        generate(llm, [{"prompt_token_ids": target["prompts"][-1]}], greedy_params(8))
+        generate(llm, [{"prompt_token_ids": target["prompts"][0][:4]}], greedy_params(8))  # warm-up
         for batch_size in BATCH_SIZES:
-            inputs = prompts_for(target["prompts"], batch_size)
+            inputs = prompts_for(target, batch_size)
             llm.collective_rpc("specplug_record_cudagraph_modes")
             before = read_spec_decode_counts(llm)
             stats_before = llm.collective_rpc("specplug_speculator_stats")[0]
@@ -164,9 +171,24 @@ def run_method(target: dict, name: str, method: Method) -> list[dict]:
             stats = stats_delta(stats_before, llm.collective_rpc("specplug_speculator_stats")[0])
             rows.append(row_of(name, batch_size, token_ids, seconds, counts, state, startup,
                                graphs, stats))
+            if method.spec is None and target["tie_check"]:   # untimed: where ties are
+                rows[-1]["gaps"] = tie_gaps(llm, inputs, batch_size, target["max_tokens"])
             print(f"  {name} batch {batch_size}: {rows[-1]['tokens_per_second']:.0f} tok/s, "
                   f"accept len {rows[-1]['acceptance_length']:.2f}", flush=True)
     return rows
+
+
+def tie_gaps(llm, inputs: list, batch_size: int, max_tokens: int) -> list[list[float]]:
+    """Top-2 log-probability gaps of every greedy token (bench/compare.py)."""
+    from vllm_specplug.bench.compare import top2_gaps
+    from vllm_specplug.engine import greedy_params
+
+    gaps = []
+    for start in range(0, len(inputs), batch_size):
+        outputs = llm.generate(inputs[start:start + batch_size],
+                               greedy_params(max_tokens, logprobs=2), use_tqdm=False)
+        gaps += top2_gaps(outputs)
+    return gaps
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -212,12 +234,21 @@ def row_of(name, batch_size, token_ids, seconds, counts, state, startup, graphs,
 
 
 def compare(rows: list[dict]) -> None:
+    """Ratios to no speculation, and every differing output: a flipped
+    floating-point tie (the baseline's top-2 gap there < NEAR_TIE_GAP) or a
+    real difference."""
+    from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences
+
     base = {r["batch_size"]: r for r in rows if r["method"] == "none"}
     for row in rows:
         ref = base.get(row["batch_size"])
         row["speedup"] = row["tokens_per_second"] / ref["tokens_per_second"] if ref else None
         row["num_exact"] = (sum(a == b for a, b in zip(ref["token_ids"], row["token_ids"]))
                             if ref else None)
+        if ref and "gaps" in ref:
+            found = divergences(ref["token_ids"], row["token_ids"], ref["gaps"])
+            row["divergences"] = found
+            row["num_ties"] = sum(d["gap"] < NEAR_TIE_GAP for d in found)
 
 
 def table(target: str, rows: list[dict]) -> str:
@@ -231,12 +262,21 @@ def table(target: str, rows: list[dict]) -> str:
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {r['tokens_per_second']:.0f} | "
             f"{_fmt(r['speedup'], '{:.2f}x')} | {r['acceptance_length']:.2f} | "
-            f"{r['tokens_per_step']:.2f} | {r['num_exact']}/{r['num_requests']} | "
+            f"{r['tokens_per_step']:.2f} | {_exact(r)} | "
             f"{r['runner']} | {r['speculator']} | "
             f"{r['scheduler'] if r['async_scheduling'] else 'off'} | {_fmt(share, '{:.0%}')} | "
             f"{_fmt(stats.get('host_ms_per_step'), '{:.2f}')} | "
             f"{_fmt(stats.get('draft_fill'), '{:.0%}')} |")
     return "\n".join(lines)
+
+
+def _exact(row: dict) -> str:
+    """"62/64" and, where outputs differ, how many of them are flipped ties."""
+    text = f"{row['num_exact']}/{row['num_requests']}"
+    if "num_ties" in row and row["num_exact"] != row["num_requests"]:
+        real = row["num_requests"] - row["num_exact"] - row["num_ties"]
+        text += f" +{row['num_ties']} tie" + (f", {real} DIFFER" if real else "")
+    return text
 
 
 def _fmt(value, spec: str) -> str:
@@ -292,7 +332,7 @@ def report(results: Path, out: Path) -> None:
         compare(rows)
         texts.append(table(target, rows))
     (out / "model_runner_v2.txt").write_text("\n\n".join(texts) + "\n")
-    slim = {t: [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
+    slim = {t: [{k: v for k, v in r.items() if k not in ("token_ids", "gaps")} for r in rows]
             for t, rows in all_rows.items()}
     (out / "model_runner_v2.json").write_text(json.dumps(slim, indent=1))
     plot(all_rows, out / "model_runner_v2.png")

@@ -25,3 +25,36 @@ def token_mismatches(expected: list[list], actual: list[list],
                          f"expected {exp[at:at + 5]} got {act[at:at + 5]} "
                          f"(lengths {len(exp)} vs {len(act)})")
     return lines
+
+
+# A greedy choice whose top-2 log-probabilities differ by less than this is a
+# tie within floating-point noise: a different batch shape (kernels pick other
+# tile sizes and reduction orders) may flip it with or without speculation.
+NEAR_TIE_GAP = 1e-3
+
+
+def top2_gaps(outputs) -> list[list[float]]:
+    """Per request, per generated token: log p(top-1) - log p(top-2), from
+    vLLM `RequestOutput`s generated greedily with `logprobs=2`."""
+    gaps = []
+    for output in outputs:
+        per_token = []
+        for position in output.outputs[0].logprobs or []:
+            values = sorted((lp.logprob for lp in position.values()), reverse=True)
+            per_token.append(values[0] - values[1] if len(values) > 1 else float("inf"))
+        gaps.append(per_token)
+    return gaps
+
+
+def divergences(expected: list[list[int]], actual: list[list[int]],
+                gaps: list[list[float]]) -> list[dict]:
+    """One entry per request whose tokens differ: where they first differ and
+    the expected run's top-2 gap there (a gap under NEAR_TIE_GAP: a flip of a
+    floating-point tie; larger: a real difference)."""
+    found = []
+    for i, (exp, act) in enumerate(zip(expected, actual)):
+        at = first_divergence(exp, act)
+        if at is not None:
+            gap = gaps[i][at] if at < len(gaps[i]) else float("inf")
+            found.append({"request": i, "position": at, "gap": gap})
+    return found

@@ -58,12 +58,13 @@ def ngram_scan_kernel(
 
 @triton.jit
 def ngram_finalize_kernel(
-    token_ids_ptr, token_ids_stride, idx_mapping_ptr, num_tokens_ptr,
+    token_ids_ptr, token_ids_stride, idx_mapping_ptr, num_tokens_ptr, num_sampled_ptr,
     block_score_ptr,   # [num_reqs, NUM_BLOCKS] int64
     draft_ids_ptr,     # [num_reqs, K] int64 (out): the draft, padded with the last token
     num_draft_ptr,     # [num_reqs] int32 (out): draft length before padding
+    counts_ptr,        # [2] int64 (in/out, if COUNT): += draft tokens, draft slots
     NUM_BLOCKS,
-    K: tl.constexpr, K_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, COUNT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.arange(0, BLOCKS_PAD)
@@ -86,3 +87,7 @@ def ngram_finalize_kernel(
     tl.store(draft_ids_ptr + row * K + k, tl.where(in_draft, token, last).to(tl.int64),
              mask=k < K)
     tl.store(num_draft_ptr + row, num_draft.to(tl.int32))
+    if COUNT:  # statistics without extra launches: one atomic pair per row
+        tl.atomic_add(counts_ptr, num_draft.to(tl.int64))
+        drafting = (tl.load(num_sampled_ptr + row) > 0).to(tl.int64)
+        tl.atomic_add(counts_ptr + 1, drafting * K)

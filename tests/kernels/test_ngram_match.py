@@ -102,3 +102,24 @@ def test_speculator_device_path_drafts_what_the_host_path_drafts(device):
     stats = speculators["device"].stats.as_dict()
     assert stats["num_steps"] == 6 and stats["num_draft_slots"] == 6 * 3 * 3
     assert 0 < stats["num_draft_tokens"] <= stats["num_draft_slots"]
+
+
+def test_counts_add_draft_tokens_and_slots(device):
+    histories = [np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32),
+                 np.arange(10, dtype=np.int32), np.array([4, 4, 4, 4], dtype=np.int32)]
+    num_sampled = [1, 1, 0]
+    k = 4
+    slots = torch.arange(3, device=device)
+    token_ids = torch.zeros(3, 16, dtype=torch.int32)
+    for i, h in enumerate(histories):
+        token_ids[i, :len(h)] = torch.from_numpy(h)
+    batch = DeviceProposeBatch(["a", "b", "c"], token_ids.to(device), slots,
+                               torch.tensor([8, 10, 4], dtype=torch.int32, device=device),
+                               torch.tensor(num_sampled, dtype=torch.int32, device=device),
+                               torch.tensor([100, 200], dtype=torch.int64, device=device))
+    drafts = torch.zeros(3, k, dtype=torch.int64, device=device)
+    num_draft = torch.zeros(3, dtype=torch.int32, device=device)
+    NgramDeviceDrafter(2, 3, 3, 16, torch.device(device)).propose(batch, drafts, num_draft)
+    want_lengths = reference(histories, num_sampled, 2, 3, k)[1]
+    assert num_draft.tolist() == want_lengths == [3, 0, 0]  # n=3 ends at 4: 3 tokens after
+    assert batch.draft_counts.tolist() == [100 + 3, 200 + 2 * k]

@@ -161,22 +161,22 @@ class SpecplugV2Speculator:
         return self.req_states.last_sampled_tokens.view(-1)[input_batch.idx_mapping]
 
     def _propose_on_device(self, input_batch, num_sampled: torch.Tensor) -> torch.Tensor:
+        """Every launch here lands on the step's critical path when the target
+        is small (host-bound), so the common case is the drafter's own."""
         num_reqs = input_batch.num_reqs
         drafts, num_draft = self.drafts[:num_reqs], self.num_draft[:num_reqs]
-        last = self._last_tokens(input_batch)
         batch = DeviceProposeBatch(list(input_batch.req_ids), self.req_states.all_token_ids.gpu,
                                    input_batch.idx_mapping, self.req_states.total_len.gpu,
-                                   num_sampled)
+                                   num_sampled, self.stats.device_counts)
         ok = not self.session.guard.disabled and self.session.guard.call(
             "propose", batch.req_ids, self.device_drafter.propose, batch, drafts, num_draft)[0]
         if not ok:  # failed or switched off: last-token drafts, rejected as any other
-            drafts.copy_(last[:, None].expand_as(drafts))
-            num_draft.zero_()
-        # A third party's ids outside the vocabulary would index past the
-        # embedding: such slots get the last token (no host sync to check).
-        bad = (drafts < 0) | (drafts >= self.session.vocab_size)
-        torch.where(bad, last[:, None], drafts, out=drafts)
-        self.stats.add_device(num_draft, num_sampled, self.num_speculative_steps)
+            drafts.copy_(self._last_tokens(input_batch)[:, None].expand_as(drafts))
+        elif not self.device_drafter.trusted:
+            # A third party's ids outside the vocabulary would index past the
+            # embedding: such slots get the last token (no host sync to check).
+            bad = (drafts < 0) | (drafts >= self.session.vocab_size)
+            torch.where(bad, self._last_tokens(input_batch)[:, None], drafts, out=drafts)
         return drafts
 
     def _propose_on_host(self, input_batch, last_hidden_states, num_sampled, num_rejected,
@@ -288,13 +288,10 @@ class SpeculatorStats:
     def __init__(self, device: torch.device) -> None:
         self.num_steps = 0
         self.host_seconds = 0.0          # wall time inside propose (launches only, on device)
-        # [2] int64: draft tokens proposed, draft slots offered (K per drafting row)
+        # [2] int64: draft tokens proposed, draft slots offered (K per drafting
+        # row), added to by device drafters that count (DeviceProposeBatch)
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
         self.host_counts = np.zeros(2, dtype=np.int64)
-
-    def add_device(self, num_draft: torch.Tensor, num_sampled: torch.Tensor, k: int) -> None:
-        self.device_counts[0] += num_draft.sum()
-        self.device_counts[1] += (num_sampled > 0).sum() * k
 
     def add_host(self, drafts: list[list[int]], num_sampled: np.ndarray, k: int) -> None:
         self.host_counts += (sum(len(d) for d in drafts), int((num_sampled > 0).sum()) * k)

@@ -120,11 +120,17 @@ class DeviceProposeBatch:
     idx_mapping: torch.Tensor  # [num_reqs] int, device: batch row -> state slot
     num_tokens: torch.Tensor  # [max_num_reqs] int32, device: history length per slot
     num_sampled: torch.Tensor  # [num_reqs] int32, device: 0 for a partial prefill (no draft)
+    # [2] int64, device, or None: a drafter that counts adds (draft tokens,
+    # draft slots = K per row with num_sampled > 0) here, without a sync
+    draft_counts: torch.Tensor | None = None
 
 
 class DeviceDrafter(ABC):
     """Drafts on the device with no host synchronisation (see
     `Proposer.device_drafter`). Runs without the per-request lifecycle."""
+    # True: every id it writes is in the vocabulary by construction, so the
+    # adapter skips its range check (four small launches a step).
+    trusted: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, batch: DeviceProposeBatch, draft_ids: torch.Tensor,

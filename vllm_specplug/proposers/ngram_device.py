@@ -19,6 +19,7 @@ BLOCK = 256
 
 
 class NgramDeviceDrafter(DeviceDrafter):
+    trusted = True  # drafts are copies of the history: always in the vocabulary
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, max_num_reqs: int,
                  max_model_len: int, device: torch.device) -> None:
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
@@ -39,8 +40,10 @@ class NgramDeviceDrafter(DeviceDrafter):
             batch.token_ids, batch.token_ids.stride(0), batch.idx_mapping, batch.num_tokens,
             batch.num_sampled, scores, self.num_blocks,
             K=k, N_MIN=self.n_min, N_MAX=self.n_max, BLOCK=BLOCK, num_warps=4)
+        counts = batch.draft_counts
         ngram_finalize_kernel[(num_reqs,)](
             batch.token_ids, batch.token_ids.stride(0), batch.idx_mapping, batch.num_tokens,
-            scores, draft_ids, num_draft, self.num_blocks,
+            batch.num_sampled, scores, draft_ids, num_draft,
+            num_draft if counts is None else counts, self.num_blocks,
             K=k, K_PAD=next_power_of_2(k), BLOCKS_PAD=next_power_of_2(self.num_blocks),
-            num_warps=1)
+            COUNT=counts is not None, num_warps=1)

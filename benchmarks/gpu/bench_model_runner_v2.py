@@ -295,7 +295,8 @@ def plot(all_rows: dict[str, list[dict]], path: Path) -> None:
         for j, method in enumerate(methods):
             ys = [next((r["speedup"] or 0 for r in rows if r["method"] == method
                         and r["batch_size"] == b), 0) for b in BATCH_SIZES]
-            ax.bar([i + j * width for i in range(len(BATCH_SIZES))], ys, width, label=method)
+            ax.bar([i + j * width for i in range(len(BATCH_SIZES))], ys, width, label=method,
+                   color=f"C{list(METHODS).index(method) % 10}")  # one colour per method
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(BATCH_SIZES))],
                       [f"batch {b}" for b in BATCH_SIZES])

@@ -7,4 +7,5 @@ bash scripts/setup.sh
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 .venv/bin/vllm-specplug build-model tiny >/dev/null
 .venv/bin/vllm-specplug build-model tiny-eagle3 >/dev/null
+.venv/bin/vllm-specplug build-model tiny-mtp >/dev/null
 exec .venv/bin/python -m pytest tests -q -rs "$@"

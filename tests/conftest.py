@@ -60,3 +60,11 @@ def speculative_engines(configs: dict[str, dict]):
         shutdown_llm(llm)
 
     return spec_llm
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_dir(tiny_model_dir):
+    """`tiny` with one trained MTP layer, in MiMo's layout (vLLM's `mtp`)."""
+    from vllm_specplug.models.heads import build_head
+
+    return build_head("tiny-mtp")

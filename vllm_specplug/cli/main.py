@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_specplug.cli import bench, build, check, demo, extract, train_eagle3
+from vllm_specplug.cli import bench, build, check, demo, extract, train_eagle3, train_mtp
 
-SUBCOMMANDS = (bench, build, check, demo, extract, train_eagle3)
+SUBCOMMANDS = (bench, build, check, demo, extract, train_eagle3, train_mtp)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -18,12 +18,18 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head on a "
                        "dataset from `vllm-specplug extract`")
+    add_training_args(p, out_help="head directory")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="default: min(32000, target vocab // 2)")
+    p.set_defaults(func=run)
+
+
+def add_training_args(p, out_help: str) -> None:
+    """The arguments every head's training command takes."""
     p.add_argument("--data", required=True, help="dataset directory")
     p.add_argument("--target", required=True,
                    help="target model directory, or 'tiny' for the built-in")
-    p.add_argument("--out", required=True, help="head directory")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="default: min(32000, target vocab // 2)")
+    p.add_argument("--out", required=True, help=out_help)
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps")
     p.add_argument("--step-weight", type=float, default=0.8,
                    help="loss weight of unrolled step k is step_weight ** k")
@@ -36,8 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-resume", action="store_true",
-                   help="delete HEAD_DIR/checkpoints and start over")
-    p.set_defaults(func=run)
+                   help="delete OUT/checkpoints and start over")
 
 
 def _check(args) -> str | None:
@@ -52,6 +57,17 @@ def _check(args) -> str | None:
 
 
 def run(args) -> int:
+    from vllm_specplug.training.trainer import Trainer
+
+    def describe(trainer) -> str:
+        return (f"head written to {args.out} ({sum(p.numel() for p in trainer.head.parameters())}"
+                f" parameters, draft vocab {trainer.vocab.size})")
+
+    return run_trainer(args, Trainer, describe, draft_vocab_size=args.draft_vocab_size)
+
+
+def run_trainer(args, trainer_cls, describe, **config_fields) -> int:
+    """Check, train (resuming unless --no-resume), plot; exit codes as above."""
     from vllm_specplug.cli.extract import _model_dir
     from vllm_specplug.extraction.errors import OutputWriteError
     from vllm_specplug.training.trainer import TrainConfig, run_training
@@ -62,15 +78,14 @@ def run(args) -> int:
         return 2
     config = TrainConfig(
         data=args.data, target=_model_dir(args.target), out=args.out,
-        draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
-        step_weight=args.step_weight, epochs=args.epochs, batch_size=args.batch_size,
-        lr=args.lr, warmup_steps=args.warmup_steps,
+        ttt_steps=args.ttt_steps, step_weight=args.step_weight, epochs=args.epochs,
+        batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
         held_out_fraction=args.held_out_fraction, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, seed=args.seed)
+        checkpoint_every=args.checkpoint_every, seed=args.seed, **config_fields)
     if args.no_resume:
         shutil.rmtree(Path(args.out) / "checkpoints", ignore_errors=True)
     try:
-        trainer = run_training(config, resume=not args.no_resume)
+        trainer = run_training(config, resume=not args.no_resume, trainer_cls=trainer_cls)
         plot = _plot(trainer, Path(args.out) / "training_curve.png")
     except OutputWriteError as error:      # disk full mid-run: resumable
         print(f"error: {error}{_resume_note(args.out)}", file=sys.stderr)
@@ -79,10 +94,9 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     last = trainer.state.history[-1]["agreement"]
-    print(f"head written to {args.out} ({sum(p.numel() for p in trainer.head.parameters())} "
-          f"parameters, draft vocab {trainer.vocab.size}); held-out top-1 agreement "
-          f"per step {' '.join(f'{a:.3f}' for a in last)}; "
-          f"{trainer.state.seconds:.1f} s of training; curve {plot}")
+    print(f"{describe(trainer)}; held-out top-1 agreement per step "
+          f"{' '.join(f'{a:.3f}' for a in last)}; {trainer.state.seconds:.1f} s of "
+          f"training; curve {plot}")
     return 0
 
 

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_specplug.training.eagle3_model import Eagle3Head, rotate
+from vllm_specplug.training.eagle3_model import Eagle3Head
+from vllm_specplug.training.layers import rotate
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, flatten_draft_steps,
                                                    next_beam)

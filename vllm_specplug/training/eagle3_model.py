@@ -10,10 +10,7 @@ the next draft step. This mirrors vLLM's `Eagle3LlamaForCausalLM`
 `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d` (the embedding is the
 target's, shared, not saved).
 
-Training-time test (TTT): step k re-runs the layer on its own previous output.
-Row t of step k is the draft at position t for the chain anchored at a = t - k;
-it attends to step-0 keys at positions <= a (what the draft's KV cache holds
-after verification) and to the step-j keys of the same chain (position a + j).
+Training-time test (TTT), shared with the MTP layer: `layers.ttt_attend`.
 """
 from __future__ import annotations
 
@@ -22,12 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
 from vllm_specplug.extraction.storage import save_safetensors_atomic, write_text_atomic
+from vllm_specplug.training.layers import (MLP, RMSNorm, rope_cos_sin, rope_inv_freq,
+                                           shift_rows, split_heads, ttt_attend)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 INIT_STD = 0.02
@@ -67,17 +65,6 @@ class HeadConfig:
         }
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
-
-
 class Attention(nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
@@ -94,17 +81,6 @@ class Attention(nn.Module):
                                 bias=False)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: HeadConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MidLayer(nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
@@ -112,22 +88,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary embedding (the halves rotate), as vLLM's Llama."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def shift_rows(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Row t takes row t - shift (zeros shifted in). x: [B, ..., T, D] on dim -2."""
-    if shift == 0:
-        return x
-    pad = torch.zeros_like(x[..., :shift, :])
-    return torch.cat([pad, x[..., :-shift, :]], dim=-2)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
 
 class Eagle3Head(nn.Module):
@@ -142,9 +103,8 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
-        inv_freq = 1.0 / config.rope_theta ** (
-            torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta),
+                             persistent=False)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, 0.02) linears, unit norms: the 'untrained head'."""
@@ -159,51 +119,20 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None]  # [T, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        return rope_cos_sin(positions, self.inv_freq)
 
     def _qkv(self, embeds, hidden, cos, sin):
-        """Layer input -> (q [B,nh,T,hd], k, v [B,nh,T,hd], residual)."""
+        """Layer input -> (q [B,nh,T,hd], k, v [B,nh,T,hd])."""
         attn = self.midlayer.self_attn
         x = torch.cat([self.midlayer.input_layernorm(embeds),
                        self.midlayer.hidden_norm(hidden)], dim=-1)
-        B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        repeat = attn.num_heads // attn.num_kv_heads
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
-
-    def _attend(self, q, caches, step: int, key_valid: torch.Tensor) -> torch.Tensor:
-        """Step `step`'s attention over step-0 keys (causal, up to the anchor)
-        and the diagonal keys of steps 1..step. key_valid: [B, T] bool."""
-        scale = q.shape[-1] ** -0.5
-        k0, v0 = caches[0]
-        T = q.shape[-2]
-        rows = torch.arange(T, device=q.device)
-        allowed = (rows[None, :] <= rows[:, None] - step)[None, None] \
-            & key_valid[:, None, None, :]
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))]
-        values = []
-        for j in range(1, step + 1):
-            kj, vj = (shift_rows(t, step - j) for t in caches[j])
-            ok = (rows >= step - j)[None, None, :, None]
-            scores.append(((q * kj).sum(-1, keepdim=True) * scale)
-                          .masked_fill(~ok, float("-inf")))
-            values.append(vj)
-        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-        out = probs[..., :T] @ v0
-        for j, vj in enumerate(values, start=1):
-            out = out + probs[..., T + j - 1:T + j] * vj
-        return out
+        return split_heads(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.num_heads,
+                           attn.num_kv_heads, attn.head_dim, cos, sin)
 
     def _layer(self, embeds, hidden, cos, sin, caches, step, key_valid):
         q, k, v = self._qkv(embeds, hidden, cos, sin)
         caches.append((k, v))
-        attn = self._attend(q, caches, step, key_valid)
+        attn = ttt_attend(q, caches, step, key_valid)
         B, _, T, _ = attn.shape
         attn = self.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
         residual = attn + hidden

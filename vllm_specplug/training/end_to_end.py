@@ -1,5 +1,6 @@
-"""Prompts -> extracted data -> trained EAGLE-3 head -> vLLM's `eagle3`, on a
-built-in target. Used by examples/eagle3_end_to_end.py and the engine tests."""
+"""Prompts -> extracted data -> trained EAGLE-3 head (vLLM's `eagle3`) or MTP
+layer (vLLM's `mtp`), on a built-in target. Used by the built-in heads
+(models/heads.py), examples/eagle3_end_to_end.py and the engine tests."""
 from __future__ import annotations
 
 import json
@@ -59,3 +60,28 @@ def write_untrained_head(trainer: Trainer, out_dir: Path, seed: int = 1) -> Path
 def eagle3_config(head_dir, num_speculative_tokens: int) -> dict:
     return {"method": "eagle3", "model": str(head_dir),
             "num_speculative_tokens": num_speculative_tokens}
+
+
+def train_mtp(model_dir, data_dir: str, out_dir: Path, epochs: int, ttt_steps: int = 3,
+              log=print):
+    """An MTP layer for `model_dir`; `out_dir` becomes its MTP-capable copy."""
+    from vllm_specplug.training.mtp_trainer import MtpTrainer
+
+    config = TrainConfig(data=data_dir, target=str(model_dir), out=str(out_dir),
+                         epochs=epochs, ttt_steps=ttt_steps, eval_every=20)
+    return run_training(config, log=log, trainer_cls=MtpTrainer)
+
+
+def write_untrained_mtp(model_dir, out_dir: Path, seed: int = 1) -> Path:
+    """`model_dir` with an MTP layer as training starts it (random weights)."""
+    from vllm_specplug.training.mtp_checkpoint import write_mtp_model
+    from vllm_specplug.training.mtp_trainer import make_mtp_layer
+    from vllm_specplug.training.target import TargetParts
+
+    target = TargetParts.load(model_dir)
+    layer = make_mtp_layer(target.config, target, seed)
+    return write_mtp_model(model_dir, layer.checkpoint_tensors(0), 1, out_dir)
+
+
+def mtp_config(num_speculative_tokens: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}

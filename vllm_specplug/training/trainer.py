@@ -1,4 +1,5 @@
-"""Train an EAGLE-3 head on an extracted dataset (`vllm-specplug train-eagle3`).
+"""Train a draft head on an extracted dataset: EAGLE-3 here (`vllm-specplug
+train-eagle3`), MTP in `mtp_trainer.py` (`vllm-specplug train-mtp`).
 
 Loss (EAGLE-3 / HASS style): for each unrolled step k, soft cross-entropy
 between the draft's distribution and the target's (renormalised over the draft
@@ -107,28 +108,43 @@ def step_losses(head: Eagle3Head, batch: Batch, target: TargetParts,
     with torch.no_grad():
         soft = torch.softmax(target.logits(batch.target_last, draft_ids), dim=-1)
         target_top1 = target.logits(batch.target_last).argmax(-1) if with_agreement else None
+    return score_steps(logits, batch, soft, target_top1, head.draft_to_target)
+
+
+def score_steps(step_logits: list[torch.Tensor], batch: Batch, soft: torch.Tensor,
+                target_top1: torch.Tensor | None, to_target=None) -> list:
+    """Per unrolled step k: soft cross-entropy of the draft's logits against
+    the target's distribution `soft` over rows that predict a response token
+    (and have k steps of chain before them), top-1 agreement with
+    `target_top1` (draft ids mapped by `to_target`), and the row count."""
     T = batch.positions.numel()
     results = []
-    for k, step_logits in enumerate(logits):
+    for k, logits in enumerate(step_logits):
         rows = batch.loss_rows & (torch.arange(T) >= k)[None]
         num = int(rows.sum())
-        ce = -(soft[rows] * F.log_softmax(step_logits[rows], dim=-1)).sum(-1)
+        ce = -(soft[rows] * F.log_softmax(logits[rows], dim=-1)).sum(-1)
         hits = 0
-        if with_agreement:
-            draft_top1 = head.draft_to_target(step_logits[rows].argmax(-1))
+        if target_top1 is not None:
+            draft_top1 = logits[rows].argmax(-1)
+            if to_target is not None:
+                draft_top1 = to_target(draft_top1)
             hits = int((draft_top1 == target_top1[rows]).sum())
         results.append((ce.mean() if num else ce.sum(), hits, num))
     return results
 
 
-class Trainer:
+class HeadTrainer:
+    """The training loop every draft head shares: dataset split, AdamW with
+    warm-up and cosine decay, TTT step losses, held-out agreement,
+    deterministic resumable order, pickle-free checkpoints, final save.
+    Subclasses say what the head is, what it reads and how it is saved."""
+
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         check_writable_dir(config.out)
         self.dataset = HiddenStatesDataset(config.data)   # checks every shard header
         info = self.dataset.info
-        self.aux_index, self.last_index = layer_roles(info.layer_ids,
-                                                      info.num_hidden_layers)
+        self._check_data(info)
         self.target = TargetParts.load(config.target)
         if int(self.target.config["hidden_size"]) != info.hidden_size:
             raise ValueError(f"--target {config.target} has hidden size "
@@ -140,23 +156,32 @@ class Trainer:
             raise ValueError(f"--data {config.data}: no training samples")
         self.train = self.dataset.subset(train_ids)
         self.held_out = self.dataset.subset(held_ids)
-        self.vocab = self._vocab()
-        self.head = make_head(head_config(self.target, info, self.vocab), self.vocab,
-                              self.target, config.seed)
+        self.head = self._make_head(info)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr,
                                            weight_decay=0.0)
         self.steps_per_epoch = math.ceil(len(self.train) / config.batch_size)
         self.total_steps = config.epochs * self.steps_per_epoch
         self.state = TrainState()
 
-    def _vocab(self) -> DraftVocab:
-        vocab_size = int(self.target.config["vocab_size"])
-        size = self.config.draft_vocab_size or min(32000, vocab_size // 2)
-        vocab = build_draft_vocab(count_tokens(self.train, vocab_size), size)
-        for index in range(len(self.held_out)):     # damage found now, not at step 0
-            check_token_ids(self.held_out, self.held_out[index], vocab_size)
-        export_token_ranking(vocab, Path(self.config.out) / "token_ranking.json")
-        return vocab
+    # -- what a head is, reads and writes (subclasses)
+    def _check_data(self, info) -> None:
+        """Raise ValueError naming what the dataset lacks for this head."""
+
+    def _make_head(self, info) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _collate(self, items: list[dict]) -> Batch:
+        raise NotImplementedError
+
+    def _losses(self, batch: Batch, with_agreement: bool = False) -> list:
+        """Per unrolled step: (soft CE loss, top-1 agreement count, rows)."""
+        raise NotImplementedError
+
+    def _check_resumed(self) -> None:
+        """Raise CheckpointError if the resumed head does not fit the data."""
+
+    def _save_head(self, out: Path) -> None:
+        raise NotImplementedError
 
     def resume(self) -> bool:
         state = ckpt.load_latest(self.config.out, self.head, self.optimizer)
@@ -167,12 +192,7 @@ class Trainer:
         except TypeError as error:
             raise ckpt.CheckpointError(f"{self.config.out}/checkpoints: trainer state "
                                        f"unusable ({error}); pass --no-resume") from error
-        if not torch.equal(self.head.d2t, self.vocab.d2t):
-            raise ckpt.CheckpointError(
-                f"{self.config.out}/checkpoints: the checkpoint's draft vocabulary "
-                f"differs from the one --data {self.config.data} gives now (the "
-                "dataset changed?); resume with the data it was trained on, or pass "
-                "--no-resume to start over")
+        self._check_resumed()
         return True
 
     def batch_at(self, step: int) -> Batch:
@@ -181,8 +201,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.config.seed * 1000 + epoch)
         order = torch.randperm(len(self.train), generator=generator)
         chosen = order[index * self.config.batch_size:(index + 1) * self.config.batch_size]
-        return collate([self.train[int(i)] for i in chosen], self.target,
-                       self.aux_index, self.last_index)
+        return self._collate([self.train[int(i)] for i in chosen])
 
     def learning_rate(self, step: int) -> float:
         warmup = max(1, self.config.warmup_steps)
@@ -194,8 +213,7 @@ class Trainer:
     def train_step(self, step: int) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(step)
-        results = step_losses(self.head, self.batch_at(step), self.target,
-                              self.vocab.target_ids, self.config.ttt_steps)
+        results = self._losses(self.batch_at(step))
         loss = sum(self.config.step_weight ** k * ce for k, (ce, _, _) in enumerate(results))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -212,10 +230,8 @@ class Trainer:
         for start in range(0, len(self.held_out), self.config.batch_size):
             items = [self.held_out[i] for i in
                      range(start, min(len(self.held_out), start + self.config.batch_size))]
-            batch = collate(items, self.target, self.aux_index, self.last_index)
-            for k, (ce, hits, num) in enumerate(step_losses(
-                    self.head, batch, self.target, self.vocab.target_ids, self.config.ttt_steps,
-                    with_agreement=True)):
+            for k, (ce, hits, num) in enumerate(
+                    self._losses(self._collate(items), with_agreement=True)):
                 agree[k] += hits
                 rows[k] += num
                 losses[k] += float(ce) * num
@@ -260,7 +276,7 @@ class Trainer:
 
     def save_final(self) -> Path:
         out = Path(self.config.out)
-        self.head.save_pretrained(out)
+        self._save_head(out)
         write_text_atomic(json.dumps({
             "config": asdict(self.config), "seconds": self.state.seconds,
             "num_train_samples": len(self.train),
@@ -270,11 +286,53 @@ class Trainer:
         return out
 
 
+class Trainer(HeadTrainer):
+    """EAGLE-3: auxiliary layers in, draft vocabulary out (d2t/t2d), saved in
+    vLLM's eagle3 layout."""
+
+    def _check_data(self, info) -> None:
+        self.aux_index, self.last_index = layer_roles(info.layer_ids,
+                                                      info.num_hidden_layers)
+
+    def _make_head(self, info) -> Eagle3Head:
+        self.vocab = self._vocab()
+        return make_head(head_config(self.target, info, self.vocab), self.vocab,
+                         self.target, self.config.seed)
+
+    def _vocab(self) -> DraftVocab:
+        vocab_size = int(self.target.config["vocab_size"])
+        size = self.config.draft_vocab_size or min(32000, vocab_size // 2)
+        vocab = build_draft_vocab(count_tokens(self.train, vocab_size), size)
+        for index in range(len(self.held_out)):     # damage found now, not at step 0
+            check_token_ids(self.held_out, self.held_out[index], vocab_size)
+        export_token_ranking(vocab, Path(self.config.out) / "token_ranking.json")
+        return vocab
+
+    def _collate(self, items: list[dict]) -> Batch:
+        return collate(items, self.target, self.aux_index, self.last_index)
+
+    def _losses(self, batch: Batch, with_agreement: bool = False) -> list:
+        return step_losses(self.head, batch, self.target, self.vocab.target_ids,
+                           self.config.ttt_steps, with_agreement)
+
+    def _check_resumed(self) -> None:
+        if not torch.equal(self.head.d2t, self.vocab.d2t):
+            raise ckpt.CheckpointError(
+                f"{self.config.out}/checkpoints: the checkpoint's draft vocabulary "
+                f"differs from the one --data {self.config.data} gives now (the "
+                "dataset changed?); resume with the data it was trained on, or pass "
+                "--no-resume to start over")
+
+    def _save_head(self, out: Path) -> None:
+        self.head.save_pretrained(out)
+
+
 def run_training(config: TrainConfig, resume: bool = True, log=print,
-                 stop_after: int | None = None) -> Trainer:
+                 stop_after: int | None = None,
+                 trainer_cls: type[HeadTrainer] = Trainer) -> HeadTrainer:
     """Train to the end (or, for tests of resumption, stop after `stop_after`
     steps as a killed run would: no final checkpoint, no head written)."""
-    trainer = Trainer(config)
+    trainer = trainer_cls(config)
     if resume and trainer.resume():
         log(f"resumed from step {trainer.state.step}")
     else:

@@ -1,0 +1,77 @@
+"""vLLM's own `mtp` method on the built-in MTP model (`tiny-mtp`: the tiny
+target in MiMo's layout with one MTP layer trained by our extraction and
+training), in real engines: lossless against the same model without
+speculation, alone and batched; the trained layer is accepted, an untrained
+one of the same shape is not; a target without MTP layers gets a clear error.
+"""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
+from vllm_specplug.testing.metrics import read_spec_decode_counts
+from vllm_specplug.training import end_to_end as e2e
+
+K = 3
+NUM_EVAL, NUM_ALONE, MAX_NEW_TOKENS = 24, 4, 48
+
+
+def run(model_dir, spec, prompts) -> dict:
+    llm = make_llm(model_dir, spec)
+    try:
+        before = read_spec_decode_counts(llm)
+        params = greedy_params(MAX_NEW_TOKENS)
+        batched = generate(llm, prompts, params).token_ids
+        counts = read_spec_decode_counts(llm) - before
+        alone = [generate(llm, [p], params).token_ids[0] for p in prompts[:NUM_ALONE]]
+    finally:
+        shutdown_llm(llm)
+    return {"batched": batched, "alone": alone, "counts": counts}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir):
+    return e2e.eval_prompt_ids(tiny_model_dir, NUM_EVAL)
+
+
+@pytest.fixture(scope="module")
+def no_speculation(tiny_mtp_dir, prompts):
+    return run(tiny_mtp_dir, None, prompts)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_mtp_dir, prompts):
+    return run(tiny_mtp_dir, e2e.mtp_config(K), prompts)
+
+
+@pytest.fixture(scope="module")
+def untrained(tiny_model_dir, tmp_path_factory, prompts):
+    model = e2e.write_untrained_mtp(tiny_model_dir, tmp_path_factory.mktemp("untrained"))
+    return run(model, e2e.mtp_config(K), prompts)
+
+
+@pytest.mark.parametrize("which", ["trained", "untrained"])
+def test_vllm_mtp_on_our_model_is_lossless(which, request, no_speculation):
+    outputs = request.getfixturevalue(which)
+    assert outputs["counts"].num_drafts > 0, "vLLM did not speculate"
+    assert outputs["batched"] == no_speculation["batched"]
+    assert outputs["alone"] == no_speculation["alone"]
+
+
+def test_trained_mtp_layer_is_accepted_and_untrained_is_not(trained, untrained):
+    good, bad = trained["counts"], untrained["counts"]
+    assert good.mean_acceptance_length >= 2.2, good
+    assert all(p > 0.4 for p in good.per_position_acceptance), good
+    assert bad.mean_acceptance_length < 1.2, bad
+
+
+def test_target_without_mtp_layers_gets_a_clear_error(tiny_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_specplug.proposers.base import ProposerConfigError
+
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=512,
+                      speculative_config=e2e.mtp_config(K))
+    with pytest.raises(ProposerConfigError, match="no multi-token-prediction layers") as err:
+        args.create_engine_config()
+    assert "vllm-specplug train-mtp" in str(err.value) and "LlamaForCausalLM" in str(err.value)

@@ -37,6 +37,7 @@ setup(
             "specplug_suffix = vllm_specplug.proposers.suffix:SuffixProposer",
             "specplug_hybrid = vllm_specplug.proposers.hybrid:HybridProposer",
             "specplug_eagle3 = vllm_specplug.proposers.eagle3:Eagle3TreeProposer",
+            "specplug_mtp = vllm_specplug.proposers.mtp:MtpTreeProposer",
         ],
     },
 )

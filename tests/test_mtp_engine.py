@@ -1,8 +1,12 @@
-"""vLLM's own `mtp` method on the built-in MTP model (`tiny-mtp`: the tiny
-target in MiMo's layout with one MTP layer trained by our extraction and
-training), in real engines: lossless against the same model without
+"""MTP on the built-in MTP model (`tiny-mtp`: the tiny target in MiMo's layout
+with one MTP layer trained by our extraction and training), in real engines.
+
+vLLM's own `mtp` (chain): lossless against the same model without
 speculation, alone and batched; the trained layer is accepted, an untrained
-one of the same shape is not; a target without MTP layers gets a clear error.
+one of the same shape is not. Ours, `specplug_mtp` (the same layer drafting
+EAGLE-2 trees): lossless as a chain and as a 16-node tree; the chain accepts
+what vLLM's does, the tree more. A target without MTP layers gets a clear
+error from both methods.
 """
 from __future__ import annotations
 
@@ -50,7 +54,24 @@ def untrained(tiny_model_dir, tmp_path_factory, prompts):
     return run(model, e2e.mtp_config(K), prompts)
 
 
-@pytest.mark.parametrize("which", ["trained", "untrained"])
+MTP_TREES = {  # name: speculative_config of specplug_mtp
+    "ours_chain": {"method": "specplug_mtp", "topk": 1, "num_steps": K},
+    "ours_tree16": {"method": "specplug_mtp", "topk": 4, "num_steps": 4,
+                    "num_draft_tokens": 16, "draft_temperature": 0.25},
+}
+
+
+@pytest.fixture(scope="module")
+def ours_chain(tiny_mtp_dir, prompts):
+    return run(tiny_mtp_dir, MTP_TREES["ours_chain"], prompts)
+
+
+@pytest.fixture(scope="module")
+def ours_tree16(tiny_mtp_dir, prompts):
+    return run(tiny_mtp_dir, MTP_TREES["ours_tree16"], prompts)
+
+
+@pytest.mark.parametrize("which", ["trained", "untrained", "ours_chain", "ours_tree16"])
 def test_vllm_mtp_on_our_model_is_lossless(which, request, no_speculation):
     outputs = request.getfixturevalue(which)
     assert outputs["counts"].num_drafts > 0, "vLLM did not speculate"
@@ -75,3 +96,24 @@ def test_target_without_mtp_layers_gets_a_clear_error(tiny_model_dir):
     with pytest.raises(ProposerConfigError, match="no multi-token-prediction layers") as err:
         args.create_engine_config()
     assert "vllm-specplug train-mtp" in str(err.value) and "LlamaForCausalLM" in str(err.value)
+
+
+def test_our_mtp_trees_accept_what_vllm_does_and_more(trained, ours_chain, ours_tree16):
+    vllm_chain, chain, tree = (r["counts"] for r in (trained, ours_chain, ours_tree16))
+    # the same layer, the same chain: vLLM's acceptance, position by position
+    assert abs(chain.mean_acceptance_length / vllm_chain.mean_acceptance_length - 1) < 0.03
+    for ours, theirs in zip(chain.per_position_acceptance, vllm_chain.per_position_acceptance):
+        assert abs(ours - theirs) < 0.03
+    assert tree.mean_acceptance_length > chain.mean_acceptance_length + 0.5
+
+
+def test_specplug_mtp_on_a_target_without_mtp_layers_is_refused(tiny_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_specplug.proposers.base import ProposerConfigError
+
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=512,
+                      speculative_config=MTP_TREES["ours_tree16"])
+    with pytest.raises(ProposerConfigError, match="no MTP layer") as err:
+        args.create_engine_config()
+    assert "vllm-specplug train-mtp" in str(err.value)

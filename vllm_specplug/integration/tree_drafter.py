@@ -1,7 +1,10 @@
-"""The drafter vLLM instantiates for `specplug_eagle3` (through `custom_class`).
+"""The drafters vLLM instantiates for `specplug_eagle3` and `specplug_mtp`
+(through `custom_class`).
 
 Per step (after verification, in the worker): every request's newly verified
-positions go into the head with the target's auxiliary hidden states there
+positions go into the head (an EAGLE-3 head, or the target's MTP layer) with
+the target's hidden states there (EAGLE-3: its auxiliary layers; MTP: its
+last layer)
 (for a tree request: the root and the accepted path, at the positions KV
 compaction moved them to), then every request that sampled a token gets an
 EAGLE-2 tree from the head. The scheduler receives the tree's nodes as a flat
@@ -19,32 +22,42 @@ import torch
 from vllm_specplug.integration import tree_step
 from vllm_specplug.integration.config import selection_of
 from vllm_specplug.integration.guard import ProposerGuard
+from vllm_specplug.proposers.draft_layers import MtpDraftLayer
 from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.proposers.eagle3_loading import load_head
+from vllm_specplug.proposers.mtp import MtpTreeOptions
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
 
 
 class TreeEagleDrafter:
+    options_cls = Eagle3TreeOptions
+    # target layers whose hidden states the head reads (None: the last one)
+    aux_layer_ids: tuple[int, ...] | None
+
     def __init__(self, vllm_config) -> None:
         selection = selection_of(vllm_config.speculative_config)
         if selection is None:
             raise RuntimeError("vllm-specplug tree drafter created without a proposer "
                                "selection: the plugin must be loaded in the front end")
         self.method = selection.method
-        self.options = Eagle3TreeOptions(**selection.options)
+        self.options = self.options_cls(**selection.options)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.device = torch.device(str(vllm_config.device_config.device))
         self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
-        self.head_model = load_head(self.options.model)
-        self.aux_layer_ids = tuple(self.head_model.config.aux_layer_ids)
+        source = self._load_drafter(vllm_config)
         self.head: HeadRuntime | None = None
         # {req_id: (node token ids without the root, parents with the root)}
         self.trees: dict[str, tuple[list[int], np.ndarray]] = {}
-        logger.info("vllm-specplug %s: head %s, topk=%d num_steps=%d num_draft_tokens=%d",
-                    self.method, self.options.model, self.options.topk,
-                    self.options.num_steps, self.options.num_draft_tokens)
+        logger.info("vllm-specplug %s: %s, topk=%d num_steps=%d num_draft_tokens=%d",
+                    self.method, source, self.options.topk, self.options.num_steps,
+                    self.options.num_draft_tokens)
+
+    def _load_drafter(self, vllm_config) -> str:
+        self.head_model = load_head(self.options.model)
+        self.aux_layer_ids = tuple(self.head_model.config.aux_layer_ids)
+        return f"head {self.options.model}"
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -65,17 +78,24 @@ class TreeEagleDrafter:
         if self.head is not None:
             self.head.forget(req_id)
 
+    def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
+        """[num_tokens, *] what the head reads per token (None: not there)."""
+        if aux_hidden_states is None:
+            return None
+        return torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
-                           aux_hidden_states) -> list[list[int]]:
+                           hidden_states, aux_hidden_states) -> list[list[int]]:
         batch = runner.input_batch
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         step = tree_step.current()
         tree_step.set_current(None)
         for req_id in scheduler_output.preempted_req_ids or ():
             self.on_request_removed(req_id)
-        if self.guard.disabled or step is None or aux_hidden_states is None:
+        aux = None if step is None else self.target_hidden(hidden_states, aux_hidden_states,
+                                                           step.num_tokens)
+        if self.guard.disabled or aux is None:
             return drafts
-        aux = torch.cat([h[:step.num_tokens] for h in aux_hidden_states], dim=-1)
         ok, _ = self.guard.call("ingest", batch.req_ids, self._ingest, batch, step, aux)
         if not ok:
             for req_id in batch.req_ids:
@@ -128,3 +148,34 @@ class TreeEagleDrafter:
             nodes = token_ids[b, 1:1 + limit].tolist()
             drafts[row] = nodes
             self.trees[batch.req_ids[row]] = (nodes, parent_ids[b, :limit + 1].copy())
+
+
+class TreeMtpDrafter(TreeEagleDrafter):
+    """`specplug_mtp`: the target's own MTP layer (MiMo layout, read from the
+    target's checkpoint) drafts the trees, from the target's last hidden
+    state (the runner's model output: MiMo returns it before the final norm,
+    as the MTP layer expects)."""
+    options_cls = MtpTreeOptions
+
+    def _load_drafter(self, vllm_config) -> str:
+        from vllm_specplug.training.mtp_checkpoint import read_mtp_tensors
+        from vllm_specplug.training.mtp_model import MtpConfig, MtpLayer
+        from vllm_specplug.training.target import TargetParts
+
+        model_dir = vllm_config.model_config.model
+        target = TargetParts.load(model_dir)
+        tensors, _ = read_mtp_tensors(model_dir)
+        self.mtp_layer = MtpLayer(MtpConfig.from_target(target.config))
+        self.mtp_layer.load_checkpoint_tensors(tensors, 0)
+        self.lm_head_weight = target.lm_head_weight
+        self.aux_layer_ids = None
+        return f"MTP layer 0 of {model_dir}"
+
+    def load_model(self, target_model) -> None:
+        drafter = MtpDraftLayer(self.mtp_layer.to(self.device),
+                                self.lm_head_weight.to(self.device))
+        self.head = HeadRuntime(drafter, target_model.embed_input_ids,
+                                self.options.draft_temperature)
+
+    def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
+        return None if hidden_states is None else hidden_states[:num_tokens]

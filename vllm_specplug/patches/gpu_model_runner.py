@@ -23,7 +23,7 @@ def _propose_draft_token_ids(original):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, TreeEagleDrafter):
             return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
-                                              aux_hidden_states)
+                                              hidden_states, aux_hidden_states)
         if not isinstance(drafter, SpecplugDrafter):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
@@ -74,12 +74,13 @@ def _setup_aux_hidden_states(original):
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, TreeEagleDrafter):
             return original(self)
-        if not supports_eagle3(self.get_model()):
-            raise RuntimeError(
-                f"specplug_eagle3: the target {type(self.get_model()).__name__} does not "
-                "expose auxiliary hidden states (vLLM's SupportsEagle3 interface)")
-        self.use_aux_hidden_state_outputs = True
-        self.model.set_aux_hidden_state_layers(drafter.aux_layer_ids)
+        if drafter.aux_layer_ids is not None:       # EAGLE-3; MTP reads the last layer
+            if not supports_eagle3(self.get_model()):
+                raise RuntimeError(
+                    f"{drafter.method}: the target {type(self.get_model()).__name__} does "
+                    "not expose auxiliary hidden states (vLLM's SupportsEagle3 interface)")
+            self.use_aux_hidden_state_outputs = True
+            self.model.set_aux_hidden_state_layers(drafter.aux_layer_ids)
         self.rejection_sampler = TreeRejectionSampler(
             self.sampler, self.speculative_config, self.device, self)
 
@@ -104,7 +105,8 @@ def install() -> list[str]:
                          _prepare_inputs(GPUModelRunner._prepare_inputs),
                          reason="tree positions and layout for specplug_eagle3")
     # vLLM enables auxiliary hidden states and builds its chain sampler only
-    # for its own eagle3; ours needs both: aux states and tree verification.
+    # for its own eagle3; ours needs tree verification, and aux states for
+    # EAGLE-3 heads (an MTP layer reads the model output itself).
     patch_registry.apply(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs",
                          _setup_aux_hidden_states(
                              GPUModelRunner._setup_eagle3_aux_hidden_state_outputs),

@@ -14,6 +14,7 @@ verification, KV compaction) lives in `integration/tree_*.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,20 +31,18 @@ METHOD = "specplug_eagle3"
 
 
 @dataclass(frozen=True)
-class Eagle3TreeOptions(ProposerOptions):
-    model: str = ""  # head directory, as vLLM's eagle3 loads it
+class TreeOptions(ProposerOptions):
+    """EAGLE-2 tree shape, shared by every tree drafter (EAGLE-3, MTP)."""
+    method_name: ClassVar[str] = "tree"   # the method errors name
     topk: int = 1  # beam width per draft step (1 = chain)
     num_steps: int | None = None  # draft depth; default num_speculative_tokens or 5
     num_draft_tokens: int | None = None  # tree size incl. the root; default 1 + num_steps
-    # Divides the head's logits before path scores are summed: < 1 trusts the
-    # head more (deeper trees), > 1 less (wider). Selection only: verification
+    # Divides the drafter's logits before path scores are summed: < 1 trusts
+    # it more (deeper trees), > 1 less (wider). Selection only: verification
     # uses the target's distribution alone, so any value is lossless.
     draft_temperature: float = 1.0
 
     def validate(self, name: str) -> None:
-        require(bool(self.model), name, "model is required: the EAGLE-3 head directory "
-                "(config.json + model.safetensors, e.g. from `vllm-specplug "
-                "train-eagle3` or `vllm-specplug build-model tiny-eagle3`)")
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
         require(self.draft_temperature > 0, name,
                 f"draft_temperature={self.draft_temperature} must be > 0")
@@ -55,15 +54,26 @@ class Eagle3TreeOptions(ProposerOptions):
                     f"num_draft_tokens={self.num_draft_tokens} must be in [2, 1 + topk * "
                     f"num_steps = {most}]: raise topk or num_steps, or lower it")
 
-    def resolved(self, num_speculative_tokens: int | None) -> "Eagle3TreeOptions":
+    def resolved(self, num_speculative_tokens: int | None):
         """Defaults filled: num_steps from num_speculative_tokens, the tree
         size from num_steps (a chain when topk=1)."""
         steps = self.num_steps or num_speculative_tokens or DEFAULT_NUM_STEPS
-        size = self.num_draft_tokens or 1 + steps
-        resolved = Eagle3TreeOptions(self.model, self.topk, steps, size,
-                                     self.draft_temperature)
-        resolved.validate(METHOD)
+        resolved = dataclasses.replace(self, num_steps=steps,
+                                       num_draft_tokens=self.num_draft_tokens or 1 + steps)
+        resolved.validate(self.method_name)
         return resolved
+
+
+@dataclass(frozen=True)
+class Eagle3TreeOptions(TreeOptions):
+    method_name: ClassVar[str] = METHOD
+    model: str = ""  # head directory, as vLLM's eagle3 loads it
+
+    def validate(self, name: str) -> None:
+        require(bool(self.model), name, "model is required: the EAGLE-3 head directory "
+                "(config.json + model.safetensors, e.g. from `vllm-specplug "
+                "train-eagle3` or `vllm-specplug build-model tiny-eagle3`)")
+        super().validate(name)
 
 
 def read_head_config(name: str, head_dir: str) -> dict[str, Any]:
@@ -108,6 +118,10 @@ def check_head_fits_target(name: str, options: Eagle3TreeOptions, target_hf) -> 
                                   f"({type(error).__name__}: {error})") from error
     require(not problems, name, f"model={options.model!r}: the head's tensors do not "
             f"match its config.json: {'; '.join(problems)}")
+    check_tree_attention_fits(name, options, target_hf)
+
+
+def check_tree_attention_fits(name: str, options: TreeOptions, target_hf) -> None:
     for field_name in ("sliding_window", "attn_logit_softcapping"):
         if options.topk > 1 and getattr(target_hf, field_name, None):
             raise ProposerConfigError(
@@ -116,31 +130,35 @@ def check_head_fits_target(name: str, options: Eagle3TreeOptions, target_hf) -> 
                 "topk=1")
 
 
-class Eagle3TreeProposer(Proposer):
-    """Drafts EAGLE-2 trees with an EAGLE-3 head. The engine drives it through
-    `TreeEagleDrafter` (it needs the target's hidden states and the tree
-    layout), not through the token-history `propose` of model-free methods."""
-    options_cls: ClassVar[type[ProposerOptions]] = Eagle3TreeOptions
+class TreeProposer(Proposer):
+    """A drafter of EAGLE-2 trees from the target's hidden states, driven by
+    a worker-side drafter (`integration/tree_drafter.py`), not through the
+    token-history `propose` of model-free methods."""
+    options_cls: ClassVar[type[ProposerOptions]] = TreeOptions
     uses_hidden_states: ClassVar[bool] = True
-    drafter_qualname: ClassVar[str] = TREE_DRAFTER_QUALNAME
     # Trees need the V1 runner's patches (positions, attention, verification).
     runs_on_model_runner_v2: ClassVar[bool] = False
 
     @classmethod
-    def vllm_num_speculative_tokens(cls, options: Eagle3TreeOptions,
+    def vllm_num_speculative_tokens(cls, options: TreeOptions,
                                     num_speculative_tokens: int | None) -> int:
         """What vLLM's scheduler must allow per step: every tree node but the root."""
         return options.resolved(num_speculative_tokens).num_draft_tokens - 1
 
+    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+        raise ProposerConfigError(
+            f"{type(self).__name__} drafts trees from the target's hidden states and is "
+            f"driven by {self.drafter_qualname}; it has no token-history propose()")
+
+
+class Eagle3TreeProposer(TreeProposer):
+    """Drafts EAGLE-2 trees with an EAGLE-3 head (`TreeEagleDrafter`)."""
+    options_cls: ClassVar[type[ProposerOptions]] = Eagle3TreeOptions
+    drafter_qualname: ClassVar[str] = TREE_DRAFTER_QUALNAME
+
     @classmethod
     def check_target(cls, name: str, options: Eagle3TreeOptions, target_hf) -> None:
         check_head_fits_target(name, options, target_hf)
-
-    def propose(self, batch: ProposeBatch) -> list[list[int]]:
-        raise ProposerConfigError(
-            "specplug_eagle3 drafts trees from the target's hidden states and is "
-            "driven by vllm_specplug.integration.tree_drafter.TreeEagleDrafter; it "
-            "has no token-history propose()")
 
 
 def chain_parents(num_nodes: int) -> np.ndarray:

@@ -1,9 +1,11 @@
-"""Inference of an EAGLE-3 head: ingest verified positions, draft EAGLE-2 trees.
+"""Inference of a one-layer drafter: ingest verified positions, draft EAGLE-2
+trees. The drafter is an EAGLE-3 head (`training/eagle3_model.py`, vLLM's
+`llama_eagle3.py` layout) or an MTP layer (`training/mtp_model.py`, vLLM's
+`mimo_mtp`), behind `draft_layers.py`.
 
-The head (one decoder layer, `training/eagle3_model.py`, vLLM's
-`llama_eagle3.py` layout) keeps its own KV cache per request: one K/V row per
-verified position t, computed from (fc(target aux hidden at t), embed(token
-t+1)) at rope position t. Drafting (EAGLE-2, arXiv 2406.16858) starts from
+The runtime keeps the drafter's KV cache per request: one K/V row per
+verified position t, computed from (the target's hidden state at t: EAGLE-3's
+fc(aux layers), MTP's last layer; embed(token t+1)) at rope position t. Drafting (EAGLE-2, arXiv 2406.16858) starts from
 the output at the last verified position: its top-k are the depth-1 nodes;
 expanding a depth-d node runs the layer on (its parent's output, embed(node))
 at position root + d - 1, attending to the request's cache plus the keys of
@@ -23,8 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_specplug.training.eagle3_model import Eagle3Head
-from vllm_specplug.training.layers import rotate
+from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, flatten_draft_steps,
                                                    next_beam)
@@ -40,13 +41,14 @@ class RequestCache:
 
 
 class HeadRuntime:
-    def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, head, embed: Callable[[torch.Tensor], torch.Tensor],
                  draft_temperature: float = 1.0):
-        self.head = head.eval()
+        """head: an `Eagle3Head` or a `draft_layers` drafter (MTP)."""
+        self.layer = as_draft_layer(head)
         self.draft_temperature = draft_temperature
         self.embed = embed  # target token ids [T] -> [T, H] (the target's embedding)
         self.caches: dict[str, RequestCache] = {}
-        self.scale = head.config.head_dim ** -0.5
+        self.scale = self.layer.head_dim ** -0.5
 
     def forget(self, req_id: str) -> None:
         self.caches.pop(req_id, None)
@@ -58,35 +60,31 @@ class HeadRuntime:
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(token_ids).to(torch.float32)
 
-    def _layer(self, q, keys, values, allowed, hidden) -> torch.Tensor:
+    def _layer(self, q, keys, values, allowed, base) -> torch.Tensor:
         """q [R, nh, hd] against keys/values [R, nh, Lk, hd] where `allowed`
-        [R, Lk]; returns the layer output [R, H] (pre-norm, the next hidden)."""
+        [R, Lk]; returns the layer output [R, H] (the next hidden)."""
         scores = torch.einsum("rhd,rhld->rhl", q, keys) * self.scale
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         attn = torch.einsum("rhl,rhld->rhd", scores.softmax(-1), values)
-        mid = self.head.midlayer
-        residual = mid.self_attn.o_proj(attn.reshape(attn.shape[0], -1)) + hidden
-        return mid.mlp(mid.post_attention_layernorm(residual)) + residual
+        return self.layer.finish(attn.reshape(attn.shape[0], -1), base)
 
     def _qkv(self, embeds, hidden, positions):
-        """[R, H] inputs at positions [R] -> q, k, v [R, nh, hd] (roped q, k)."""
-        cos, sin = self.head.rope(positions)
-        q, k, v = self.head._qkv(embeds[:, None], hidden[:, None],
-                                 cos[:, None, None], sin[:, None, None])
-        return q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        """[R, H] inputs at positions [R] -> q, k, v [R, nh, hd] (roped q, k)
+        and the residual base [R, H]."""
+        return self.layer.qkv(embeds, hidden, positions)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.head.lm_head(self.head.norm(out))
+        return self.layer.logits(out)
 
     @torch.inference_mode()
-    def ingest(self, req_id: str, aux_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+    def ingest(self, req_id: str, target_hidden: torch.Tensor, next_token_ids: torch.Tensor,
                positions: torch.Tensor) -> None:
-        """Verified positions [T] (ascending) with the target's aux hidden
-        states there [T, L*H_t] and the token after each [T]. Cache rows at
-        or after positions[0] are replaced (a recomputed or resumed request)."""
-        head = self.head
-        hidden = head.fc(aux_hidden.to(torch.float32))
-        q, k, v = self._qkv(self._embed(next_token_ids), hidden, positions)
+        """Verified positions [T] (ascending) with the target's hidden states
+        there (EAGLE-3: aux layers [T, L*H_t]; MTP: last layer [T, H]) and
+        the token after each [T]. Cache rows at or after positions[0] are
+        replaced (a recomputed or resumed request)."""
+        hidden = self.layer.input_hidden(target_hidden)
+        q, k, v, base = self._qkv(self._embed(next_token_ids), hidden, positions)
         cache = self.caches.get(req_id)
         if cache is not None:
             keep = cache.positions < positions[0]
@@ -98,7 +96,7 @@ class HeadRuntime:
         allowed = positions[None, :] <= query_pos[:, None]  # causal over cache + new
         keys = k.transpose(0, 1)[None].expand(num_new, -1, -1, -1)
         values = v.transpose(0, 1)[None].expand(num_new, -1, -1, -1)
-        out = self._layer(q, keys, values, allowed, hidden)
+        out = self._layer(q, keys, values, allowed, base)
         self.caches[req_id] = RequestCache(k, v, positions, out[-1], self._logits(out[-1]))
 
     def _context(self, req_ids: list[str]):
@@ -119,8 +117,8 @@ class HeadRuntime:
         batch, width = beam_tokens.shape
         rows = batch * width
         positions = position.repeat_interleave(width)
-        q, k, v = self._qkv(self._embed(beam_tokens.reshape(-1)),
-                            parent_out.reshape(rows, -1), positions)
+        q, k, v, base = self._qkv(self._embed(beam_tokens.reshape(-1)),
+                                  parent_out.reshape(rows, -1), positions)
         path_k = torch.cat([path_kv[0], k.view(batch, width, -1, 1, k.shape[-1])], 3)
         path_v = torch.cat([path_kv[1], v.view(batch, width, -1, 1, v.shape[-1])], 3)
         keys = torch.cat([keys_ctx.repeat_interleave(width, 0),
@@ -129,7 +127,7 @@ class HeadRuntime:
                             path_v.reshape(rows, *path_v.shape[2:])], 2)
         allowed = torch.cat([valid.repeat_interleave(width, 0),
                              torch.ones(rows, path_k.shape[3], dtype=torch.bool)], 1)
-        out = self._layer(q, keys, values, allowed, parent_out.reshape(rows, -1))
+        out = self._layer(q, keys, values, allowed, base)
         return out.view(batch, width, -1), (path_k, path_v)
 
     @torch.inference_mode()
@@ -138,23 +136,23 @@ class HeadRuntime:
                     num_draft_tokens: int) -> DraftTree:
         """EAGLE-2 trees of `num_draft_tokens` nodes (root = the last verified
         token at `root_positions`) for requests whose cache ends at root - 1."""
-        head, batch = self.head, len(req_ids)
+        layer, batch = self.layer, len(req_ids)
         ctx = self._context(req_ids)
         last_out = torch.stack([self.caches[r].last_out for r in req_ids])
         logprobs, draft_ids = self._topk(torch.stack(
             [self.caches[r].last_logits for r in req_ids]), topk)  # [B, k]
-        tokens, scores = [head.draft_to_target(draft_ids)[:, None]], [logprobs[:, None]]
+        tokens, scores = [layer.to_target(draft_ids)[:, None]], [logprobs[:, None]]
         beams = [torch.full((batch, 1), ROOT_PARENT, dtype=torch.long)]
         pooled = flatten_draft_steps(tokens, scores, beams)
         beam, offset = next_beam(pooled.scores, 0, topk), pooled.scores.shape[1]
         parent_out = last_out[:, None].expand(batch, topk, -1)
-        nh, hd = head.config.num_attention_heads, head.config.head_dim
+        nh, hd = layer.num_heads, layer.head_dim
         path_kv = (torch.zeros(batch, topk, nh, 0, hd),) * 2
         for depth in range(1, num_steps):
             out, path_kv = self._expand(ctx, pooled.token_ids.gather(1, beam), parent_out,
                                         path_kv, root_positions + depth - 1)
             logprobs, draft_ids = self._topk(self._logits(out), topk)  # [B, k, k]
-            tokens.append(head.draft_to_target(draft_ids))
+            tokens.append(layer.to_target(draft_ids))
             scores.append(logprobs)
             beams.append(beam)
             pooled = flatten_draft_steps(tokens, scores, beams)

@@ -1,0 +1,91 @@
+"""One-layer drafters as `HeadRuntime` (eagle3_head.py) runs them: an EAGLE-3
+head or an MTP layer, behind the same five steps, so one tree-drafting
+runtime serves both.
+
+For R rows (positions or tree nodes), each with the token's embedding
+[R, H], the drafter's input hidden state [R, H] and a rope position:
+    q, k, v, base = qkv(embeds, hidden, positions)   # [R, nh, hd] x3, [R, H]
+    out = finish(attention output [R, nh*hd], base)  # [R, H]: the next hidden
+    logits(out) -> [R, V'];  to_target(argmax ids) -> target token ids
+`input_hidden` turns what the target provides (EAGLE-3: its auxiliary layers
+[T, L*H_t]; MTP: its last hidden state [T, H]) into the first hidden.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.training.eagle3_model import Eagle3Head
+from vllm_specplug.training.layers import rope_cos_sin, split_heads
+from vllm_specplug.training.mtp_model import MtpLayer
+
+
+class Eagle3DraftLayer:
+    """vLLM's `Eagle3LlamaForCausalLM` math (training/eagle3_model.py)."""
+
+    def __init__(self, head: Eagle3Head) -> None:
+        self.head = head.eval()
+        self.num_heads = head.config.num_attention_heads
+        self.head_dim = head.config.head_dim
+        self.vocab_size = head.config.vocab_size
+
+    def input_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.fc(target_hidden.to(torch.float32))
+
+    def qkv(self, embeds, hidden, positions):
+        cos, sin = self.head.rope(positions)
+        q, k, v = self.head._qkv(embeds[:, None], hidden[:, None], cos[:, None, None],
+                                 sin[:, None, None])
+        return q[:, :, 0], k[:, :, 0], v[:, :, 0], hidden
+
+    def finish(self, attn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        mid = self.head.midlayer
+        residual = mid.self_attn.o_proj(attn) + base
+        return mid.mlp(mid.post_attention_layernorm(residual)) + residual
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.head.lm_head(self.head.norm(out))
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_to_target(draft_ids)
+
+
+class MtpDraftLayer:
+    """vLLM's `mimo_mtp` math (training/mtp_model.py), with the target's lm_head."""
+
+    def __init__(self, layer: MtpLayer, lm_head_weight: torch.Tensor) -> None:
+        self.layer = layer.eval()
+        self.lm_head_weight = lm_head_weight   # [V, H], the target's
+        c = layer.config
+        self.num_heads, self.head_dim, self.vocab_size = (
+            c.num_attention_heads, c.head_dim, c.vocab_size)
+
+    def input_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return target_hidden.to(torch.float32)
+
+    def qkv(self, embeds, hidden, positions):
+        layer, attn = self.layer, self.layer.self_attn
+        embeds = torch.where((positions == 0)[:, None], 0.0, embeds)   # as vLLM
+        base = layer.input_proj(torch.cat([layer.hidden_layernorm(hidden),
+                                           layer.token_layernorm(embeds)], dim=-1))
+        x = layer.input_layernorm(base)[:, None]                        # [R, 1, H]
+        cos, sin = rope_cos_sin(positions, layer.inv_freq)
+        q, k, v = split_heads(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.num_heads,
+                              attn.num_kv_heads, attn.head_dim, cos[:, None, None],
+                              sin[:, None, None])
+        return q[:, :, 0], k[:, :, 0], v[:, :, 0], base
+
+    def finish(self, attn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        residual = layer.self_attn.o_proj(attn) + base
+        return layer.final_layernorm(layer.mlp(layer.post_attention_layernorm(residual))
+                                     + residual)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return out @ self.lm_head_weight.T
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+
+def as_draft_layer(head) -> Eagle3DraftLayer | MtpDraftLayer:
+    return Eagle3DraftLayer(head) if isinstance(head, Eagle3Head) else head

@@ -81,12 +81,13 @@ REPEATING_PROMPT = "x = 1\ny = 2\nz = 3\nx = 1\ny = 2\nz = 3\nx = 1\ny = 2\n"
 P_MIN = 1e-3
 
 
-def sample_positions(llm, temperature: float) -> list[list[int]]:
-    """NUM_SAMPLES seeded samples of 4 tokens after a prompt the proposers
+def sample_positions(llm, temperature: float, num_samples: int = NUM_SAMPLES
+                     ) -> list[list[int]]:
+    """`num_samples` seeded samples of 4 tokens after a prompt the proposers
     draft on; [position][sample] token ids."""
     params = [SamplingParams(temperature=temperature, max_tokens=4, seed=seed,
-                             ignore_eos=True) for seed in range(NUM_SAMPLES)]
-    outputs = llm.generate([REPEATING_PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+                             ignore_eos=True) for seed in range(num_samples)]
+    outputs = llm.generate([REPEATING_PROMPT] * num_samples, params, use_tqdm=False)
     return [list(column) for column in zip(*(o.outputs[0].token_ids for o in outputs))]
 
 

@@ -5,6 +5,7 @@ training and resumption."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -179,3 +180,25 @@ def test_mtp_training_needs_the_last_layer(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match=r"needs the last layer \(6\)"):
         MtpTrainer(TrainConfig(data=str(root), target=str(tiny_model_dir),
                                out=str(tmp_path / "o")))
+
+
+def test_train_mtp_cli_refuses_bad_input_with_named_errors(tmp_path, tiny_model_dir, capsys):
+    from vllm_specplug.cli.main import main
+    from vllm_specplug.extraction import dataset as ds
+
+    root = tmp_path / "d"
+    root.mkdir()
+    ds.DatasetInfo("tiny", [2, 3, 4], 128, "float32", 6).save(root)
+    args = ["train-mtp", "--data", str(root), "--out", str(tmp_path / "o")]
+    assert main(args + ["--target", str(tiny_model_dir)]) == 2
+    assert "needs the last layer (6)" in capsys.readouterr().err
+    synthetic_dataset(tmp_path / "d2")
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "hidden_size": 128,
+         "vocab_size": 4096}))
+    shutil.copy(tiny_model_dir / "model.safetensors", other / "model.safetensors")
+    assert main(["train-mtp", "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "o2"),
+                 "--target", str(other)]) == 2
+    assert "Llama, Qwen2 or MiMo target" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from tests.conftest import MAX_NEW_TOKENS
 from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
 from tests.test_proposers_engine import REPETITIVE
 
+WRONG_SAMPLES = 300
 TREES = {  # name: (topk, num_steps, num_draft_tokens)
     "chain_k3": (1, 3, 4),
     "tree4_topk2": (2, 3, 4),
@@ -106,7 +107,8 @@ def test_a_wrong_verifier_is_caught(tiny_model_dir, tiny_eagle3_dir, plain_sampl
                    worker_extension_cls=PROBE_QUALNAME)
     try:
         assert llm.collective_rpc("specplug_break_tree_verifier") == ["AlwaysAcceptFirstChild"]
-        wrong = sample_positions(llm, SAMPLE_TEMPERATURE)
+        # a quarter of the samples: the error is gross (measured min p 2e-235 at 300)
+        wrong = sample_positions(llm, SAMPLE_TEMPERATURE, num_samples=WRONG_SAMPLES)
     finally:
         shutdown_llm(llm)
     assert min(same_distribution_p(plain_samples[p], wrong[p]) for p in (1, 2, 3)) < P_MIN

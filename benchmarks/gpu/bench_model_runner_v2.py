@@ -197,7 +197,10 @@ def stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return None
     delta = {k: after[k] - before[k] for k in after}
     steps = max(delta["num_steps"], 1)
-    return {"host_ms_per_step": 1000 * delta["host_seconds"] / steps,
+    # host work per step, without the wait for the GPU that the host path's
+    # copy of the sampled tokens includes (wait_seconds; absent before 11-23)
+    busy = delta["host_seconds"] - delta.get("wait_seconds", 0.0)
+    return {"host_ms_per_step": 1000 * busy / steps,
             "draft_fill": (delta["num_draft_tokens"] / delta["num_draft_slots"]
                            if delta["num_draft_slots"] else None), **delta}
 

@@ -188,9 +188,11 @@ class SpecplugV2Speculator:
             return drafts.copy_(self._last_tokens(input_batch)[:, None].expand_as(drafts))
         k = self.num_speculative_steps if num_speculative_tokens is None else \
             num_speculative_tokens
+        started = time.perf_counter()   # the copy waits for the step's GPU work
         step = gather_step_tokens(self.req_states.all_token_ids.gpu,
                                   self.req_states.total_len.gpu, input_batch.idx_mapping,
                                   num_sampled[:num_reqs], self.num_speculative_steps + 1)
+        self.stats.wait_seconds += time.perf_counter() - started
         req_ids = list(input_batch.req_ids)
         slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int64)
         self._retire()
@@ -288,6 +290,7 @@ class SpeculatorStats:
     def __init__(self, device: torch.device) -> None:
         self.num_steps = 0
         self.host_seconds = 0.0          # wall time inside propose (launches only, on device)
+        self.wait_seconds = 0.0          # of which waiting for the GPU (host path's copy)
         # [2] int64: draft tokens proposed, draft slots offered (K per drafting
         # row), added to by device drafters that count (DeviceProposeBatch)
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
@@ -299,4 +302,5 @@ class SpeculatorStats:
     def as_dict(self) -> dict:
         tokens, slots = self.host_counts + self.device_counts.cpu().numpy()
         return {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
+                "wait_seconds": self.wait_seconds,
                 "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}

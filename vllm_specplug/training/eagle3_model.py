@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from vllm_specplug.extraction.storage import save_safetensors_atomic, write_text_atomic
-from vllm_specplug.training.layers import (MLP, RMSNorm, rope_cos_sin, rope_inv_freq,
-                                           shift_rows, split_heads, ttt_attend)
+from vllm_specplug.training.layers import (MLP, RMSNorm, init_draft_parameters,
+                                           rope_cos_sin, rope_inv_freq, shift_rows,
+                                           split_heads, ttt_attend)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-INIT_STD = 0.02
 
 
 @dataclass
@@ -108,12 +108,7 @@ class Eagle3Head(nn.Module):
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, 0.02) linears, unit norms: the 'untrained head'."""
-        for name, param in self.named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.normal_(0.0, INIT_STD, generator=generator)
+        init_draft_parameters(self, generator)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -16,6 +16,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+INIT_STD = 0.02
+
+
+def init_draft_parameters(module: nn.Module, generator: torch.Generator | None = None) -> None:
+    """A draft head's starting point: unit norms, zero biases, Normal(0, 0.02)
+    for every other weight (in `named_parameters` order: seeded, reproducible)."""
+    for name, param in module.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, INIT_STD, generator=generator)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_specplug.training.layers import (MLP, RMSNorm, rope_cos_sin, rope_inv_freq,
-                                           shift_rows, split_heads, ttt_attend)
+from vllm_specplug.training.layers import (MLP, RMSNorm, init_draft_parameters,
+                                           rope_cos_sin, rope_inv_freq, shift_rows,
+                                           split_heads, ttt_attend)
 
-INIT_STD = 0.02
 CHECKPOINT_PREFIX = "model.mtp_layers.{index}."
 
 
@@ -83,14 +83,7 @@ class MtpLayer(nn.Module):
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, 0.02) weights, zero biases, unit norms: the untrained layer."""
-        for name, param in self.named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                elif name.endswith("bias"):
-                    param.zero_()
-                else:
-                    param.normal_(0.0, INIT_STD, generator=generator)
+        init_draft_parameters(self, generator)
 
     def _block(self, u, cos, sin, caches, step, key_valid):
         attn = self.self_attn

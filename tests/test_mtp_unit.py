@@ -59,7 +59,8 @@ def qwen2_reference(layer: MtpLayer, hidden, embeds, positions):
 
 def test_step_zero_is_a_qwen2_decoder_layer():
     layer = random_layer(0)
-    hidden, embeds = torch.randn(1, 9, 32), torch.randn(1, 9, 32)
+    gen = torch.Generator().manual_seed(1)     # fixed inputs: no test depends on luck
+    hidden, embeds = torch.randn(1, 9, 32, generator=gen), torch.randn(1, 9, 32, generator=gen)
     positions = torch.arange(9)
     with torch.no_grad():
         ours = layer(hidden, embeds, positions, torch.ones(1, 9, dtype=torch.bool), 1)[0]
@@ -107,7 +108,9 @@ def chain_outputs(layer: MtpLayer, hidden, embeds, anchor: int, num_steps: int):
 @pytest.mark.parametrize("num_tokens,num_steps", [(9, 3), (13, 4), (5, 1)])
 def test_ttt_unroll_equals_token_by_token_drafting(num_tokens, num_steps):
     layer = random_layer(num_tokens)
-    hidden, embeds = torch.randn(1, num_tokens, 32), torch.randn(1, num_tokens, 32)
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(1, num_tokens, 32, generator=gen)
+    embeds = torch.randn(1, num_tokens, 32, generator=gen)
     with torch.no_grad():
         ttt = layer(hidden, embeds, torch.arange(num_tokens),
                     torch.ones(1, num_tokens, dtype=torch.bool), num_steps)

@@ -117,8 +117,10 @@ def test_ttt_unroll_equals_token_by_token_drafting(num_tokens, num_steps):
         for anchor in range(num_tokens - num_steps + 1):
             for step, expected in enumerate(chain_outputs(layer, hidden, embeds, anchor,
                                                           num_steps)):
+                # fp32, other reduction orders, weights of std 0.3: differences
+                # reach 0.9e-5 (measured); a wrong mask or chain is off by O(1)
                 torch.testing.assert_close(ttt[step][0, anchor + step], expected,
-                                           atol=1e-5, rtol=1e-5)
+                                           atol=1e-4, rtol=1e-4)
 
 
 def test_llama_target_becomes_mimo_with_the_same_function(tmp_path, tiny_model_dir):

@@ -21,8 +21,7 @@ from vllm_specplug.extraction.storage import save_safetensors_atomic, write_text
 
 MTP_ARCHITECTURE = "MiMoForCausalLM"
 NUM_MTP_LAYERS_KEY = "num_nextn_predict_layers"
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "mimo": MTP_ARCHITECTURE}
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 MTP_TENSOR_MARK = ".mtp_layers."
 INDEX_FILE = "model.safetensors.index.json"
 ADDED_FILE = "model-specplug-mtp.safetensors"   # next to a sharded target's files
@@ -38,7 +37,7 @@ def target_kind(config: dict, target_dir: Path) -> str:
     arch = (config.get("architectures") or ["?"])[0]
     if arch == MTP_ARCHITECTURE or config.get("model_type") == "qwen2":
         return "qwen2"
-    if config.get("model_type") == "llama" and arch == SUPPORTED["llama"]:
+    if config.get("model_type") == "llama" and arch == LLAMA_ARCHITECTURE:
         return "llama"
     raise MtpTargetError(
         f"--target {target_dir}: architecture {arch!r} (model_type "

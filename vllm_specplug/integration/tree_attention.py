@@ -20,6 +20,9 @@ from vllm_specplug.integration.cpu_kv_layout import BlockLayout
 from vllm_specplug.integration.tree_step import TreeRequest, TreeStep
 
 
+NO_WINDOW = (None, -1, (-1, -1))  # how the CPU and CUDA backends say "no sliding window"
+
+
 class TreeAttentionUnsupported(RuntimeError):
     """A layer feature tree attention does not implement."""
 
@@ -27,7 +30,7 @@ class TreeAttentionUnsupported(RuntimeError):
 def check_supported(impl) -> None:
     problems = [name for name, bad in (
         ("logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
-        ("sliding window", getattr(impl, "sliding_window", -1) not in (-1, None)),
+        ("sliding window", getattr(impl, "sliding_window", None) not in NO_WINDOW),
         ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
         ("attention sinks", getattr(impl, "sinks", None) is not None),
         ("quantized KV cache", getattr(impl, "kv_cache_dtype", "auto") != "auto"))

@@ -26,6 +26,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_co
 
 from vllm_specplug.integration import tree_step
 from vllm_specplug.integration.cpu_kv_layout import known_layout
+from vllm_specplug.integration.cuda_tree_attention import move_cached_tokens
 from vllm_specplug.verification.metadata import PLACEHOLDER_TOKEN_ID
 from vllm_specplug.verification.tree_build import tree_from_parents
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
@@ -173,6 +174,9 @@ def compact_kv(runner, step) -> None:
     slots = runner.input_batch.block_table[0].slot_mapping.gpu
     src_slots, dst_slots = slots[src].long(), slots[dst].long()
     for kv_cache in runner.kv_caches:
+        if kv_cache.is_cuda:
+            move_cached_tokens(kv_cache, src_slots, dst_slots)
+            continue
         layout = known_layout(kv_cache)
         if layout is None:  # tree attention ran on every layer of a non-chain tree
             raise RuntimeError("KV compaction: no known layout for a KV cache "

@@ -50,15 +50,18 @@ def _on_request_state_removed(original):
 
 
 def _prepare_inputs(original):
-    from vllm_specplug.integration import tree_step
+    from vllm_specplug.integration import cuda_tree_attention, tree_step
     from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
 
     def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, TreeEagleDrafter):
-            tree_step.set_current(tree_step.build_step(self, scheduler_output,
-                                                       drafter.trees))
+            step = tree_step.build_step(self, scheduler_output, drafter.trees)
+            tree_step.set_current(step)
+            buffers = cuda_tree_attention.active()
+            if buffers is not None:
+                buffers.update(step)
         return result
 
     return prepare_inputs
@@ -66,6 +69,8 @@ def _prepare_inputs(original):
 
 def _setup_aux_hidden_states(original):
     from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from vllm_specplug.integration import cuda_tree_attention
 
     from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
     from vllm_specplug.integration.tree_sampler import TreeRejectionSampler
@@ -83,6 +88,9 @@ def _setup_aux_hidden_states(original):
             self.model.set_aux_hidden_state_layers(drafter.aux_layer_ids)
         self.rejection_sampler = TreeRejectionSampler(
             self.sampler, self.speculative_config, self.device, self)
+        if self.device.type == "cuda" and drafter.options.topk > 1:
+            cuda_tree_attention.activate(cuda_tree_attention.TreeAttentionBuffers(
+                self.max_num_reqs, drafter.options.num_draft_tokens, self.device))
 
     return setup
 
@@ -105,8 +113,9 @@ def install() -> list[str]:
                          _prepare_inputs(GPUModelRunner._prepare_inputs),
                          reason="tree positions and layout for specplug_eagle3")
     # vLLM enables auxiliary hidden states and builds its chain sampler only
-    # for its own eagle3; ours needs tree verification, and aux states for
-    # EAGLE-3 heads (an MTP layer reads the model output itself).
+    # for its own eagle3; ours needs tree verification, aux states for
+    # EAGLE-3 heads (an MTP layer reads the model output itself) and, on
+    # CUDA, the persistent buffers of tree attention (before graph capture).
     patch_registry.apply(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs",
                          _setup_aux_hidden_states(
                              GPUModelRunner._setup_eagle3_aux_hidden_state_outputs),

@@ -3,8 +3,8 @@ registered proposer names."""
 from __future__ import annotations
 
 from vllm_specplug.integration import kernel_overrides
-from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, gpu_model_runner,
-                                   gpu_v2_model_runner)
+from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, flash_attn,
+                                   gpu_model_runner, gpu_v2_model_runner, triton_attn)
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -20,6 +20,8 @@ def register_proposers() -> list[str]:
     # after loading plugins and before importing the model runner.
     when_imported(RUNNER_MODULE, kernel_overrides.install)
     when_imported(cpu_attn.MODULE, cpu_attn.install)
+    for backend in (flash_attn, triton_attn):  # CUDA tree attention
+        when_imported(backend.MODULE, backend.install)
     # Model Runner V2 (CUDA only; never imported on the CPU platform).
     when_imported(gpu_v2_model_runner.MODULE, gpu_v2_model_runner.install)
     return items + [f"proposer:{name}" for name in available_proposers()]

@@ -147,6 +147,9 @@ def _check_metadata(meta, block_table, block_size, num_blocks, num_tokens) -> No
     for name in ("first_token", "seq_lens", "num_nodes"):
         checks.check_shape(f"meta.{name}", getattr(meta, name), (rows,))
         checks.check_dtype(f"meta.{name}", getattr(meta, name), (torch.int32,))
+    if not all(t.is_contiguous() for t in vars(meta).values()):
+        raise checks.VerificationInputError(
+            "meta tensors must be contiguous (the kernel indexes them by request row)")
     words = -(-meta.max_nodes // MASK_WORD_BITS)
     checks.check_shape("meta.ancestor_bits", meta.ancestor_bits, (rows, None, words))
     checks.check_shape("block_table", block_table, (rows, None))

@@ -1,0 +1,114 @@
+"""The CUDA backends' tree-attention glue, driven on CPU (Triton interpreter):
+persistent buffers from a step's layout, the call after a backend's forward on
+vLLM's logical cache layout, and KV compaction in that layout."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specplug.integration import cuda_tree_attention as cta
+from vllm_specplug.integration.tree_attention import TreeAttentionUnsupported
+from vllm_specplug.integration.tree_step import TreeRequest, TreeStep, depths_of
+from vllm_specplug.verification.tree_attention import (metadata_from_masks,
+                                                       tree_attention_reference)
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 16, 4, 40
+PARENTS = {  # row: parents (root first); row 1 is a chain, row 2 has no drafts
+    0: np.array([-1, 0, 0, 1, 2, 1]),
+    1: np.array([-1, 0, 1, 2]),
+    3: np.array([-1, 0, 0, 0, 3]),
+}
+
+
+def step_of(rows: dict, seq_lens: list[int]) -> TreeStep:
+    """A decode step: requests in batch order, drafts as scheduled tokens."""
+    sizes = [len(rows.get(r, [0])) for r in range(len(seq_lens))]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    step = TreeStep(int(starts[-1]), starts, np.array(seq_lens, dtype=np.int32))
+    for row, parents in rows.items():
+        step.requests.append(TreeRequest(row, f"r{row}", int(starts[row]), seq_lens[row],
+                                         parents, depths_of(parents)))
+    return step
+
+
+def impl(**overrides):
+    attrs = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, scale=0.3,
+                 sliding_window=(-1, -1), logits_soft_cap=0, alibi_slopes=None, sinks=None,
+                 kv_cache_dtype="auto")
+    return SimpleNamespace(**{**attrs, **overrides})
+
+
+def setup(step: TreeStep, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE,
+                           generator=generator)
+    block_table = torch.randperm(NUM_BLOCKS, generator=generator)[:32].view(4, 8).int()
+    query = torch.randn(step.num_tokens + 3, HEADS * HEAD_SIZE, generator=generator)
+    return kv_cache, block_table, query
+
+
+def test_buffers_then_backend_hook_equal_the_reference():
+    step = step_of(PARENTS, [9, 3, 5, 12])
+    buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
+    buffers.update(step)
+    assert buffers.num_masked == 2  # the chain is left to the backend
+    kv_cache, block_table, query = setup(step)
+    output = torch.full_like(query, 5.0)
+    cta.activate(buffers)
+    try:
+        cta.after_backend_forward(impl(), query, kv_cache, SimpleNamespace(
+            block_table=block_table), output)
+    finally:
+        cta.activate(None)
+    first, counts = [0] * 4, [0] * 4
+    dense = torch.zeros(4, 6, 6, dtype=torch.bool)
+    for r in step.masked():
+        first[r.row], counts[r.row] = r.first_token, r.num_nodes
+        dense[r.row, :r.num_nodes, :r.num_nodes] = r.ancestor_mask()
+    meta = metadata_from_masks(first, [9, 3, 5, 12], dense, counts)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    want = torch.full_like(query, 5.0).view(-1, HEADS, HEAD_SIZE)
+    tree_attention_reference(query.view(-1, HEADS, HEAD_SIZE), key_cache, value_cache,
+                             block_table, meta, 0.3, want)
+    torch.testing.assert_close(output.view_as(want), want, atol=2e-5, rtol=2e-5)
+    chain_rows = slice(step.requests[1].first_token, step.requests[1].first_token + 4)
+    assert torch.equal(output[chain_rows], torch.full_like(output[chain_rows], 5.0))
+
+
+def test_a_later_step_clears_stale_rows():
+    buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
+    buffers.update(step_of(PARENTS, [9, 3, 5, 12]))
+    buffers.update(step_of({0: PARENTS[0]}, [10]))
+    assert buffers.metadata.num_nodes.tolist() == [6, 0, 0, 0, 0, 0, 0, 0]
+    buffers.update(step_of({}, [11, 4]))
+    assert buffers.num_masked == 0 and not buffers.metadata.num_nodes.any()
+
+
+def test_unsupported_layer_features_are_named():
+    step = step_of(PARENTS, [9, 3, 5, 12])
+    buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
+    buffers.update(step)
+    kv_cache, block_table, query = setup(step)
+    cta.activate(buffers)
+    try:
+        with pytest.raises(TreeAttentionUnsupported, match="sliding window"):
+            cta.after_backend_forward(impl(sliding_window=(127, 0)), query, kv_cache,
+                                      SimpleNamespace(block_table=block_table), query)
+    finally:
+        cta.activate(None)
+
+
+def test_compaction_moves_whole_tokens_in_the_logical_layout():
+    kv_cache = torch.randn(6, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    before = kv_cache.clone()
+    src, dst = torch.tensor([9, 14, 3]), torch.tensor([8, 9, 22])  # 9 is read, then written
+    cta.move_cached_tokens(kv_cache, src, dst)
+    by_slot, old = kv_cache.transpose(1, 2).flatten(0, 1), before.transpose(1, 2).flatten(0, 1)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        assert torch.equal(by_slot[d], old[s])
+    untouched = torch.ones(len(by_slot), dtype=torch.bool)
+    untouched[dst] = False
+    assert torch.equal(by_slot[untouched], old[untouched])

@@ -1,0 +1,105 @@
+"""Tree attention on vLLM's CUDA attention backends (FlashAttention, Triton,
+FlexAttention), and KV compaction in their cache layout.
+
+The backend's kernel runs first (it writes every token's K/V at its
+sequential slot and attends causally); then our kernel (`kernels/
+tree_attention.py`) rewrites the rows of this step's non-chain trees. Its
+inputs live in persistent buffers (`TreeAttentionBuffers`), filled once per
+step by the runner patch, so the launch can be captured in a FULL CUDA graph:
+at replay the kernel reads the step's trees from the same addresses, and
+rows without a tree (chains, requests without drafts, batch padding) have
+`num_nodes = 0`, which the kernel skips.
+
+Every vLLM 0.32 CUDA backend gives a layer's cache in one logical order,
+[num_blocks, num_kv_heads, block_size, 2 * head_size], and splits it with
+`kv_cache.transpose(1, 2).split(head_size, -1)`; we read it the same way.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.integration.tree_attention import check_supported
+from vllm_specplug.integration.tree_step import TreeStep
+from vllm_specplug.verification.metadata import MASK_WORD_BITS
+from vllm_specplug.verification.tree_attention import (TreeAttentionMetadata,
+                                                       tree_attention_triton)
+from vllm_specplug.verification.tree_build import pack_mask
+
+class TreeAttentionBuffers:
+    """Per-request-row tree metadata of the current step, on the device, at
+    fixed addresses (host mirrors written, then copied: four small copies per
+    step, of the rows in use)."""
+
+    def __init__(self, max_num_reqs: int, max_nodes: int, device) -> None:
+        words = -(-max_nodes // MASK_WORD_BITS)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32)
+        self.host = TreeAttentionMetadata(zeros(max_num_reqs), zeros(max_num_reqs),
+                                          zeros(max_num_reqs),
+                                          zeros(max_num_reqs, max_nodes, words))
+        self.metadata = TreeAttentionMetadata(*(t.to(device) for t in vars(self.host).values()))
+        self.num_masked = 0
+        self._rows_dirty = 0  # rows that may hold a tree: cleared on the next update
+
+    @property
+    def max_num_reqs(self) -> int:
+        return self.host.num_nodes.shape[0]
+
+    def update(self, step: TreeStep) -> None:
+        """Write the step's non-chain trees (rows of the runner's batch)."""
+        masked = step.masked()
+        rows = max(self._rows_dirty, len(step.num_computed))
+        host = self.host
+        for tensor in vars(host).values():
+            tensor[:rows] = 0
+        for request in masked:
+            row = request.row
+            host.first_token[row] = request.first_token
+            host.seq_lens[row] = request.seq_len
+            host.num_nodes[row] = request.num_nodes
+            bits = pack_mask(request.ancestor_mask()[None])[0]
+            host.ancestor_bits[row, :request.num_nodes, :bits.shape[1]] = bits
+        for name, tensor in vars(self.metadata).items():
+            tensor[:rows].copy_(getattr(host, name)[:rows])
+        self._rows_dirty = 1 + max((r.row for r in masked), default=-1)
+        self.num_masked = len(masked)
+
+
+_ACTIVE: TreeAttentionBuffers | None = None
+
+
+def activate(buffers: TreeAttentionBuffers | None) -> None:
+    """Tree attention runs in this process's CUDA attention layers (None: off)."""
+    global _ACTIVE
+    _ACTIVE = buffers
+
+
+def active() -> TreeAttentionBuffers | None:
+    return _ACTIVE
+
+
+def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
+    """Called after a CUDA backend's `forward`: tree rows get tree attention.
+    Launched during CUDA-graph capture even with no tree (the graph must
+    contain the launch for the steps it will replay)."""
+    buffers = _ACTIVE
+    if buffers is None or attn_metadata is None or kv_cache is None:
+        return
+    if buffers.num_masked == 0 and not torch.cuda.is_current_stream_capturing():
+        return
+    check_supported(impl)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    num_reqs = min(attn_metadata.block_table.shape[0], buffers.max_num_reqs)
+    tree_attention_triton(query.view(-1, impl.num_heads, impl.head_size), key_cache,
+                          value_cache, attn_metadata.block_table, buffers.metadata,
+                          impl.scale, output.view(-1, impl.num_heads, impl.head_size),
+                          num_requests=num_reqs)
+
+
+def move_cached_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor,
+                       dst_slots: torch.Tensor) -> None:
+    """KV compaction in the CUDA backends' layout: the K/V of the tokens at
+    `src_slots` [S] move to `dst_slots` [S] (all read before any write)."""
+    by_slot = kv_cache.transpose(1, 2)  # [num_blocks, block_size, kv_heads, 2 * head_size]
+    block_size = by_slot.shape[1]
+    rows = by_slot[src_slots // block_size, src_slots % block_size]
+    by_slot[dst_slots // block_size, dst_slots % block_size] = rows

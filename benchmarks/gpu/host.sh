@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu/host.sh tests        # tests/gpu + tests/kernels (pytest summary in $OUT)
 #   bash benchmarks/gpu/host.sh bench [--targets ...] [--methods ...]
 #   bash benchmarks/gpu/host.sh report       # one table from every bench run on this host
+#   bash benchmarks/gpu/host.sh tree-tiny    # tree EAGLE lossless + speed on the tiny model
+#   bash benchmarks/gpu/host.sh tree-costs   # step costs on the 8B shape (cost model input)
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -40,7 +42,12 @@ print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__nam
     python3 benchmarks/gpu/bench_model_runner_v2.py run --work "$SPECPLUG_GPU_WORK" \
       --results "$RESULTS" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | quiet | tail -70
     ;;
+  tree-tiny|tree-costs)
+    # issue 15: tree EAGLE on CUDA (benchmarks/gpu/bench_tree_cuda.py)
+    python3 benchmarks/gpu/bench_tree_cuda.py "${1#tree-}" --work "$SPECPLUG_GPU_WORK" \
+      --results "$RESULTS" 2>&1 | tee "$OUT/$1.log" | quiet | tail -60
+    cp "$RESULTS"/tree_*.json "$OUT"/ 2>/dev/null ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report"; exit 2 ;;
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs"; exit 2 ;;
 esac

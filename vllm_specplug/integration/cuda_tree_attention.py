@@ -38,6 +38,7 @@ class TreeAttentionBuffers:
                                           zeros(max_num_reqs, max_nodes, words))
         self.metadata = TreeAttentionMetadata(*(t.to(device) for t in vars(self.host).values()))
         self.num_masked = 0
+        self.masked_steps = 0  # steps that had a non-chain tree (tests, benchmarks)
         self._rows_dirty = 0  # rows that may hold a tree: cleared on the next update
 
     @property
@@ -62,6 +63,7 @@ class TreeAttentionBuffers:
             tensor[:rows].copy_(getattr(host, name)[:rows])
         self._rows_dirty = 1 + max((r.row for r in masked), default=-1)
         self.num_masked = len(masked)
+        self.masked_steps += bool(masked)
 
 
 _ACTIVE: TreeAttentionBuffers | None = None

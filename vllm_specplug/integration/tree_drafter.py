@@ -23,7 +23,7 @@ from vllm_specplug.integration import tree_step
 from vllm_specplug.integration.config import selection_of
 from vllm_specplug.integration.guard import ProposerGuard
 from vllm_specplug.proposers.draft_layers import MtpDraftLayer
-from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions
+from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions, chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.proposers.eagle3_loading import load_head
 from vllm_specplug.proposers.mtp import MtpTreeOptions
@@ -50,6 +50,9 @@ class TreeEagleDrafter:
         self.head: HeadRuntime | None = None
         # {req_id: (node token ids without the root, parents with the root)}
         self.trees: dict[str, tuple[list[int], np.ndarray]] = {}
+        # Benchmarks only (cost sweeps): verify the first N nodes of each
+        # drafted tree, as a tree or re-linked as a chain (`set_draft_shape`).
+        self.draft_shape: tuple[int, bool] | None = None
         logger.info("vllm-specplug %s: %s, topk=%d num_steps=%d num_draft_tokens=%d",
                     self.method, source, self.options.topk, self.options.num_steps,
                     self.options.num_draft_tokens)
@@ -145,9 +148,23 @@ class TreeEagleDrafter:
         for b, row in enumerate(rows):
             limit = min(allowance, options.num_draft_tokens - 1,
                         self.max_model_len - int(num_tokens[b]))
+            parents = parent_ids[b, :limit + 1].copy()
+            if self.draft_shape is not None:
+                num_nodes, chain = self.draft_shape
+                limit = min(limit, num_nodes - 1)
+                parents = chain_parents(limit + 1) if chain else parents[:limit + 1]
             nodes = token_ids[b, 1:1 + limit].tolist()
             drafts[row] = nodes
-            self.trees[batch.req_ids[row]] = (nodes, parent_ids[b, :limit + 1].copy())
+            self.trees[batch.req_ids[row]] = (nodes, parents)
+
+    def set_draft_shape(self, num_nodes: int | None, chain: bool = False) -> None:
+        """Benchmarks: verify only the first `num_nodes` nodes (root included)
+        of every drafted tree, re-linked as a chain when `chain` (a cost sweep
+        over verification sizes in one engine; the tokens still come from the
+        head, so this stays lossless). None: back to the configured tree."""
+        if num_nodes is not None and not 1 <= num_nodes <= self.options.num_draft_tokens:
+            raise ValueError(f"num_nodes={num_nodes}: choose 1..{self.options.num_draft_tokens}")
+        self.draft_shape = None if num_nodes is None else (num_nodes, chain)
 
 
 class TreeMtpDrafter(TreeEagleDrafter):

@@ -27,6 +27,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_co
 from vllm_specplug.integration import tree_step
 from vllm_specplug.integration.cpu_kv_layout import known_layout
 from vllm_specplug.integration.cuda_tree_attention import move_cached_tokens
+from vllm_specplug.integration.tree_profile import PROFILER
 from vllm_specplug.verification.metadata import PLACEHOLDER_TOKEN_ID
 from vllm_specplug.verification.tree_build import tree_from_parents
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
@@ -63,9 +64,13 @@ class TreeRejectionSampler(RejectionSampler):
         step = tree_step.current()
         if step is None:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
+        PROFILER.mark("verify_start")
         if needs_full_sampler(sampling_metadata):
-            return self._roots_only(metadata, logits, sampling_metadata, step)
-        return self._verify(metadata, logits, sampling_metadata, step)
+            output = self._roots_only(metadata, logits, sampling_metadata, step)
+        else:
+            output = self._verify(metadata, logits, sampling_metadata, step)
+        PROFILER.mark("verify_end")
+        return output
 
     def _roots_only(self, metadata, logits, sampling_metadata, step) -> SamplerOutput:
         """vLLM's sampler at every request's root row; all drafts rejected."""

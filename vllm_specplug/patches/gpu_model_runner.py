@@ -15,6 +15,7 @@ from vllm_specplug.patches.registry import patch_registry
 def _propose_draft_token_ids(original):
     from vllm_specplug.integration.drafter import SpecplugDrafter
     from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.tree_profile import PROFILER
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                 sampling_metadata, hidden_states, sample_hidden_states,
@@ -22,8 +23,11 @@ def _propose_draft_token_ids(original):
                                 common_attn_metadata, slot_mappings):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, TreeEagleDrafter):
-            return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
-                                              hidden_states, aux_hidden_states)
+            PROFILER.mark("draft_start")
+            drafts = drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
+                                                hidden_states, aux_hidden_states)
+            PROFILER.mark("draft_end")
+            return drafts
         if not isinstance(drafter, SpecplugDrafter):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
@@ -52,6 +56,7 @@ def _on_request_state_removed(original):
 def _prepare_inputs(original):
     from vllm_specplug.integration import cuda_tree_attention, tree_step
     from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.tree_profile import PROFILER
 
     def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
@@ -62,6 +67,7 @@ def _prepare_inputs(original):
             buffers = cuda_tree_attention.active()
             if buffers is not None:
                 buffers.update(step)
+            PROFILER.mark("inputs_ready", len(step.num_computed), step.num_tokens)
         return result
 
     return prepare_inputs

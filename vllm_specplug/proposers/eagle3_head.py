@@ -105,8 +105,8 @@ class HeadRuntime:
         keys = torch.nn.utils.rnn.pad_sequence([c.keys for c in caches], batch_first=True)
         values = torch.nn.utils.rnn.pad_sequence([c.values for c in caches],
                                                  batch_first=True)
-        lengths = torch.tensor([c.keys.shape[0] for c in caches])
-        valid = torch.arange(keys.shape[1])[None, :] < lengths[:, None]
+        lengths = torch.tensor([c.keys.shape[0] for c in caches], device=keys.device)
+        valid = torch.arange(keys.shape[1], device=keys.device)[None, :] < lengths[:, None]
         return keys.transpose(1, 2), values.transpose(1, 2), valid
 
     def _expand(self, ctx, beam_tokens, parent_out, path_kv, position):
@@ -126,7 +126,8 @@ class HeadRuntime:
         values = torch.cat([values_ctx.repeat_interleave(width, 0),
                             path_v.reshape(rows, *path_v.shape[2:])], 2)
         allowed = torch.cat([valid.repeat_interleave(width, 0),
-                             torch.ones(rows, path_k.shape[3], dtype=torch.bool)], 1)
+                             torch.ones(rows, path_k.shape[3], dtype=torch.bool,
+                                        device=valid.device)], 1)
         out = self._layer(q, keys, values, allowed, base)
         return out.view(batch, width, -1), (path_k, path_v)
 
@@ -142,12 +143,13 @@ class HeadRuntime:
         logprobs, draft_ids = self._topk(torch.stack(
             [self.caches[r].last_logits for r in req_ids]), topk)  # [B, k]
         tokens, scores = [layer.to_target(draft_ids)[:, None]], [logprobs[:, None]]
-        beams = [torch.full((batch, 1), ROOT_PARENT, dtype=torch.long)]
+        device = last_out.device
+        beams = [torch.full((batch, 1), ROOT_PARENT, dtype=torch.long, device=device)]
         pooled = flatten_draft_steps(tokens, scores, beams)
         beam, offset = next_beam(pooled.scores, 0, topk), pooled.scores.shape[1]
         parent_out = last_out[:, None].expand(batch, topk, -1)
         nh, hd = layer.num_heads, layer.head_dim
-        path_kv = (torch.zeros(batch, topk, nh, 0, hd),) * 2
+        path_kv = (torch.zeros(batch, topk, nh, 0, hd, device=device),) * 2
         for depth in range(1, num_steps):
             out, path_kv = self._expand(ctx, pooled.token_ids.gather(1, beam), parent_out,
                                         path_kv, root_positions + depth - 1)

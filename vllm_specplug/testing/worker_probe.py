@@ -33,6 +33,35 @@ class SpecplugProbe:
         stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
         return None if stats is None else stats.as_dict()
 
+    def specplug_tree_profile(self, enable: bool | None = None) -> list[dict]:
+        """Per-step phase times of tree steps so far (cleared); `enable`
+        turns the profiler on or off (integration/tree_profile.py)."""
+        from vllm_specplug.integration.tree_profile import PROFILER
+
+        taken = PROFILER.take()
+        if enable is not None:
+            PROFILER.enable(enable)
+        return taken
+
+    def specplug_tree_draft_shape(self, num_nodes: int | None, chain: bool = False) -> str:
+        """Verify only the first `num_nodes` drafted nodes, as a tree or chain."""
+        drafter = self.model_runner.drafter
+        drafter.set_draft_shape(num_nodes, chain)
+        return f"{type(drafter).__name__}: {drafter.draft_shape}"
+
+    def specplug_tree_attention_state(self) -> dict:
+        """Whether CUDA tree attention is active in this worker, the attention
+        backend of the first layer, and the trees it has seen (masked steps)."""
+        from vllm_specplug.integration import cuda_tree_attention
+
+        buffers = cuda_tree_attention.active()
+        layers = self.model_runner.vllm_config.compilation_config.static_forward_context
+        impl = next((getattr(m, "impl", None) for m in layers.values()
+                     if hasattr(m, "impl")), None)
+        return {"active": buffers is not None,
+                "impl": None if impl is None else type(impl).__name__,
+                "masked_steps": 0 if buffers is None else buffers.masked_steps}
+
     def specplug_registration_state(self) -> dict:
         from vllm_specplug.plugin import registration_state
 

@@ -58,10 +58,11 @@ def tiny_methods(head: str) -> dict[str, dict | None]:
         "none": None,
         "vllm eagle3 K=5": {"method": "eagle3", "model": head, "num_speculative_tokens": 5},
         "ours chain K=5": {**ours, "topk": 1, "num_steps": 5, "num_draft_tokens": 6},
-        "ours tree 16": {**ours, "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
-                         "draft_temperature": 0.25},
-        "ours tree 32": {**ours, "topk": 4, "num_steps": 8, "num_draft_tokens": 32,
-                         "draft_temperature": 0.25},
+        # per-position acceptance of K=8 gives the chain's acceptance at every K <= 8
+        "ours chain K=8": {**ours, "topk": 1, "num_steps": 8, "num_draft_tokens": 9},
+        **{f"ours tree {n}": {**ours, "topk": topk, "num_steps": steps, "num_draft_tokens": n,
+                              "draft_temperature": 0.25}
+           for n, topk, steps in ((8, 4, 4), (16, 4, 4), (32, 4, 8), (64, 8, 8))},
     }
 
 
@@ -123,16 +124,22 @@ def run_tiny_method(work: Path, name: str, spec, prompts) -> dict:
         shutdown_llm(llm)
 
 
-def tiny(work: Path, results: Path) -> None:
+def tiny(work: Path, results: Path, names: list[str]) -> None:
+    """Runs the methods named (all by default; "none" first when absent from
+    the results, since every row is compared with it), adding to the JSON."""
     from tqdm import tqdm
 
     ids = json.loads((work / "prompts_tiny.json").read_text())[:NUM_PROMPTS]
     prompts = [{"prompt_token_ids": p} for p in ids]
     methods = tiny_methods(str(work / "tiny-eagle3"))
-    rows = []
-    for name, spec in tqdm(methods.items(), desc="tiny engines"):
-        rows.append(run_tiny_method(work, name, spec, prompts))
-        _save(results / "tree_tiny.json", rows)
+    path = results / "tree_tiny.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    done = {r["method"] for r in rows}
+    todo = [n for n in methods if (not names or n in names or (n == "none" and not done))
+            and n not in done]
+    for name in tqdm(todo, desc="tiny engines"):
+        rows.append(run_tiny_method(work, name, methods[name], prompts))
+        _save(path, rows)
         print(summary_line(rows[0], rows[-1]), flush=True)
 
 
@@ -257,11 +264,16 @@ def main() -> None:
     parser.add_argument("step", choices=["prepare", "tiny", "costs"])
     parser.add_argument("--work", type=Path, default=Path(".gpu/work"))
     parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--methods", nargs="*", default=[],
+                        help="tiny: a subset of " + ", ".join(tiny_methods("HEAD")))
     args = parser.parse_args()
+    unknown = set(args.methods) - set(tiny_methods("HEAD"))
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}")
     if args.step == "prepare":
         prepare(args.work)
     elif args.step == "tiny":
-        tiny(args.work, args.results)
+        tiny(args.work, args.results, args.methods)
     else:
         costs(args.work, args.results)
 

@@ -44,8 +44,9 @@ print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__nam
     ;;
   tree-tiny|tree-costs)
     # issue 15: tree EAGLE on CUDA (benchmarks/gpu/bench_tree_cuda.py)
-    python3 benchmarks/gpu/bench_tree_cuda.py "${1#tree-}" --work "$SPECPLUG_GPU_WORK" \
-      --results "$RESULTS" 2>&1 | tee "$OUT/$1.log" | quiet | tail -60
+    step=${1#tree-}; shift
+    python3 benchmarks/gpu/bench_tree_cuda.py "$step" --work "$SPECPLUG_GPU_WORK" \
+      --results "$RESULTS" "$@" 2>&1 | tee "$OUT/tree-$step.log" | quiet | tail -60
     cp "$RESULTS"/tree_*.json "$OUT"/ 2>/dev/null ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;

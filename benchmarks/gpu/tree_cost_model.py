@@ -1,0 +1,140 @@
+"""Tables, the cost model and its check, from the JSON of `bench_tree_cuda.py`
+(issue 15). Runs anywhere (no GPU):
+
+    .venv/bin/python benchmarks/gpu/tree_cost_model.py --results DIR \\
+        --ngram docs/results/model_runner_v2_h100.json --out docs/results/tree_cuda_h100
+
+Cost model: projected speed-up = L x T_plain / (T_forward(n) + T_verify(n) +
+T_draft + T_other(n)), with L the acceptance length (tokens per step per
+request) measured on our trained tiny head on the H100, T_plain the plain
+decode step, and the step phases of a B-request step verifying n nodes
+measured on the 8B shape (integration/tree_profile.py; T_other = step time -
+the three phases: scheduling, input preparation, output processing). The
+drafting cost of a configuration is scaled from the measured 64-node drafting
+(8 head steps at width 8) by its number of head steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+COST_TREE_STEPS = 8  # head steps of the cost engine's drafting (bench_tree_cuda.COST_TREE)
+CONFIGS = {  # tiny method -> (nodes verified, head steps, shape)
+    **{f"chain K={k}": (k + 1, k, "chain") for k in range(1, 9)},
+    "ours tree 8": (8, 4, "tree"), "ours tree 16": (16, 4, "tree"),
+    "ours tree 32": (32, 8, "tree"), "ours tree 64": (64, 8, "tree"),
+}
+
+
+def acceptance(tiny: list[dict]) -> dict[str, float]:
+    """Tokens per step per request of each configuration, batched run; chains
+    at every K from the K=8 chain's per-position acceptance."""
+    by_name = {r["method"]: r["batched"]["counts"] for r in tiny}
+    lengths = {}
+    for name, counts in by_name.items():
+        if counts["num_drafts"]:
+            lengths[name] = 1 + counts["num_accepted_tokens"] / counts["num_drafts"]
+    chain = by_name.get("ours chain K=8")
+    if chain and chain["num_drafts"]:
+        rates = [a / chain["num_drafts"] for a in chain["accepted_per_pos"]]
+        for k in range(1, 9):
+            lengths[f"chain K={k}"] = 1 + sum(rates[:k])
+    return lengths
+
+
+def phase_costs(sweep: list[dict]) -> dict[tuple, dict]:
+    """{(shape, nodes, batch): {forward_s, verify_s, draft_s, step_s, other_s}}."""
+    costs = {}
+    for row in sweep:
+        if "num_nodes" not in row or row["step_s"] is None:
+            continue
+        other = row["step_s"] - row["forward_s"] - row["verify_s"] - row["draft_s"]
+        costs[(row["shape"], row["num_nodes"], row["batch_size"])] = {**row, "other_s": other}
+    return costs
+
+
+def projected(length: float, plain_s: float, cost: dict, head_steps: int) -> dict:
+    draft = cost["draft_s"] * head_steps / COST_TREE_STEPS
+    step = cost["forward_s"] + cost["verify_s"] + draft + cost["other_s"]
+    return {"step_s": step, "draft_s": draft, "speedup": length * plain_s / step}
+
+
+def projections(lengths, costs, plain) -> list[dict]:
+    rows = []
+    for name, (nodes, head_steps, shape) in CONFIGS.items():
+        if name not in lengths:
+            continue
+        for batch, plain_s in plain.items():
+            cost = costs.get((shape, nodes, batch))
+            if cost is None:
+                continue
+            rows.append({"config": name, "nodes": nodes, "batch_size": batch,
+                         "acceptance_length": lengths[name], "plain_s": plain_s,
+                         **projected(lengths[name], plain_s, cost, head_steps)})
+    return rows
+
+
+def ngram_check(ngram_rows: list[dict], costs, plain) -> list[dict]:
+    """n-gram on the 8B shape (issue 11's measured run, K=5: 6 nodes, no head):
+    projected from our chain-6 step costs without drafting vs measured."""
+    checks = []
+    for row in ngram_rows:
+        if row["method"] not in ("specplug_ngram", "vllm ngram"):
+            continue
+        cost, plain_s = costs.get(("chain", 6, row["batch_size"])), plain.get(row["batch_size"])
+        if cost is None or plain_s is None:
+            continue
+        step = cost["forward_s"] + cost["verify_s"] + cost["other_s"]
+        predicted = row["tokens_per_step"] * plain_s / step
+        checks.append({"run": f"{row['method']} (8B shape)", "batch_size": row["batch_size"],
+                       "predicted": predicted, "measured": row["speedup"],
+                       "error": predicted / row["speedup"] - 1})
+    return checks
+
+
+def tiny_check(tiny: list[dict]) -> list[dict]:
+    """Our runs on the tiny model: L x T_plain / median measured step vs the
+    end-to-end tokens/s ratio of the same run (batch 60 and alone)."""
+    base = next(r for r in tiny if r["method"] == "none")
+    checks = []
+    for row in tiny:
+        for mode, batch in (("batched", len(row["batched"]["token_ids"])), ("alone", 1)):
+            phases = [p for p in row[mode]["phases"] if p["step_s"]]
+            counts = row[mode]["counts"]
+            if not phases or not counts["num_drafts"]:
+                continue
+            steps = sorted(p["step_s"] for p in phases if p["num_reqs"] == batch)
+            if not steps:
+                continue
+            plain = batch / base[mode]["tokens_per_second"]
+            length = 1 + counts["num_accepted_tokens"] / counts["num_drafts"]
+            predicted = length * plain / steps[len(steps) // 2]
+            measured = row[mode]["tokens_per_second"] / base[mode]["tokens_per_second"]
+            checks.append({"run": f"{row['method']} (tiny)", "batch_size": batch,
+                           "predicted": predicted, "measured": measured,
+                           "error": predicted / measured - 1})
+    return checks
+
+
+def main() -> None:
+    from tree_cost_report import write_report
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--ngram", type=Path, default=Path(
+        "docs/results/model_runner_v2_h100.json"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    tiny = json.loads((args.results / "tree_tiny.json").read_text())
+    cost_run = json.loads((args.results / "tree_costs_8b.json").read_text())[0]
+    plain = {r["batch_size"]: r["step_s"] for r in cost_run["plain"]}
+    costs = phase_costs(cost_run.get("sweep", []))
+    lengths = acceptance(tiny)
+    ngram = json.loads(args.ngram.read_text())["llama3-8b-shape"] if args.ngram.exists() else []
+    write_report(args.out, tiny, plain, costs, projections(lengths, costs, plain),
+                 ngram_check(ngram, costs, plain) + tiny_check(tiny))
+
+
+if __name__ == "__main__":
+    main()

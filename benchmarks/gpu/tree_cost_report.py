@@ -1,0 +1,126 @@
+"""Text, JSON and PNG of the tree-on-CUDA results (tree_cost_model.py computes)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MS = 1000.0
+
+
+def _tiny_table(tiny: list[dict]) -> list[str]:
+    base = next(r for r in tiny if r["method"] == "none")
+    lines = ["## Tiny model + built-in head on the H100 (fp32, 60 held-out prompts, 64 tokens)",
+             "| method | batched: equal to none | alone: equal | accept len | tok/s batch 60 "
+             "| vs none | tok/s alone | vs none | forward / verify / draft / step ms (batched) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in tiny:
+        cells = [row["method"]]
+        for mode in ("batched", "alone"):
+            same = sum(a == b for a, b in zip(base[mode]["token_ids"], row[mode]["token_ids"]))
+            cells.append(f"{same}/{len(base[mode]['token_ids'])}")
+        counts = row["batched"]["counts"]
+        accept = 1 + counts["num_accepted_tokens"] / max(counts["num_drafts"], 1)
+        cells.append(f"{accept:.2f}")
+        for mode in ("batched", "alone"):
+            tps = row[mode]["tokens_per_second"]
+            cells += [f"{tps:.0f}", f"{tps / base[mode]['tokens_per_second']:.2f}x"]
+        phases = [p for p in row["batched"]["phases"] if p["step_s"]]
+        cells.append(" / ".join(f"{MS * _median([p[k] for p in phases]):.2f}" for k in
+                                ("forward_s", "verify_s", "draft_s", "step_s"))
+                     if phases else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _cost_table(plain: dict, costs: dict) -> list[str]:
+    lines = ["## Step costs, Llama-3-8B shape (bf16 dummy weights, FlashAttention; "
+             "random EAGLE-3 head, fp32; ms, median of decode steps)",
+             "| batch | plain decode | verify shape | nodes | forward | verify+compaction "
+             "| draft (64-node tree, 8 head steps) | other | step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (shape, nodes, batch), c in sorted(costs.items(), key=lambda kv: (kv[0][2], kv[0][0],
+                                                                          kv[0][1])):
+        lines.append(f"| {batch} | {MS * plain.get(batch, float('nan')):.2f} | {shape} | "
+                     f"{nodes} | {MS * c['forward_s']:.2f} | {MS * c['verify_s']:.2f} | "
+                     f"{MS * c['draft_s']:.2f} | {MS * c['other_s']:.2f} | "
+                     f"{MS * c['step_s']:.2f} |")
+    return lines
+
+
+def _projection_table(rows: list[dict]) -> list[str]:
+    lines = ["## Projected speed-up on the 8B shape (acceptance of the tiny head)",
+             "| config | nodes | batch | accept len | projected step ms | of which draft "
+             "| projected speed-up |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['nodes']} | {r['batch_size']} | "
+                     f"{r['acceptance_length']:.2f} | {MS * r['step_s']:.2f} | "
+                     f"{MS * r['draft_s']:.2f} | {r['speedup']:.2f}x |")
+    lines += ["", "Best chain vs best tree per batch size:"]
+    for batch in sorted({r["batch_size"] for r in rows}):
+        at = [r for r in rows if r["batch_size"] == batch]
+        chain = max((r for r in at if r["config"].startswith("chain")),
+                    key=lambda r: r["speedup"], default=None)
+        tree = max((r for r in at if "tree" in r["config"]), key=lambda r: r["speedup"],
+                   default=None)
+        if chain and tree:
+            lines.append(f"- batch {batch}: chain {chain['config']} {chain['speedup']:.2f}x, "
+                         f"tree {tree['config']} {tree['speedup']:.2f}x, tree/chain "
+                         f"{tree['speedup'] / chain['speedup']:.2f}")
+    return lines
+
+
+def _check_table(checks: list[dict]) -> list[str]:
+    lines = ["## The cost model against measured runs",
+             "| run | batch | predicted | measured | error |", "|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['run']} | {c['batch_size']} | {c['predicted']:.2f}x | "
+                     f"{c['measured']:.2f}x | {100 * c['error']:+.1f}% |")
+    return lines
+
+
+def _plot(out: Path, costs: dict, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for color, batch in zip(("C0", "C1", "C2"), sorted({k[2] for k in costs})):
+        for shape, style in (("chain", "-o"), ("tree", "--s")):
+            points = sorted((k[1], c["forward_s"] + c["verify_s"]) for k, c in costs.items()
+                            if k[0] == shape and k[2] == batch)
+            if points:
+                left.plot([p[0] for p in points], [MS * p[1] for p in points], style,
+                          color=color, label=f"{shape}, batch {batch}")
+    left.set(xscale="log", xlabel="nodes verified per request", ylabel="ms per step",
+             title="8B shape: target forward + verification")
+    left.legend(fontsize=7)
+    for config in sorted({r["config"] for r in rows}, key=lambda c: (c[0], len(c), c)):
+        points = sorted((r["batch_size"], r["speedup"]) for r in rows if r["config"] == config)
+        right.plot([p[0] for p in points], [p[1] for p in points],
+                   "--" if "tree" in config else "-", marker=".", label=config)
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set(xscale="log", xlabel="batch size", ylabel="projected speed-up",
+              title="8B shape: projected speed-up (tiny-head acceptance)")
+    right.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
+def write_report(out: Path, tiny, plain, costs, rows, checks) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(_tiny_table(tiny) + [""] + _cost_table(plain, costs) + [""]
+                     + _projection_table(rows) + [""] + _check_table(checks)) + "\n"
+    out.with_suffix(".txt").write_text(text)
+    slim = [{k: v for k, v in r.items() if k not in ("batched", "alone", "gaps")}
+            | {m: {k: v for k, v in r[m].items() if k != "token_ids"}
+               for m in ("batched", "alone")} for r in tiny]
+    out.with_suffix(".json").write_text(json.dumps(
+        {"tiny": slim, "plain_s": plain, "costs": [dict(c) for c in costs.values()],
+         "projections": rows, "checks": checks}, indent=1))
+    _plot(out, costs, rows)
+    print(text)

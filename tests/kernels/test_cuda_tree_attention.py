@@ -78,6 +78,22 @@ def test_buffers_then_backend_hook_equal_the_reference():
     assert torch.equal(output[chain_rows], torch.full_like(output[chain_rows], 5.0))
 
 
+def test_ancestor_words_equal_pack_mask():
+    """The vectorised packing equals the reference packing of each tree."""
+    from vllm_specplug.verification.tree_build import pack_mask
+
+    rng = np.random.default_rng(0)
+    trees = [np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+             for n in (1, 2, 33, 40, 65)]
+    words = cta.ancestor_words(trees, 65, 3)
+    for t, parents in enumerate(trees):
+        request = TreeRequest(0, "r", 0, 0, parents, depths_of(parents))
+        want = pack_mask(request.ancestor_mask()[None])[0]
+        n = len(parents)
+        assert torch.equal(torch.from_numpy(words[t, :n, :want.shape[1]]), want)
+        assert not words[t, :n, want.shape[1]:].any()
+
+
 def test_a_later_step_clears_stale_rows():
     buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
     buffers.update(step_of(PARENTS, [9, 3, 5, 12]))

@@ -16,6 +16,7 @@ Every vLLM 0.32 CUDA backend gives a layer's cache in one logical order,
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_specplug.integration.tree_attention import check_supported
@@ -23,7 +24,6 @@ from vllm_specplug.integration.tree_step import TreeStep
 from vllm_specplug.verification.metadata import MASK_WORD_BITS
 from vllm_specplug.verification.tree_attention import (TreeAttentionMetadata,
                                                        tree_attention_triton)
-from vllm_specplug.verification.tree_build import pack_mask
 
 class TreeAttentionBuffers:
     """Per-request-row tree metadata of the current step, on the device, at
@@ -52,13 +52,16 @@ class TreeAttentionBuffers:
         host = self.host
         for tensor in vars(host).values():
             tensor[:rows] = 0
-        for request in masked:
-            row = request.row
-            host.first_token[row] = request.first_token
-            host.seq_lens[row] = request.seq_len
-            host.num_nodes[row] = request.num_nodes
-            bits = pack_mask(request.ancestor_mask()[None])[0]
-            host.ancestor_bits[row, :request.num_nodes, :bits.shape[1]] = bits
+        if masked:
+            index = torch.tensor([r.row for r in masked])
+            host.first_token[index] = torch.tensor([r.first_token for r in masked],
+                                                   dtype=torch.int32)
+            host.seq_lens[index] = torch.tensor([r.seq_len for r in masked], dtype=torch.int32)
+            host.num_nodes[index] = torch.tensor([r.num_nodes for r in masked],
+                                                 dtype=torch.int32)
+            words = ancestor_words([r.parent_ids for r in masked], host.max_nodes,
+                                   host.ancestor_bits.shape[2])
+            host.ancestor_bits[index] = torch.from_numpy(words)
         for name, tensor in vars(self.metadata).items():
             tensor[:rows].copy_(getattr(host, name)[:rows])
         self._rows_dirty = 1 + max((r.row for r in masked), default=-1)
@@ -66,7 +69,25 @@ class TreeAttentionBuffers:
         self.masked_steps += bool(masked)
 
 
+def ancestor_words(parent_ids: list[np.ndarray], max_nodes: int, num_words: int) -> np.ndarray:
+    """Packed ancestor masks of several trees at once: [T, max_nodes,
+    num_words] int32, bit j%32 of word j//32 of row i set when node j is i or
+    an ancestor of i (the layout of `pack_mask`). One vectorised pass per
+    depth-ordered node index instead of a Python loop per request."""
+    parents = np.full((len(parent_ids), max_nodes), -1, dtype=np.int64)
+    for t, p in enumerate(parent_ids):
+        parents[t, :len(p)] = p
+    mask = np.zeros((len(parent_ids), max_nodes, num_words * MASK_WORD_BITS), dtype=bool)
+    trees = np.arange(len(parent_ids))
+    for i in range(max_nodes):
+        has_parent = parents[:, i] >= 0
+        mask[has_parent, i] = mask[trees[has_parent], parents[has_parent, i]]
+        mask[:, i, i] = True
+    return np.packbits(mask, axis=-1, bitorder="little").view("<i4").astype(np.int32)
+
+
 _ACTIVE: TreeAttentionBuffers | None = None
+_COMPILED: set[tuple] = set()  # layer shapes the kernel has been launched for
 
 
 def activate(buffers: TreeAttentionBuffers | None) -> None:
@@ -86,8 +107,14 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
     buffers = _ACTIVE
     if buffers is None or attn_metadata is None or kv_cache is None:
         return
-    if buffers.num_masked == 0 and not torch.cuda.is_current_stream_capturing():
+    # The first launch per layer shape compiles the kernel: let it happen in
+    # vLLM's warm-up runs, never inside a stream capture.
+    key = (query.dtype, kv_cache.dtype, impl.num_heads, impl.num_kv_heads, impl.head_size,
+           kv_cache.shape[2])
+    if (buffers.num_masked == 0 and key in _COMPILED
+            and not torch.cuda.is_current_stream_capturing()):
         return
+    _COMPILED.add(key)
     check_supported(impl)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
     num_reqs = min(attn_metadata.block_table.shape[0], buffers.max_num_reqs)

@@ -248,15 +248,18 @@ def shape_row(num_nodes: int, chain: bool, batch: int, steps: list[dict]) -> dic
     return row
 
 
-def costs(work: Path, results: Path) -> None:
+def costs(work: Path, results: Path, parts: list[str]) -> None:
+    """`parts`: "plain" and/or "sweep" (one 10-minute device call each)."""
     target, head = build_8b(work)
     prompts = prompts_8b(max(BATCH_SIZES))
-    started = time.perf_counter()
-    plain = plain_steps(target, prompts)
-    _save(results / "tree_costs_8b.json", [{"plain": plain}])
-    sweep = sweep_steps(target, head, prompts)
-    _save(results / "tree_costs_8b.json", [{"plain": plain, "sweep": sweep,
-                                            "seconds": time.perf_counter() - started}])
+    path = results / "tree_costs_8b.json"
+    run = json.loads(path.read_text())[0] if path.exists() else {}
+    for part in parts:
+        started = time.perf_counter()
+        run[part] = (plain_steps(target, prompts) if part == "plain"
+                     else sweep_steps(target, head, prompts))
+        run[f"{part}_seconds"] = time.perf_counter() - started
+        _save(path, [run])
 
 
 def main() -> None:
@@ -266,6 +269,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--methods", nargs="*", default=[],
                         help="tiny: a subset of " + ", ".join(tiny_methods("HEAD")))
+    parser.add_argument("--parts", nargs="*", default=["plain", "sweep"],
+                        choices=["plain", "sweep"], help="costs: which engines to run")
     args = parser.parse_args()
     unknown = set(args.methods) - set(tiny_methods("HEAD"))
     if unknown:
@@ -275,7 +280,7 @@ def main() -> None:
     elif args.step == "tiny":
         tiny(args.work, args.results, args.methods)
     else:
-        costs(args.work, args.results)
+        costs(args.work, args.results, args.parts)
 
 
 if __name__ == "__main__":

@@ -41,21 +41,21 @@ def impl(**overrides):
     return SimpleNamespace(**{**attrs, **overrides})
 
 
-def setup(step: TreeStep, seed=0):
+def setup(step: TreeStep, device, seed=0):
     generator = torch.Generator().manual_seed(seed)
     kv_cache = torch.randn(NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE,
                            generator=generator)
     block_table = torch.randperm(NUM_BLOCKS, generator=generator)[:32].view(4, 8).int()
     query = torch.randn(step.num_tokens + 3, HEADS * HEAD_SIZE, generator=generator)
-    return kv_cache, block_table, query
+    return kv_cache.to(device), block_table.to(device), query.to(device)
 
 
-def test_buffers_then_backend_hook_equal_the_reference():
+def test_buffers_then_backend_hook_equal_the_reference(device):
     step = step_of(PARENTS, [9, 3, 5, 12])
-    buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
+    buffers = cta.TreeAttentionBuffers(8, 6, device)
     buffers.update(step)
     assert buffers.num_masked == 2  # the chain is left to the backend
-    kv_cache, block_table, query = setup(step)
+    kv_cache, block_table, query = setup(step, device)
     output = torch.full_like(query, 5.0)
     cta.activate(buffers)
     try:
@@ -68,7 +68,7 @@ def test_buffers_then_backend_hook_equal_the_reference():
     for r in step.masked():
         first[r.row], counts[r.row] = r.first_token, r.num_nodes
         dense[r.row, :r.num_nodes, :r.num_nodes] = r.ancestor_mask()
-    meta = metadata_from_masks(first, [9, 3, 5, 12], dense, counts)
+    meta = metadata_from_masks(first, [9, 3, 5, 12], dense.to(device), counts)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
     want = torch.full_like(query, 5.0).view(-1, HEADS, HEAD_SIZE)
     tree_attention_reference(query.view(-1, HEADS, HEAD_SIZE), key_cache, value_cache,
@@ -103,11 +103,11 @@ def test_a_later_step_clears_stale_rows():
     assert buffers.num_masked == 0 and not buffers.metadata.num_nodes.any()
 
 
-def test_unsupported_layer_features_are_named():
+def test_unsupported_layer_features_are_named(device):
     step = step_of(PARENTS, [9, 3, 5, 12])
-    buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
+    buffers = cta.TreeAttentionBuffers(8, 6, device)
     buffers.update(step)
-    kv_cache, block_table, query = setup(step)
+    kv_cache, block_table, query = setup(step, device)
     cta.activate(buffers)
     try:
         with pytest.raises(TreeAttentionUnsupported, match="sliding window"):
@@ -117,14 +117,15 @@ def test_unsupported_layer_features_are_named():
         cta.activate(None)
 
 
-def test_compaction_moves_whole_tokens_in_the_logical_layout():
-    kv_cache = torch.randn(6, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+def test_compaction_moves_whole_tokens_in_the_logical_layout(device):
+    kv_cache = torch.randn(6, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device=device)
     before = kv_cache.clone()
-    src, dst = torch.tensor([9, 14, 3]), torch.tensor([8, 9, 22])  # 9 is read, then written
+    src = torch.tensor([9, 14, 3], device=device)
+    dst = torch.tensor([8, 9, 22], device=device)  # 9 is read, then written
     cta.move_cached_tokens(kv_cache, src, dst)
     by_slot, old = kv_cache.transpose(1, 2).flatten(0, 1), before.transpose(1, 2).flatten(0, 1)
     for s, d in zip(src.tolist(), dst.tolist()):
         assert torch.equal(by_slot[d], old[s])
-    untouched = torch.ones(len(by_slot), dtype=torch.bool)
+    untouched = torch.ones(len(by_slot), dtype=torch.bool, device=device)
     untouched[dst] = False
     assert torch.equal(by_slot[untouched], old[untouched])

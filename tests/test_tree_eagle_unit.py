@@ -136,3 +136,34 @@ def test_head_drafts_valid_trees(tiny_eagle3_dir):
             pairs = {(int(p), int(t)) for p, t in zip(tree.parent_ids[b, 1:],
                                                       tree.token_ids[b, 1:])}
             assert len(pairs) == nodes - 1  # siblings carry distinct tokens
+
+
+def test_batched_ingest_equals_one_request_at_a_time(tiny_eagle3_dir, monkeypatch):
+    """`ingest_many` (one pass of the head for all requests, attention over
+    padded caches, split into groups) gives each request the cache and
+    logits that ingesting it alone gives, including a resumed request whose
+    later rows are replaced."""
+    from vllm_specplug.proposers import eagle3_head
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+    from vllm_specplug.proposers.eagle3_loading import load_head
+
+    head = load_head(tiny_eagle3_dir)
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(head.config.vocab_size, head.config.hidden_size)
+    width = len(head.config.aux_layer_ids) * head.config.target_hidden_size
+    one, many = HeadRuntime(head, embed), HeadRuntime(head, embed)
+    monkeypatch.setattr(eagle3_head, "ATTENTION_ELEMENTS", 4 * 12 * 12)  # several groups
+    for lengths, resume in (((9, 3, 12), (0, 0, 0)), ((2, 1, 4), (9, 3, 7))):
+        rows = [(f"r{i}", torch.randn(n, width), torch.randint(0, 4096, (n,)),
+                 torch.arange(n) + start) for i, (n, start) in enumerate(zip(lengths, resume))]
+        for req_id, hidden, ids, pos in rows:
+            one.ingest(req_id, hidden, ids, pos)
+        many.ingest_many([r[0] for r in rows], torch.cat([r[1] for r in rows]),
+                         torch.cat([r[2] for r in rows]), torch.cat([r[3] for r in rows]),
+                         list(lengths))
+        for req_id, *_ in rows:
+            a, b = one.caches[req_id], many.caches[req_id]
+            assert torch.equal(a.positions, b.positions)
+            for name in ("keys", "values", "last_out", "last_logits"):
+                torch.testing.assert_close(getattr(b, name), getattr(a, name),
+                                           atol=1e-5, rtol=1e-5)

@@ -112,18 +112,25 @@ class TreeEagleDrafter:
         return drafts
 
     def _ingest(self, batch, step, aux: torch.Tensor) -> None:
+        """Every request's newly verified positions, in one pass of the head."""
         drafted = {r.row: r for r in step.requests}
+        req_ids, token_rows, positions, next_ids = [], [], [], []
         for row, req_id in enumerate(batch.req_ids):
-            token_rows, positions = step.verified_rows(row, drafted.get(row))
-            num_tokens = int(batch.num_tokens_no_spec[row])
-            keep = positions + 1 < num_tokens  # the next token is known
-            token_rows, positions = token_rows[keep], positions[keep]
-            if len(positions) == 0:
-                continue
-            next_ids = torch.from_numpy(batch.token_ids_cpu[row, positions + 1].astype(np.int64))
-            self.head.ingest(req_id, aux[torch.from_numpy(token_rows).to(aux.device)],
-                             next_ids.to(self.device),
-                             torch.from_numpy(positions).to(self.device))
+            rows, pos = step.verified_rows(row, drafted.get(row))
+            keep = pos + 1 < int(batch.num_tokens_no_spec[row])  # the next token is known
+            if keep.any():
+                req_ids.append(req_id)
+                token_rows.append(rows[keep])
+                positions.append(pos[keep])
+                next_ids.append(batch.token_ids_cpu[row, pos[keep] + 1])
+        if not req_ids:
+            return
+        device = aux.device
+        self.head.ingest_many(
+            req_ids, aux[torch.from_numpy(np.concatenate(token_rows)).to(device)],
+            torch.from_numpy(np.concatenate(next_ids).astype(np.int64)).to(self.device),
+            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            [len(p) for p in positions])
 
     def _draftable(self, batch, sampled_token_ids) -> list[int]:
         rows = []

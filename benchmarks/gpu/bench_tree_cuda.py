@@ -50,6 +50,7 @@ TREE_NODES = (8, 16, 32, 64)
 COST_TREE = {"topk": 8, "num_steps": 8, "num_draft_tokens": 64}
 PLAIN_LENGTHS = (16, 80)  # two generation lengths: prefill cancels in the difference
 SWEEP_TOKENS = 12
+MS = 1000.0
 
 
 def tiny_methods(head: str) -> dict[str, dict | None]:
@@ -197,6 +198,8 @@ def plain_steps(target: Path, prompts) -> list[dict]:
         generate(llm, prompts[:1], greedy_params(4))
         rows = []
         for batch in BATCH_SIZES:
+            # prompts cached first, so both timed runs skip the same prefill
+            generate(llm, prompts[:batch], greedy_params(1))
             times = [generate(llm, prompts[:batch], greedy_params(n, ignore_eos=True)).seconds
                      for n in PLAIN_LENGTHS]
             step = (times[1] - times[0]) / (PLAIN_LENGTHS[1] - PLAIN_LENGTHS[0])
@@ -215,8 +218,9 @@ def sweep_steps(target: Path, head: Path, prompts) -> list[dict]:
 
     spec = {"method": "specplug_eagle3", "model": str(head), **COST_TREE}
     # graphs up to 64 requests x 64 nodes (vLLM's default stops at 512 tokens)
+    # leave the head room to draft for 64 requests (0.85 ran out of memory there)
     llm = _engine(target, spec, compilation_config={"max_cudagraph_capture_size": 4096},
-                  **ENGINE_8B)
+                  **{**ENGINE_8B, "gpu_memory_utilization": 0.6})
     shapes = [(n, True) for n in CHAIN_NODES] + [(n, False) for n in TREE_NODES]
     rows = []
     try:
@@ -248,16 +252,103 @@ def shape_row(num_nodes: int, chain: bool, batch: int, steps: list[dict]) -> dic
     return row
 
 
+HEAD_CONTEXT = 512  # cached positions per request before drafting
+HEAD_CONFIGS = [(1, k, k + 1) for k in range(1, 9)] + [(4, 4, 8), (4, 4, 16), (4, 8, 32),
+                                                         (8, 8, 64)]  # topk, steps, nodes
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int = 20) -> float:
+    fn()
+    _sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync()
+    return (time.perf_counter() - started) / repeats
+
+
+def _graphed(fn, repeats: int = 50) -> float | None:
+    """GPU time of `fn` replayed as one CUDA graph (None: not capturable)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as error:  # noqa: BLE001 - reported, the eager time stands
+        print(f"  (not capturable: {type(error).__name__}: {error})")
+        return None
+    return _timed(graph.replay, repeats)
+
+
+def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
+               context_len: int = HEAD_CONTEXT) -> list[dict]:
+    """Our head runtime on the 8B-shaped random head, no engine: ingest of one
+    verified position per request, one expansion step at width k (eager, and
+    as a CUDA graph), and a whole tree draft, at batch 1/16/64."""
+    import torch
+
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+    from vllm_specplug.proposers.eagle3_loading import load_head
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head = load_head(head_dir).to(device)
+    embed = torch.nn.Embedding(config["vocab_size"], config["hidden_size"]).to(device)
+    runtime = HeadRuntime(head, embed.to(torch.bfloat16) if device == "cuda" else embed)
+    aux = len(config["aux_layer_ids"]) * config["target_hidden_size"]
+    rows = []
+    for batch in batch_sizes:
+        ids = [f"r{b}" for b in range(batch)]
+        context = torch.arange(context_len, device=device)
+        runtime.ingest_many(ids, torch.randn(batch * context_len, aux, device=device),
+                            torch.randint(0, 1000, (batch * context_len,), device=device),
+                            context.repeat(batch), [context_len] * batch)
+        one = torch.full((batch,), context_len, device=device)
+        ingest = _timed(lambda: runtime.ingest_many(
+            ids, torch.randn(batch, aux, device=device), one, one, [1] * batch))
+        roots = torch.zeros(batch, dtype=torch.long, device=device)
+        for topk, steps, nodes in HEAD_CONFIGS:
+            ctx = runtime._context(ids)
+            beam = torch.zeros(batch, topk, dtype=torch.long, device=device)
+            parent = torch.zeros(batch, topk, config["hidden_size"], device=device)
+            path = (torch.zeros(batch, topk, config["num_attention_heads"], 1,
+                                config["head_dim"], device=device),) * 2
+            expand = lambda: runtime._expand(ctx, beam, parent, path, one + 1)  # noqa: E731
+            draft = lambda: runtime.draft_trees(ids, roots, one + 1, topk, steps, nodes)  # noqa: E731
+            rows.append({"batch_size": batch, "topk": topk, "num_steps": steps,
+                         "num_nodes": nodes, "ingest_s": ingest, "step_eager_s": _timed(expand),
+                         "step_graph_s": _graphed(expand), "draft_s": _timed(draft, 5)})
+            print(f"  head batch {batch} topk {topk} steps {steps}: ingest "
+                  f"{MS * ingest:.2f} ms, step {MS * rows[-1]['step_eager_s']:.2f} ms eager / "
+                  f"{MS * (rows[-1]['step_graph_s'] or float('nan')):.2f} ms graphed, tree "
+                  f"{MS * rows[-1]['draft_s']:.2f} ms", flush=True)
+        for req_id in ids:
+            runtime.forget(req_id)
+    return rows
+
+
+
 def costs(work: Path, results: Path, parts: list[str]) -> None:
-    """`parts`: "plain" and/or "sweep" (one 10-minute device call each)."""
+    """`parts`: "plain", "sweep", "head" (each fits one 10-minute device call)."""
     target, head = build_8b(work)
     prompts = prompts_8b(max(BATCH_SIZES))
     path = results / "tree_costs_8b.json"
     run = json.loads(path.read_text())[0] if path.exists() else {}
     for part in parts:
         started = time.perf_counter()
-        run[part] = (plain_steps(target, prompts) if part == "plain"
-                     else sweep_steps(target, head, prompts))
+        run[part] = {"plain": lambda: plain_steps(target, prompts),
+                     "sweep": lambda: sweep_steps(target, head, prompts),
+                     "head": lambda: head_steps(head)}[part]()
         run[f"{part}_seconds"] = time.perf_counter() - started
         _save(path, [run])
 
@@ -269,8 +360,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--methods", nargs="*", default=[],
                         help="tiny: a subset of " + ", ".join(tiny_methods("HEAD")))
-    parser.add_argument("--parts", nargs="*", default=["plain", "sweep"],
-                        choices=["plain", "sweep"], help="costs: which engines to run")
+    parser.add_argument("--parts", nargs="*", default=["plain", "sweep", "head"],
+                        choices=["plain", "sweep", "head"],
+                        help="costs: which measurements to run (head: no engine)")
     args = parser.parse_args()
     unknown = set(args.methods) - set(tiny_methods("HEAD"))
     if unknown:

@@ -10,8 +10,10 @@ request) measured on our trained tiny head on the H100, T_plain the plain
 decode step, and the step phases of a B-request step verifying n nodes
 measured on the 8B shape (integration/tree_profile.py; T_other = step time -
 the three phases: scheduling, input preparation, output processing). The
-drafting cost of a configuration is scaled from the measured 64-node drafting
-(8 head steps at width 8) by its number of head steps.
+drafting cost of a configuration comes from our head runtime measured alone
+on the 8B-shaped head (ingest + tree draft, as it runs: eager), and, as a
+second projection, with each expansion step at its CUDA-graph replay time
+(what a captured drafter would pay).
 """
 from __future__ import annotations
 
@@ -19,11 +21,10 @@ import argparse
 import json
 from pathlib import Path
 
-COST_TREE_STEPS = 8  # head steps of the cost engine's drafting (bench_tree_cuda.COST_TREE)
-CONFIGS = {  # tiny method -> (nodes verified, head steps, shape)
-    **{f"chain K={k}": (k + 1, k, "chain") for k in range(1, 9)},
-    "ours tree 8": (8, 4, "tree"), "ours tree 16": (16, 4, "tree"),
-    "ours tree 32": (32, 8, "tree"), "ours tree 64": (64, 8, "tree"),
+CONFIGS = {  # tiny method -> (nodes verified, topk, head steps, shape)
+    **{f"chain K={k}": (k + 1, 1, k, "chain") for k in range(1, 9)},
+    "ours tree 8": (8, 4, 4, "tree"), "ours tree 16": (16, 4, 4, "tree"),
+    "ours tree 32": (32, 4, 8, "tree"), "ours tree 64": (64, 8, 8, "tree"),
 }
 
 
@@ -54,24 +55,35 @@ def phase_costs(sweep: list[dict]) -> dict[tuple, dict]:
     return costs
 
 
-def projected(length: float, plain_s: float, cost: dict, head_steps: int) -> dict:
-    draft = cost["draft_s"] * head_steps / COST_TREE_STEPS
-    step = cost["forward_s"] + cost["verify_s"] + draft + cost["other_s"]
-    return {"step_s": step, "draft_s": draft, "speedup": length * plain_s / step}
+def draft_costs(head_rows: list[dict]) -> dict[tuple, dict]:
+    """{(topk, steps, nodes, batch): {as_run_s, graphed_s}}: our head runtime's
+    drafting as it runs (ingest + eager tree draft), and as a captured drafter
+    would run it (ingest + steps x one graphed expansion step)."""
+    costs = {}
+    for r in head_rows:
+        graphed = (r["ingest_s"] + r["num_steps"] * r["step_graph_s"]
+                   if r["step_graph_s"] is not None else None)
+        costs[(r["topk"], r["num_steps"], r["num_nodes"], r["batch_size"])] = {
+            "as_run_s": r["ingest_s"] + r["draft_s"], "graphed_s": graphed}
+    return costs
 
 
-def projections(lengths, costs, plain) -> list[dict]:
+def projections(lengths, costs, plain, drafts) -> list[dict]:
     rows = []
-    for name, (nodes, head_steps, shape) in CONFIGS.items():
-        if name not in lengths:
-            continue
+    for name, (nodes, topk, steps, shape) in CONFIGS.items():
         for batch, plain_s in plain.items():
-            cost = costs.get((shape, nodes, batch))
-            if cost is None:
+            cost, draft = costs.get((shape, nodes, batch)), drafts.get((topk, steps, nodes, batch))
+            if name not in lengths or cost is None or draft is None:
                 continue
-            rows.append({"config": name, "nodes": nodes, "batch_size": batch,
-                         "acceptance_length": lengths[name], "plain_s": plain_s,
-                         **projected(lengths[name], plain_s, cost, head_steps)})
+            target = cost["forward_s"] + cost["verify_s"] + cost["other_s"]
+            row = {"config": name, "nodes": nodes, "batch_size": batch,
+                   "acceptance_length": lengths[name], "plain_s": plain_s, "target_s": target}
+            for kind in ("as_run", "graphed"):
+                if draft[f"{kind}_s"] is not None:
+                    step = target + draft[f"{kind}_s"]
+                    row[f"{kind}_draft_s"] = draft[f"{kind}_s"]
+                    row[f"{kind}_speedup"] = lengths[name] * plain_s / step
+            rows.append(row)
     return rows
 
 
@@ -131,8 +143,10 @@ def main() -> None:
     plain = {r["batch_size"]: r["step_s"] for r in cost_run["plain"]}
     costs = phase_costs(cost_run.get("sweep", []))
     lengths = acceptance(tiny)
+    drafts = draft_costs(cost_run.get("head", []))
     ngram = json.loads(args.ngram.read_text())["llama3-8b-shape"] if args.ngram.exists() else []
-    write_report(args.out, tiny, plain, costs, projections(lengths, costs, plain),
+    write_report(args.out, tiny, plain, costs, cost_run.get("head", []),
+                 projections(lengths, costs, plain, drafts),
                  ngram_check(ngram, costs, plain) + tiny_check(tiny))
 
 

@@ -41,7 +41,7 @@ def _cost_table(plain: dict, costs: dict) -> list[str]:
     lines = ["## Step costs, Llama-3-8B shape (bf16 dummy weights, FlashAttention; "
              "random EAGLE-3 head, fp32; ms, median of decode steps)",
              "| batch | plain decode | verify shape | nodes | forward | verify+compaction "
-             "| draft (64-node tree, 8 head steps) | other | step |",
+             "| draft in the engine (64-node trees) | other | step |",
              "|---|---|---|---|---|---|---|---|---|"]
     for (shape, nodes, batch), c in sorted(costs.items(), key=lambda kv: (kv[0][2], kv[0][0],
                                                                           kv[0][1])):
@@ -52,25 +52,47 @@ def _cost_table(plain: dict, costs: dict) -> list[str]:
     return lines
 
 
+def _head_table(head_rows: list[dict]) -> list[str]:
+    lines = ["## Our head runtime alone, 8B-shaped EAGLE-3 head (fp32, 512 cached positions; ms)",
+             "| batch | topk | head steps | nodes | ingest (1 position) | one step, eager "
+             "| one step, CUDA graph | whole tree draft, eager |", "|---|---|---|---|---|---|---|---|"]
+    for r in head_rows:
+        graphed = "-" if r["step_graph_s"] is None else f"{MS * r['step_graph_s']:.2f}"
+        lines.append(f"| {r['batch_size']} | {r['topk']} | {r['num_steps']} | "
+                     f"{r['num_nodes']} | {MS * r['ingest_s']:.2f} | "
+                     f"{MS * r['step_eager_s']:.2f} | {graphed} | {MS * r['draft_s']:.2f} |")
+    return lines
+
+
+def _best(rows: list[dict], batch: int, kind: str, tree: bool):
+    key = f"{kind}_speedup"
+    at = [r for r in rows if r["batch_size"] == batch and key in r
+          and ("tree" in r["config"]) == tree]
+    return max(at, key=lambda r: r[key], default=None)
+
+
 def _projection_table(rows: list[dict]) -> list[str]:
     lines = ["## Projected speed-up on the 8B shape (acceptance of the tiny head)",
-             "| config | nodes | batch | accept len | projected step ms | of which draft "
-             "| projected speed-up |", "|---|---|---|---|---|---|---|"]
+             "| config | nodes | batch | accept len | target step ms | draft ms as run "
+             "| speed-up as run | draft ms graphed | speed-up graphed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['nodes']} | {r['batch_size']} | "
-                     f"{r['acceptance_length']:.2f} | {MS * r['step_s']:.2f} | "
-                     f"{MS * r['draft_s']:.2f} | {r['speedup']:.2f}x |")
-    lines += ["", "Best chain vs best tree per batch size:"]
-    for batch in sorted({r["batch_size"] for r in rows}):
-        at = [r for r in rows if r["batch_size"] == batch]
-        chain = max((r for r in at if r["config"].startswith("chain")),
-                    key=lambda r: r["speedup"], default=None)
-        tree = max((r for r in at if "tree" in r["config"]), key=lambda r: r["speedup"],
-                   default=None)
-        if chain and tree:
-            lines.append(f"- batch {batch}: chain {chain['config']} {chain['speedup']:.2f}x, "
-                         f"tree {tree['config']} {tree['speedup']:.2f}x, tree/chain "
-                         f"{tree['speedup'] / chain['speedup']:.2f}")
+        cells = [r["config"], str(r["nodes"]), str(r["batch_size"]),
+                 f"{r['acceptance_length']:.2f}", f"{MS * r['target_s']:.2f}"]
+        for kind in ("as_run", "graphed"):
+            has = f"{kind}_speedup" in r
+            cells += [f"{MS * r[f'{kind}_draft_s']:.2f}" if has else "-",
+                      f"{r[f'{kind}_speedup']:.2f}x" if has else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Best chain vs best tree per batch size (speed-up over no speculation):"]
+    for kind in ("as_run", "graphed"):
+        for batch in sorted({r["batch_size"] for r in rows}):
+            chain, tree = _best(rows, batch, kind, False), _best(rows, batch, kind, True)
+            if chain and tree:
+                key = f"{kind}_speedup"
+                lines.append(f"- {kind}, batch {batch}: {chain['config']} {chain[key]:.2f}x, "
+                             f"{tree['config']} {tree[key]:.2f}x, tree/chain "
+                             f"{tree[key] / chain[key]:.2f}")
     return lines
 
 
@@ -100,27 +122,32 @@ def _plot(out: Path, costs: dict, rows: list[dict]) -> None:
              title="8B shape: target forward + verification")
     left.legend(fontsize=7)
     for config in sorted({r["config"] for r in rows}, key=lambda c: (c[0], len(c), c)):
-        points = sorted((r["batch_size"], r["speedup"]) for r in rows if r["config"] == config)
+        points = sorted((r["batch_size"], r["graphed_speedup"]) for r in rows
+                        if r["config"] == config and "graphed_speedup" in r)
+        if not points:
+            continue
         right.plot([p[0] for p in points], [p[1] for p in points],
                    "--" if "tree" in config else "-", marker=".", label=config)
     right.axhline(1.0, color="grey", lw=0.8)
     right.set(xscale="log", xlabel="batch size", ylabel="projected speed-up",
-              title="8B shape: projected speed-up (tiny-head acceptance)")
+              title="8B shape: projected speed-up, graphed drafting (tiny-head acceptance)")
     right.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
-def write_report(out: Path, tiny, plain, costs, rows, checks) -> None:
+def write_report(out: Path, tiny, plain, costs, head_rows, rows, checks) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n".join(_tiny_table(tiny) + [""] + _cost_table(plain, costs) + [""]
-                     + _projection_table(rows) + [""] + _check_table(checks)) + "\n"
+                     + _head_table(head_rows) + [""] + _projection_table(rows) + [""]
+                     + _check_table(checks)) + "\n"
     out.with_suffix(".txt").write_text(text)
     slim = [{k: v for k, v in r.items() if k not in ("batched", "alone", "gaps")}
             | {m: {k: v for k, v in r[m].items() if k != "token_ids"}
                for m in ("batched", "alone")} for r in tiny]
     out.with_suffix(".json").write_text(json.dumps(
         {"tiny": slim, "plain_s": plain, "costs": [dict(c) for c in costs.values()],
+         "head": head_rows,
          "projections": rows, "checks": checks}, indent=1))
     _plot(out, costs, rows)
     print(text)

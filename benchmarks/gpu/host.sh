@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu/host.sh report       # one table from every bench run on this host
 #   bash benchmarks/gpu/host.sh tree-tiny    # tree EAGLE lossless + speed on the tiny model
 #   bash benchmarks/gpu/host.sh tree-costs   # step costs on the 8B shape (cost model input)
+#   bash benchmarks/gpu/host.sh tree-kernel  # the tree-attention kernel alone vs FlashAttention
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -48,7 +49,11 @@ print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__nam
     python3 benchmarks/gpu/bench_tree_cuda.py "$step" --work "$SPECPLUG_GPU_WORK" \
       --results "$RESULTS" "$@" 2>&1 | tee "$OUT/tree-$step.log" | quiet | tail -60
     cp "$RESULTS"/tree_*.json "$OUT"/ 2>/dev/null ;;
+  tree-kernel)
+    # our tree-attention kernel alone vs FlashAttention (8B attention shapes)
+    python3 benchmarks/gpu/bench_tree_attention.py --out "$OUT" 2>&1 | tee "$OUT/tree-kernel.log" \
+      | quiet | tail -20 ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs"; exit 2 ;;
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel"; exit 2 ;;
 esac

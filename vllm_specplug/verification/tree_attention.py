@@ -82,15 +82,17 @@ def tree_attention_reference(query, key_cache, value_cache, block_table,
 
 def tree_attention_triton(query, key_cache, value_cache, block_table,
                           meta: TreeAttentionMetadata, scale: float, output,
-                          num_requests: int | None = None) -> None:
-    """Launch over the first `num_requests` rows of `meta` (all by default)."""
+                          num_requests: int | None = None, block_m: int = BLOCK_M,
+                          block_n: int = BLOCK_N, num_warps: int = 4) -> None:
+    """Launch over the first `num_requests` rows of `meta` (all by default);
+    the tile sizes and warps are for benchmarks (bench_tree_attention.py)."""
     from vllm_specplug.kernels.tree_attention import tree_attention_kernel
 
     num_requests = meta.num_nodes.shape[0] if num_requests is None else num_requests
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    row_tiles = -(-meta.max_nodes * group // BLOCK_M)
+    row_tiles = -(-meta.max_nodes * group // block_m)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_requests, num_kv_heads, row_tiles)
     tree_attention_kernel[grid](
@@ -101,8 +103,8 @@ def tree_attention_triton(query, key_cache, value_cache, block_table,
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), meta.max_nodes, meta.ancestor_bits.shape[2], head_size,
         GROUP=group, HEAD_PAD=max(MIN_DOT, next_power_of_2(head_size)),
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PRECISION=precision, UPCAST=triton_interpreted())
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=precision, UPCAST=triton_interpreted(), num_warps=num_warps)
 
 
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

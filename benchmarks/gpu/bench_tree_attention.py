@@ -1,0 +1,112 @@
+"""Our tree-attention kernel alone at Llama-3-8B attention shapes (32 query
+heads, 8 KV heads, head size 128, bf16, block size 16, 512 cached tokens per
+request), against vLLM's FlashAttention on the same queries with a causal
+mask (the work the backend does before ours), on a CUDA GPU:
+
+    python3 benchmarks/gpu/bench_tree_attention.py --out $OUT
+
+Times are CUDA-event means over 50 launches (GPU time, no host overhead), per
+layer; a 32-layer model pays 32 of them per step. Tile configurations are
+tried so the default can be chosen from data.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, CONTEXT = 32, 8, 128, 16, 512
+BATCH_SIZES, NODES = (1, 16, 64), (8, 16, 32, 64)
+TILES = [(64, 64, 4), (64, 32, 4), (32, 64, 4), (64, 64, 8), (128, 64, 8), (128, 32, 8)]
+
+
+def case(batch: int, nodes: int, generator: torch.Generator):
+    from vllm_specplug.verification.tree_attention import metadata_from_masks
+
+    blocks_per_req = -(-(CONTEXT + nodes) // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_req + 1
+    table = torch.randperm(num_blocks, generator=generator)[:batch * blocks_per_req]
+    table = table.view(batch, blocks_per_req).int().cuda()
+    kv_cache = torch.randn(num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE,
+                           generator=generator).bfloat16().cuda()
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    masks = torch.zeros(batch, nodes, nodes, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(nodes):
+            parent = int(torch.randint(0, max(i, 1), (1,), generator=generator)) if i else -1
+            if parent >= 0:
+                masks[b, i] = masks[b, parent]
+            masks[b, i, i] = True
+    first = torch.arange(batch) * nodes
+    meta = metadata_from_masks(first, torch.full((batch,), CONTEXT), masks.cuda(),
+                               torch.full((batch,), nodes))
+    query = torch.randn(batch * nodes, HEADS, HEAD_SIZE, generator=generator).bfloat16().cuda()
+    return query, key_cache, value_cache, table, meta
+
+
+def gpu_ms(fn, repeats: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def flash_ms(query, key_cache, value_cache, table, batch, nodes) -> float | None:
+    """vLLM's FlashAttention (paged, causal) on the same queries."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError as error:
+        print(f"  FlashAttention unavailable: {error}")
+        return None
+    cu_q = torch.arange(0, (batch + 1) * nodes, nodes, dtype=torch.int32, device="cuda")
+    seqused = torch.full((batch,), CONTEXT + nodes, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    return gpu_ms(lambda: flash_attn_varlen_func(
+        query, key_cache, value_cache, max_seqlen_q=nodes, cu_seqlens_q=cu_q,
+        max_seqlen_k=CONTEXT + nodes, seqused_k=seqused, softmax_scale=HEAD_SIZE ** -0.5,
+        causal=True, block_table=table, out=out))
+
+
+def main() -> None:
+    from vllm_specplug.verification.tree_attention import (tree_attention_reference,
+                                                           tree_attention_triton)
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in BATCH_SIZES:
+        for nodes in NODES:
+            query, key_cache, value_cache, table, meta = case(batch, nodes, generator)
+            want = torch.zeros_like(query)
+            tree_attention_reference(query, key_cache, value_cache, table, meta,
+                                     HEAD_SIZE ** -0.5, want)
+            row = {"batch_size": batch, "nodes": nodes,
+                   "flash_causal_ms": flash_ms(query, key_cache, value_cache, table, batch,
+                                               nodes)}
+            for block_m, block_n, warps in TILES:
+                out = torch.zeros_like(query)
+                run = lambda: tree_attention_triton(  # noqa: E731
+                    query, key_cache, value_cache, table, meta, HEAD_SIZE ** -0.5, out,
+                    block_m=block_m, block_n=block_n, num_warps=warps)
+                run()
+                error = float((out.float() - want.float()).abs().max())
+                row[f"ours_{block_m}x{block_n}_w{warps}_ms"] = gpu_ms(run)
+                row[f"ours_{block_m}x{block_n}_w{warps}_max_error"] = error
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                              for k, v in row.items()}), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tree_attention_kernel.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

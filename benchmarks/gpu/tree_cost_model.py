@@ -29,17 +29,18 @@ CONFIGS = {  # tiny method -> (nodes verified, topk, head steps, shape)
 
 
 def acceptance(tiny: list[dict]) -> dict[str, float]:
-    """Tokens per step per request of each configuration, batched run; chains
-    at every K from the K=8 chain's per-position acceptance."""
+    """Tokens per step per request of each configuration, batched run; a
+    chain at every K up to the longest chain run, from its per-position
+    acceptance (a chain's first K drafts do not depend on how many follow)."""
     by_name = {r["method"]: r["batched"]["counts"] for r in tiny}
-    lengths = {}
-    for name, counts in by_name.items():
-        if counts["num_drafts"]:
-            lengths[name] = 1 + counts["num_accepted_tokens"] / counts["num_drafts"]
-    chain = by_name.get("ours chain K=8")
-    if chain and chain["num_drafts"]:
-        rates = [a / chain["num_drafts"] for a in chain["accepted_per_pos"]]
-        for k in range(1, 9):
+    lengths = {name: 1 + c["num_accepted_tokens"] / c["num_drafts"]
+               for name, c in by_name.items() if c["num_drafts"]}
+    chains = [c for name, c in by_name.items() if name.startswith("ours chain")
+              and c["num_drafts"]]
+    if chains:
+        longest = max(chains, key=lambda c: len(c["accepted_per_pos"]))
+        rates = [a / longest["num_drafts"] for a in longest["accepted_per_pos"]]
+        for k in range(1, len(rates) + 1):
             lengths[f"chain K={k}"] = 1 + sum(rates[:k])
     return lengths
 

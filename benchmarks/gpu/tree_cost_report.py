@@ -11,8 +11,8 @@ def _tiny_table(tiny: list[dict]) -> list[str]:
     base = next(r for r in tiny if r["method"] == "none")
     lines = ["## Tiny model + built-in head on the H100 (fp32, 60 held-out prompts, 64 tokens)",
              "| method | batched: equal to none | alone: equal | accept len | tok/s batch 60 "
-             "| vs none | tok/s alone | vs none | forward / verify / draft / step ms (batched) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| vs none | tok/s alone | vs none | forward / verify / draft / step ms (batched) "
+             "| decode steps in FULL graphs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in tiny:
         cells = [row["method"]]
         for mode in ("batched", "alone"):
@@ -28,8 +28,21 @@ def _tiny_table(tiny: list[dict]) -> list[str]:
         cells.append(" / ".join(f"{MS * _median([p[k] for p in phases]):.2f}" for k in
                                 ("forward_s", "verify_s", "draft_s", "step_s"))
                      if phases else "-")
+        cells.append(_full_share(row))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _full_share(row: dict) -> str:
+    """Share of the uniform decode steps (every request verifies its whole
+    tree or chain: tokens a multiple of the nodes per request) that replayed
+    a FULL CUDA graph."""
+    spec = row.get("spec") or {}
+    nodes = spec.get("num_draft_tokens") or 1 + spec.get("num_speculative_tokens", 0)
+    uniform = [m for m in row["cudagraph_modes"] if m["num_tokens"] % nodes == 0]
+    total = sum(m["count"] for m in uniform)
+    full = sum(m["count"] for m in uniform if "FULL" in str(m["mode"]))
+    return f"{full}/{total}" if total else "-"
 
 
 def _median(values: list[float]) -> float:

@@ -86,6 +86,7 @@ def ancestor_words(parent_ids: list[np.ndarray], max_nodes: int, num_words: int)
     return np.packbits(mask, axis=-1, bitorder="little").view("<i4").astype(np.int32)
 
 
+DECODER = "decoder"  # vLLM's AttentionType.DECODER: self-attention over the request's tokens
 _ACTIVE: TreeAttentionBuffers | None = None
 _COMPILED: set[tuple] = set()  # layer shapes the kernel has been launched for
 
@@ -105,7 +106,8 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
     Launched during CUDA-graph capture even with no tree (the graph must
     contain the launch for the steps it will replay)."""
     buffers = _ACTIVE
-    if buffers is None or attn_metadata is None or kv_cache is None:
+    if (buffers is None or attn_metadata is None or kv_cache is None
+            or getattr(impl, "attn_type", DECODER) != DECODER):
         return
     # The first launch per layer shape compiles the kernel: let it happen in
     # vLLM's warm-up runs, never inside a stream capture.

@@ -9,36 +9,30 @@ tree_attention.py). Steps without trees run vLLM's code alone.
 """
 from __future__ import annotations
 
+from vllm_specplug.patches.attention_forward import followed_by
 from vllm_specplug.patches.registry import patch_registry
 
 MODULE = "vllm.v1.attention.backends.cpu_attn"
 
 
-def _forward(original):
+def _tree_rows(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     from vllm.v1.attention.backend import AttentionType
 
     from vllm_specplug.integration import tree_step
     from vllm_specplug.integration.cpu_kv_layout import layout_of
     from vllm_specplug.integration.tree_attention import apply_tree_attention
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                *args, **kwargs):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata,
-                          output, *args, **kwargs)
-        step = tree_step.current()
-        if (step is not None and step.masked() and attn_metadata is not None
-                and self.attn_type == AttentionType.DECODER):
-            apply_tree_attention(self, query, kv_cache, layout_of(kv_cache, layer.isa),
-                                 attn_metadata.block_table, output, step)
-        return result
-
-    return forward
+    step = tree_step.current()
+    if (step is not None and step.masked() and attn_metadata is not None
+            and impl.attn_type == AttentionType.DECODER):
+        apply_tree_attention(impl, query, kv_cache, layout_of(kv_cache, layer.isa),
+                             attn_metadata.block_table, output, step)
 
 
 def install() -> list[str]:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     patch_registry.apply(CPUAttentionBackendImpl, "forward",
-                         _forward(CPUAttentionBackendImpl.forward),
+                         followed_by(CPUAttentionBackendImpl.forward, _tree_rows),
                          reason="tree attention for specplug_eagle3 draft trees")
     return [f"patch:{MODULE}.CPUAttentionBackendImpl.forward"]

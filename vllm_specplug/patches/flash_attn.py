@@ -8,6 +8,7 @@ Nothing changes unless a tree method activated it in this process.
 """
 from __future__ import annotations
 
+from vllm_specplug.patches.attention_forward import followed_by
 from vllm_specplug.patches.registry import patch_registry
 
 MODULE = "vllm.v1.attention.backends.flash_attn"
@@ -17,14 +18,10 @@ def with_tree_attention(original):
     """`forward` of a CUDA backend impl, followed by tree attention."""
     from vllm_specplug.integration.cuda_tree_attention import after_backend_forward
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                *args, **kwargs):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata,
-                          output, *args, **kwargs)
-        after_backend_forward(self, query, kv_cache, attn_metadata, output)
-        return result
+    def hook(impl, layer, query, kv_cache, attn_metadata, output) -> None:
+        after_backend_forward(impl, query, kv_cache, attn_metadata, output)
 
-    return forward
+    return followed_by(original, hook)
 
 
 def install() -> list[str]:

@@ -126,11 +126,10 @@ class TreeEagleDrafter:
         if not req_ids:
             return
         device = aux.device
-        self.head.ingest_many(
+        self.head.ingest_many(  # positions stay on the host: the head keeps them there
             req_ids, aux[torch.from_numpy(np.concatenate(token_rows)).to(device)],
             torch.from_numpy(np.concatenate(next_ids).astype(np.int64)).to(self.device),
-            torch.from_numpy(np.concatenate(positions)).to(self.device),
-            [len(p) for p in positions])
+            torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
 
     def _draftable(self, batch, sampled_token_ids) -> list[int]:
         rows = []

@@ -23,6 +23,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,11 +51,19 @@ def _groups(counts: list[int], cache_lengths: list[int], num_heads: int) -> list
     return groups + [current] if current else groups
 
 
+def _pad_host(arrays: list[np.ndarray], fill: int) -> np.ndarray:
+    """[G, max len] int64 from ragged host arrays."""
+    out = np.full((len(arrays), max(len(a) for a in arrays)), fill, dtype=np.int64)
+    for g, array in enumerate(arrays):
+        out[g, :len(array)] = array
+    return out
+
+
 @dataclass
 class RequestCache:
     keys: torch.Tensor  # [L, nh, hd] float32, roped
     values: torch.Tensor  # [L, nh, hd] float32
-    positions: torch.Tensor  # [L] int64, ascending
+    positions: np.ndarray  # [L] int64, ascending; on the host (no device sync to slice)
     last_out: torch.Tensor  # [H] the layer's output at the last position
     last_logits: torch.Tensor  # [Vd] draft logits there
 
@@ -104,20 +113,24 @@ class HeadRuntime:
         """`ingest` for several requests in one pass of the layer: their rows
         are concatenated in `req_ids` order, `counts[r]` rows each ([T, *],
         [T], [T]); attention runs over each request's cache padded to a batch
-        (in groups bounded by ATTENTION_ELEMENTS, so a batch of prefills fits)."""
+        (in groups bounded by ATTENTION_ELEMENTS, so a batch of prefills fits).
+        Cache bookkeeping runs on host copies of the positions: no step
+        waits for the device per request."""
         hidden = self.layer.input_hidden(target_hidden)
+        host_positions = positions.cpu().numpy().astype(np.int64)
+        positions = positions.to(hidden.device)
         q, k, v, base = self._qkv(self._embed(next_token_ids), hidden, positions)
         starts = [0, *itertools.accumulate(counts)]
         keys, values, cached = [], [], []
         for r, req_id in enumerate(req_ids):
             rows = slice(starts[r], starts[r + 1])
-            new_k, new_v, new_pos = k[rows], v[rows], positions[rows]
+            new_k, new_v, new_pos = k[rows], v[rows], host_positions[rows]
             cache = self.caches.get(req_id)
-            if cache is not None:
-                keep = cache.positions < new_pos[0]
-                new_k = torch.cat([cache.keys[keep], new_k])
-                new_v = torch.cat([cache.values[keep], new_v])
-                new_pos = torch.cat([cache.positions[keep], new_pos])
+            if cache is not None:  # positions ascend: the kept rows are a prefix
+                keep = int(np.searchsorted(cache.positions, new_pos[0]))
+                new_k = torch.cat([cache.keys[:keep], new_k])
+                new_v = torch.cat([cache.values[:keep], new_v])
+                new_pos = np.concatenate([cache.positions[:keep], new_pos])
             keys.append(new_k)
             values.append(new_v)
             cached.append(new_pos)
@@ -126,7 +139,7 @@ class HeadRuntime:
             rows = slice(starts[group[0]], starts[group[-1] + 1])
             attn[rows] = self._attend(
                 [q[starts[r]:starts[r + 1]] for r in group],
-                [positions[starts[r]:starts[r + 1]] for r in group],
+                [host_positions[starts[r]:starts[r + 1]] for r in group],
                 [keys[r] for r in group], [values[r] for r in group],
                 [cached[r] for r in group])
         out = self.layer.finish(attn.reshape(attn.shape[0], -1), base)
@@ -138,17 +151,19 @@ class HeadRuntime:
 
     def _attend(self, queries, query_positions, keys, values, key_positions) -> torch.Tensor:
         """Causal attention of each request's new rows ([Tq_i, nh, hd]) over its
-        cache ([Lk_i, nh, hd]), padded to one batch; returns the rows
-        concatenated ([sum Tq_i, nh, hd])."""
+        cache ([Lk_i, nh, hd]), padded to one batch; positions are host
+        arrays. Returns the rows concatenated ([sum Tq_i, nh, hd])."""
         pad = torch.nn.utils.rnn.pad_sequence
-        q_pad = pad(queries, batch_first=True)  # [G, Tq, nh, hd]
-        q_pos = pad(query_positions, batch_first=True, padding_value=-1)
-        k_pos = pad(key_positions, batch_first=True, padding_value=NO_POSITION)
-        allowed = k_pos[:, None, :] <= q_pos[:, :, None]  # [G, Tq, Lk]: causal, no padding
-        scores = torch.einsum("gthd,glhd->ghtl", q_pad, pad(keys, batch_first=True))
+        device = queries[0].device
+        q_pos = _pad_host(query_positions, -1)  # [G, Tq]
+        k_pos = _pad_host(key_positions, NO_POSITION)  # [G, Lk]
+        allowed = torch.from_numpy(k_pos[:, None, :] <= q_pos[:, :, None]).to(device)
+        scores = torch.einsum("gthd,glhd->ghtl", pad(queries, batch_first=True),
+                              pad(keys, batch_first=True))
         scores = (scores * self.scale).masked_fill(~allowed[:, None], float("-inf"))
         out = torch.einsum("ghtl,glhd->gthd", scores.softmax(-1), pad(values, batch_first=True))
-        return out[q_pos >= 0]
+        rows = torch.from_numpy(np.flatnonzero(q_pos >= 0)).to(device)
+        return out.flatten(0, 1)[rows]
 
     def _context(self, req_ids: list[str]):
         """Padded caches: keys, values [B, nh, Lmax, hd], valid [B, Lmax]."""

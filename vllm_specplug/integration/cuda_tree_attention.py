@@ -1,5 +1,5 @@
-"""Tree attention on vLLM's CUDA attention backends (FlashAttention, Triton,
-FlexAttention), and KV compaction in their cache layout.
+"""Tree attention on vLLM's CUDA attention backends (FlashAttention and
+Triton; FlexAttention is not wrapped), and KV compaction in their cache layout.
 
 The backend's kernel runs first (it writes every token's K/V at its
 sequential slot and attends causally); then our kernel (`kernels/
@@ -48,7 +48,9 @@ class TreeAttentionBuffers:
     def update(self, step: TreeStep) -> None:
         """Write the step's non-chain trees (rows of the runner's batch)."""
         masked = step.masked()
-        rows = max(self._rows_dirty, len(step.num_computed))
+        # rows that held a tree last step, or get one now: every other row is
+        # already zero on the device (chain-only steps copy nothing)
+        rows = max(self._rows_dirty, 1 + max((r.row for r in masked), default=-1))
         host = self.host
         for tensor in vars(host).values():
             tensor[:rows] = 0
@@ -62,8 +64,9 @@ class TreeAttentionBuffers:
             words = ancestor_words([r.parent_ids for r in masked], host.max_nodes,
                                    host.ancestor_bits.shape[2])
             host.ancestor_bits[index] = torch.from_numpy(words)
-        for name, tensor in vars(self.metadata).items():
-            tensor[:rows].copy_(getattr(host, name)[:rows])
+        if rows:
+            for name, tensor in vars(self.metadata).items():
+                tensor[:rows].copy_(getattr(host, name)[:rows])
         self._rows_dirty = 1 + max((r.row for r in masked), default=-1)
         self.num_masked = len(masked)
         self.masked_steps += bool(masked)

@@ -162,8 +162,76 @@ def test_batched_ingest_equals_one_request_at_a_time(tiny_eagle3_dir, monkeypatc
                          torch.cat([r[2] for r in rows]), torch.cat([r[3] for r in rows]),
                          list(lengths))
         for req_id, *_ in rows:
-            a, b = one.caches[req_id], many.caches[req_id]
+            a, b = one.cache_of(req_id), many.cache_of(req_id)
             assert (a.positions == b.positions).all()
+            assert one.last_position(req_id) == many.last_position(req_id) == a.positions[-1]
             for name in ("keys", "values", "last_out", "last_logits"):
                 torch.testing.assert_close(getattr(b, name), getattr(a, name),
                                            atol=1e-5, rtol=1e-5)
+
+
+def _gqa_head(seed: int = 0):
+    """A random EAGLE-3 head with grouped-query attention (4 query heads per
+    2 KV heads), small enough for the CPU."""
+    from vllm_specplug.training.eagle3_model import Eagle3Head, HeadConfig
+
+    config = HeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=50,
+                        draft_vocab_size=50, target_hidden_size=24, aux_layer_ids=[0, 1],
+                        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096)
+    head = Eagle3Head(config)
+    head.reset_parameters(torch.Generator().manual_seed(seed))
+    return head.eval()
+
+
+def test_runtime_cache_matches_the_training_forward():
+    """The runtime's pooled cache, filled in three ingests (a prefill, one
+    position, a chunk), gives the logits at every ingested position that the
+    training forward (one causal pass, `Eagle3Head.forward` step 0) gives:
+    an independent implementation of the same attention, with GQA."""
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    head = _gqa_head()
+    torch.manual_seed(1)
+    embed = torch.nn.Embedding(50, 32)
+    aux, next_ids = torch.randn(13, 48), torch.randint(0, 50, (13,))
+    with torch.no_grad():
+        want = head(aux[None], embed(next_ids)[None], torch.arange(13),
+                    torch.ones(1, 13, dtype=torch.bool), 1)[0][0]  # [13, Vd]
+    runtime = HeadRuntime(head, embed)
+    for chunk in (slice(0, 7), slice(7, 8), slice(8, 13)):
+        rows = torch.arange(13)[chunk]
+        runtime.ingest("r", aux[chunk], next_ids[chunk], rows)
+        torch.testing.assert_close(runtime.cache_of("r").last_logits, want[chunk.stop - 1],
+                                   atol=1e-5, rtol=1e-5)
+    assert runtime.last_position("r") == 12
+
+
+def test_batched_drafts_equal_each_request_alone():
+    """Drafting a batch (caches of different lengths read as one padded
+    tensor) gives every request the tree it gets alone, and growing the pool
+    (more requests and positions than first allocated) keeps every cache."""
+    from vllm_specplug.proposers import head_cache
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    head = _gqa_head(seed=3)
+    torch.manual_seed(2)
+    embed = torch.nn.Embedding(50, 32)
+    runtime = HeadRuntime(head, embed, num_slots=1)
+    lengths = {"a": 5, "b": 300, "c": 1}  # 300 > MIN_CAPACITY: the pool grows
+    assert lengths["b"] > head_cache.MIN_CAPACITY
+    for req_id, length in lengths.items():
+        runtime.ingest(req_id, torch.randn(length, 48), torch.randint(0, 50, (length,)),
+                       torch.arange(length))
+    assert runtime.pool.num_slots >= 3 and runtime.pool.capacity >= 300
+    roots = torch.tensor([7, 8, 9])
+    positions = torch.tensor([lengths[r] for r in "abc"])
+    batched = runtime.draft_trees(list("abc"), roots, positions, 3, 4, 10)
+    for b, req_id in enumerate("abc"):
+        alone = runtime.draft_trees([req_id], roots[b:b + 1], positions[b:b + 1], 3, 4, 10)
+        assert torch.equal(alone.token_ids[0], batched.token_ids[b]), req_id
+        assert torch.equal(alone.parent_ids[0], batched.parent_ids[b]), req_id
+    runtime.forget("b")
+    assert runtime.last_position("b") == -1
+    runtime.ingest("d", torch.randn(2, 48), torch.randint(0, 50, (2,)), torch.arange(2))
+    assert runtime.cache_of("d").positions.tolist() == [0, 1]  # b's old rows are gone

@@ -274,28 +274,12 @@ def _timed(fn, repeats: int = 20) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def _graphed(fn, repeats: int = 50) -> float | None:
-    """GPU time of `fn` replayed as one CUDA graph (None: not capturable)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    try:
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as error:  # noqa: BLE001 - reported, the eager time stands
-        print(f"  (not capturable: {type(error).__name__}: {error})")
-        return None
-    return _timed(graph.replay, repeats)
-
-
 def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
                context_len: int = HEAD_CONTEXT) -> list[dict]:
     """Our head runtime on the 8B-shaped random head, no engine: ingest of one
-    verified position per request, one expansion step at width k (eager, and
-    as a CUDA graph), and a whole tree draft, at batch 1/16/64."""
+    verified position per request, one expansion step at width k (eager), and
+    a whole drafting pass eager and as the runtime replays it on CUDA (one
+    captured graph per pass), at batch 1/16/64."""
     import torch
 
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
@@ -304,38 +288,50 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     head = load_head(head_dir).to(device)
     embed = torch.nn.Embedding(config["vocab_size"], config["hidden_size"]).to(device)
-    runtime = HeadRuntime(head, embed.to(torch.bfloat16) if device == "cuda" else embed)
+    embed = embed.to(torch.bfloat16) if device == "cuda" else embed
+    eager = HeadRuntime(head, embed, num_slots=max(batch_sizes))
+    graphed = HeadRuntime(head, embed, num_slots=max(batch_sizes), cuda_graphs=device == "cuda")
     aux = len(config["aux_layer_ids"]) * config["target_hidden_size"]
     rows = []
     for batch in batch_sizes:
         ids = [f"r{b}" for b in range(batch)]
         context = torch.arange(context_len, device=device)
-        runtime.ingest_many(ids, torch.randn(batch * context_len, aux, device=device),
-                            torch.randint(0, 1000, (batch * context_len,), device=device),
-                            context.repeat(batch), [context_len] * batch)
+        inputs = (torch.randn(batch * context_len, aux, device=device),
+                  torch.randint(0, min(1000, config["vocab_size"]), (batch * context_len,),
+                                device=device),
+                  context.repeat(batch), [context_len] * batch)
+        for runtime in (eager, graphed):
+            runtime.ingest_many(ids, *inputs)
         one = torch.full((batch,), context_len, device=device)
-        ingest = _timed(lambda: runtime.ingest_many(
+        ingest = _timed(lambda: eager.ingest_many(
             ids, torch.randn(batch, aux, device=device), one, one, [1] * batch))
         roots = torch.zeros(batch, dtype=torch.long, device=device)
+        slots = torch.tensor([eager.pool.slot_of[r] for r in ids], device=device)
+        pool = eager.pool
+        ctx = (pool.keys[slots, :, :context_len + 1], pool.values[slots, :, :context_len + 1],
+               pool.valid[slots, :context_len + 1])
         for topk, steps, nodes in HEAD_CONFIGS:
-            ctx = runtime._context(ids)
             beam = torch.zeros(batch, topk, dtype=torch.long, device=device)
             parent = torch.zeros(batch, topk, config["hidden_size"], device=device)
-            path = (torch.zeros(batch, topk, config["num_attention_heads"], 1,
+            path = (torch.zeros(batch, topk, config["num_key_value_heads"], 1,
                                 config["head_dim"], device=device),) * 2
-            expand = lambda: runtime._expand(ctx, beam, parent, path, one + 1)  # noqa: E731
-            draft = lambda: runtime.draft_trees(ids, roots, one + 1, topk, steps, nodes)  # noqa: E731
+            expand = lambda: eager._expand(ctx, beam, parent, path, one + 1)  # noqa: E731
+            draft = lambda rt: lambda: rt.draft_trees(  # noqa: E731
+                ids, roots, one + 1, topk, steps, nodes)
             rows.append({"batch_size": batch, "topk": topk, "num_steps": steps,
                          "num_nodes": nodes, "ingest_s": ingest, "step_eager_s": _timed(expand),
-                         "step_graph_s": _graphed(expand), "draft_s": _timed(draft, 5)})
+                         "draft_s": _timed(draft(eager), 5),
+                         "draft_graph_s": (_timed(draft(graphed), 20)
+                                           if graphed.graphs is not None else None)})
+            r = rows[-1]
             print(f"  head batch {batch} topk {topk} steps {steps}: ingest "
-                  f"{MS * ingest:.2f} ms, step {MS * rows[-1]['step_eager_s']:.2f} ms eager / "
-                  f"{MS * (rows[-1]['step_graph_s'] or float('nan')):.2f} ms graphed, tree "
-                  f"{MS * rows[-1]['draft_s']:.2f} ms", flush=True)
+                  f"{MS * ingest:.2f} ms, step {MS * r['step_eager_s']:.2f} ms eager, pass "
+                  f"{MS * r['draft_s']:.2f} ms eager / "
+                  f"{MS * (r['draft_graph_s'] or float('nan')):.2f} ms graphed", flush=True)
         for req_id in ids:
-            runtime.forget(req_id)
+            eager.forget(req_id)
+            graphed.forget(req_id)
     return rows
-
 
 
 def costs(work: Path, results: Path, parts: list[str]) -> None:

@@ -11,9 +11,8 @@ decode step, and the step phases of a B-request step verifying n nodes
 measured on the 8B shape (integration/tree_profile.py; T_other = step time -
 the three phases: scheduling, input preparation, output processing). The
 drafting cost of a configuration comes from our head runtime measured alone
-on the 8B-shaped head (ingest + tree draft, as it runs: eager), and, as a
-second projection, with each expansion step at its CUDA-graph replay time
-(what a captured drafter would pay).
+on the 8B-shaped head: ingest + the drafting pass eager, and ingest + the
+pass replayed as a captured CUDA graph (what the runtime does on CUDA).
 """
 from __future__ import annotations
 
@@ -58,14 +57,18 @@ def phase_costs(sweep: list[dict]) -> dict[tuple, dict]:
 
 def draft_costs(head_rows: list[dict]) -> dict[tuple, dict]:
     """{(topk, steps, nodes, batch): {as_run_s, graphed_s}}: our head runtime's
-    drafting as it runs (ingest + eager tree draft), and as a captured drafter
-    would run it (ingest + steps x one graphed expansion step)."""
+    drafting eager (ingest + eager drafting pass) and as it runs on CUDA
+    (ingest + the pass replayed as one captured graph: `draft_graph_s`; runs
+    from before the runtime captured passes recorded one graphed expansion
+    step instead, `step_graph_s`, counted num_steps times)."""
     costs = {}
     for r in head_rows:
-        graphed = (r["ingest_s"] + r["num_steps"] * r["step_graph_s"]
-                   if r["step_graph_s"] is not None else None)
+        graphed = r.get("draft_graph_s")
+        if graphed is None and r.get("step_graph_s") is not None:
+            graphed = r["num_steps"] * r["step_graph_s"]
         costs[(r["topk"], r["num_steps"], r["num_nodes"], r["batch_size"])] = {
-            "as_run_s": r["ingest_s"] + r["draft_s"], "graphed_s": graphed}
+            "as_run_s": r["ingest_s"] + r["draft_s"],
+            "graphed_s": None if graphed is None else r["ingest_s"] + graphed}
     return costs
 
 

@@ -60,3 +60,47 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
     assert all(d["gap"] < NEAR_TIE_GAP for d in found) and len(found) <= 2, found
     # a trained head on held-out prompts: trees accept several tokens a step
     assert counts.num_drafts and counts.num_accepted_tokens > 2 * counts.num_drafts, counts
+
+
+def test_graphed_drafting_equals_eager_drafting():
+    """The runtime's captured drafting passes give the trees the same pass
+    gives eagerly (same keys bucket), at batch sizes that pad (3 -> 4, 9 ->
+    16) and share a graph (3 and 4), and after the pool grows (its tensors
+    move: the graphs must be captured again, not replayed on stale memory)."""
+    from tests.test_tree_eagle_unit import _gqa_head
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+    from vllm_specplug.proposers.head_graphs import keys_bucket
+
+    head = _gqa_head().cuda()
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(50, 32).cuda()
+    graphed = HeadRuntime(head, embed, num_slots=4, cuda_graphs=True)
+
+    def ingest(req_ids, length):
+        for req_id in req_ids:
+            graphed.ingest(req_id, torch.randn(length, 48, device="cuda"),
+                           torch.randint(0, 50, (length,), device="cuda"),
+                           torch.arange(length, device="cuda"))
+
+    def check(req_ids, length):
+        batch = len(req_ids)
+        roots = torch.randint(0, 50, (batch,), device="cuda")
+        positions = torch.full((batch,), length, device="cuda")
+        tree = graphed.draft_trees(req_ids, roots, positions, 4, 4, 16)
+        token_ids, parent_ids = tree.token_ids.clone(), tree.parent_ids.clone()
+        slots = torch.tensor([graphed.pool.slot_of[r] for r in req_ids], device="cuda")
+        want = graphed._draft_pass(slots, roots, positions,
+                                   keys_bucket(length, graphed.pool.capacity), 4, 4, 16)
+        assert torch.equal(token_ids, want.token_ids) and torch.equal(parent_ids,
+                                                                      want.parent_ids)
+
+    ids = [f"r{i}" for i in range(9)]
+    ingest(ids, 40)
+    for batch in (1, 3, 4, 9):
+        check(ids[:batch], 40)
+    assert not graphed.graphs.disabled and len(graphed.graphs.graphs) == 3  # 1, 4, 16
+    version = graphed.pool.version
+    ingest(ids[:3], 300)  # past the first capacity: the pool is reallocated
+    assert graphed.pool.version > version
+    check(ids[:3], 300)
+    assert not graphed.graphs.disabled and len(graphed.graphs.graphs) == 1

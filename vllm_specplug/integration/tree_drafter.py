@@ -44,7 +44,10 @@ class TreeEagleDrafter:
         self.method = selection.method
         self.options = self.options_cls(**selection.options)
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.device = torch.device(str(vllm_config.device_config.device))
+        self.cuda_graphs = (self.device.type == "cuda" and self.options.draft_cudagraph
+                            and not vllm_config.model_config.enforce_eager)
         self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
         source = self._load_drafter(vllm_config)
         self.head: HeadRuntime | None = None
@@ -68,9 +71,12 @@ class TreeEagleDrafter:
 
     def load_model(self, target_model) -> None:
         """The head shares the target's token embedding (as vLLM's eagle3)."""
-        head = self.head_model.to(self.device)
-        self.head = HeadRuntime(head, target_model.embed_input_ids,
-                                self.options.draft_temperature)
+        self._make_runtime(self.head_model.to(self.device), target_model)
+
+    def _make_runtime(self, drafter, target_model) -> None:
+        self.head = HeadRuntime(drafter, target_model.embed_input_ids,
+                                self.options.draft_temperature, num_slots=self.max_num_seqs,
+                                cuda_graphs=self.cuda_graphs)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
@@ -195,10 +201,8 @@ class TreeMtpDrafter(TreeEagleDrafter):
         return f"MTP layer 0 of {model_dir}"
 
     def load_model(self, target_model) -> None:
-        drafter = MtpDraftLayer(self.mtp_layer.to(self.device),
-                                self.lm_head_weight.to(self.device))
-        self.head = HeadRuntime(drafter, target_model.embed_input_ids,
-                                self.options.draft_temperature)
+        self._make_runtime(MtpDraftLayer(self.mtp_layer.to(self.device),
+                                         self.lm_head_weight.to(self.device)), target_model)
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         return None if hidden_states is None else hidden_states[:num_tokens]

@@ -24,9 +24,11 @@ class Eagle3DraftLayer:
 
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head.eval()
-        self.num_heads = head.config.num_attention_heads
-        self.head_dim = head.config.head_dim
-        self.vocab_size = head.config.vocab_size
+        c = head.config
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim, self.hidden_size = c.head_dim, c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.logits_size = c.draft_vocab_size  # the head's own vocabulary
 
     def input_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.head.fc(target_hidden.to(torch.float32))
@@ -56,8 +58,9 @@ class MtpDraftLayer:
         self.layer = layer.eval()
         self.lm_head_weight = lm_head_weight   # [V, H], the target's
         c = layer.config
-        self.num_heads, self.head_dim, self.vocab_size = (
-            c.num_attention_heads, c.head_dim, c.vocab_size)
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim, self.hidden_size = c.head_dim, c.hidden_size
+        self.vocab_size = self.logits_size = c.vocab_size
 
     def input_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         return target_hidden.to(torch.float32)

@@ -41,6 +41,9 @@ class TreeOptions(ProposerOptions):
     # it more (deeper trees), > 1 less (wider). Selection only: verification
     # uses the target's distribution alone, so any value is lossless.
     draft_temperature: float = 1.0
+    # On CUDA, replay each drafting pass as a captured CUDA graph (off under
+    # enforce_eager). False drafts eagerly: slower, same trees.
+    draft_cudagraph: bool = True
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")

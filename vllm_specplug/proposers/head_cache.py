@@ -1,0 +1,143 @@
+"""The drafter's KV cache for every request in one pool of tensors.
+
+Each request owns a slot: row `slot` of the pool holds its K/V at index =
+position (rope already applied), a validity bit per position, and the
+drafter's output and logits at its last ingested position. One pool, rather
+than a tensor per request, is what lets drafting run as a CUDA graph
+(`head_graphs.py`): the graph reads fixed addresses and selects its requests
+with a slot index tensor. Ingest writes rows in place (no per-request
+concatenation). Keys and values keep the KV heads only; attention groups the
+query heads (GQA).
+
+Shapes: S slots, kvh KV heads, C positions of capacity, hd head size, H the
+drafter's hidden size, Vd its vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+NO_POSITION = -1  # `last_positions` of a slot holding nothing
+MIN_CAPACITY = 256  # positions first allocated per slot; doubles as needed
+MIN_SLOTS = 8
+
+
+@dataclass
+class CacheView:
+    """One request's cache, copied out (tests, introspection)."""
+    keys: torch.Tensor  # [L, kvh, hd] the valid positions, ascending
+    values: torch.Tensor  # [L, kvh, hd]
+    positions: np.ndarray  # [L] int64
+    last_out: torch.Tensor  # [H]
+    last_logits: torch.Tensor  # [Vd]
+
+
+def _grown(size: int, needed: int) -> int:
+    while size < needed:
+        size *= 2
+    return size
+
+
+class HeadCachePool:
+    def __init__(self, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int,
+                 dtype: torch.dtype, device: torch.device, num_slots: int = MIN_SLOTS):
+        self.shape = (num_kv_heads, head_dim, hidden_size, vocab_size)
+        self.dtype, self.device = dtype, device
+        self.slot_of: dict[str, int] = {}
+        self.version = 0  # bumped when the tensors are reallocated (graphs hold addresses)
+        self._allocate(max(num_slots, 1), MIN_CAPACITY)
+
+    def _allocate(self, num_slots: int, capacity: int) -> None:
+        kvh, hd, hidden, vocab = self.shape
+        old = getattr(self, "keys", None)
+        zeros = lambda *s, dtype=self.dtype: torch.zeros(*s, dtype=dtype,  # noqa: E731
+                                                          device=self.device)
+        tensors = {"keys": zeros(num_slots, kvh, capacity, hd),  # [S, kvh, C, hd]
+                   "values": zeros(num_slots, kvh, capacity, hd),  # [S, kvh, C, hd]
+                   "valid": zeros(num_slots, capacity, dtype=torch.bool),  # [S, C]
+                   "last_out": zeros(num_slots, hidden),  # [S, H]
+                   "last_logits": zeros(num_slots, vocab)}  # [S, Vd]
+        if old is not None:
+            s, c = old.shape[0], old.shape[2]
+            for name, tensor in tensors.items():
+                source = getattr(self, name)
+                if tensor.dim() == 4:
+                    tensor[:s, :, :c] = source
+                elif name == "valid":
+                    tensor[:s, :c] = source
+                else:
+                    tensor[:s] = source
+            self.version += 1
+        for name, tensor in tensors.items():
+            setattr(self, name, tensor)
+        last = getattr(self, "last_positions", np.zeros(0, dtype=np.int64))
+        self.last_positions = np.full(num_slots, NO_POSITION, dtype=np.int64)
+        self.last_positions[:len(last)] = last  # host copy: no device sync to read it
+        taken = set(self.slot_of.values())
+        self.free = [s for s in range(num_slots - 1, -1, -1) if s not in taken]
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reserve(self, num_slots: int, num_positions: int) -> None:
+        """Room for `num_slots` requests of `num_positions` positions (doubling)."""
+        if num_slots > self.num_slots or num_positions > self.capacity:
+            self._allocate(_grown(self.num_slots, num_slots),
+                           _grown(self.capacity, num_positions))
+
+    def assign(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Slots of `req_ids` [R] int64, and which of them are new [R] bool."""
+        new = np.array([r not in self.slot_of for r in req_ids], dtype=bool)
+        self.reserve(len(self.slot_of) + int(new.sum()), 1)
+        for req_id in np.asarray(req_ids, dtype=object)[new]:
+            self.slot_of[req_id] = self.free.pop()
+        return np.array([self.slot_of[r] for r in req_ids], dtype=np.int64), new
+
+    def release(self, req_id: str) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.last_positions[slot] = NO_POSITION
+            self.free.append(slot)
+
+    def last_position(self, req_id: str) -> int:
+        slot = self.slot_of.get(req_id)
+        return NO_POSITION if slot is None else int(self.last_positions[slot])
+
+    def store(self, slots: np.ndarray, cuts: np.ndarray, row_slots: np.ndarray,
+              row_positions: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Drop each slot's positions at or after `cuts[r]` ([R] host), then
+        write rows ([T] host slot and position each; keys/values [T, kvh, hd])."""
+        self.reserve(0, int(row_positions.max()) + 1)
+        device = self.device
+        slot_ids = torch.from_numpy(slots).to(device)
+        kept = (torch.arange(self.capacity, device=device)[None, :]
+                < torch.from_numpy(cuts).to(device)[:, None])
+        self.valid[slot_ids] &= kept
+        rows = torch.from_numpy(row_slots).to(device)
+        positions = torch.from_numpy(row_positions).to(device)
+        self.keys[rows, :, positions] = keys.to(self.dtype)
+        self.values[rows, :, positions] = values.to(self.dtype)
+        self.valid[rows, positions] = True
+        # every cut is at or below the slot's new rows: its last position is theirs
+        self.last_positions[slots] = NO_POSITION
+        np.maximum.at(self.last_positions, row_slots, row_positions)
+
+    def set_last(self, slots: np.ndarray, out: torch.Tensor, logits: torch.Tensor) -> None:
+        index = torch.from_numpy(slots).to(self.device)
+        self.last_out[index] = out.to(self.dtype)
+        self.last_logits[index] = logits.to(self.dtype)
+
+    def view(self, req_id: str) -> CacheView:
+        slot = self.slot_of[req_id]
+        positions = torch.nonzero(self.valid[slot]).flatten()
+        keys, values = (t[slot].index_select(1, positions).transpose(0, 1)
+                        for t in (self.keys, self.values))
+        return CacheView(keys, values, positions.cpu().numpy().astype(np.int64),
+                         self.last_out[slot].clone(), self.last_logits[slot].clone())

@@ -1,18 +1,34 @@
 """Our tree-attention kernel alone at Llama-3-8B attention shapes (32 query
 heads, 8 KV heads, head size 128, bf16, block size 16, 512 cached tokens per
 request), against vLLM's FlashAttention on the same queries with a causal
-mask (the work the backend does before ours), on a CUDA GPU:
+mask (the work the backend does before ours) and against FlexAttention with
+our tree mask (the alternative), on a CUDA GPU:
 
     python3 benchmarks/gpu/bench_tree_attention.py --out $OUT
 
 Times are CUDA-event means over 50 launches (GPU time, no host overhead), per
 layer; a 32-layer model pays 32 of them per step. Tile configurations are
 tried so the default can be chosen from data.
+
+The alternative is vLLM's FlexAttention backend with a tree mask
+(`vllm_specplug/verification/tree_attention_flex.py`): a block mask built once
+per step over the paged cache (`flex_mask_build_ms`: host + GPU wall time of
+one build, synchronized, mean of 20), then torch.compile'd flex_attention per
+layer (`flex_ms`, CUDA events, including the copy of the tree rows into the
+output) and its `flex_max_error` against the reference; `flex_compile_s` is
+the first call (Inductor compiles once per query length and cache size).
+Flex reads the cache as [1, kv_heads, num_blocks * block_size, head_size],
+a view only of vLLM's flex layout (pages contiguous), so flex gets a copy of
+the cache in that layout. `--flex-dense` adds the same with the mask
+evaluated everywhere by a compiled create_block_mask (`flex_dense_*`), which
+also marks fully visible blocks (skipped mask_mod) at a higher build cost.
+A failing flex variant prints its error and records None.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -78,13 +94,61 @@ def flash_ms(query, key_cache, value_cache, table, batch, nodes) -> float | None
         return None
 
 
+def wall_ms(fn, repeats: int = 20) -> float:
+    """Host + GPU: each call synchronized, as a step that waits for it."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / repeats
+
+
+def flex_row(name: str, query, key_cache, value_cache, table, meta, want,
+             **mask_options) -> dict:
+    """`name`_mask_build_ms, _compile_s, _ms, _max_error; None where it failed."""
+    from vllm_specplug.verification.tree_attention_flex import (build_tree_block_mask,
+                                                                tree_attention_flex)
+
+    row = dict.fromkeys(f"{name}_{key}" for key in
+                        ("mask_build_ms", "compile_s", "ms", "max_error"))
+    try:
+        # vLLM's flex layout keeps each page's slots contiguous ([blocks,
+        # block_size, kv_heads, 2 * head_size]): flattening blocks x slots is a view.
+        pages = torch.cat([key_cache, value_cache], dim=-1).contiguous()
+        key_pages, value_pages = pages.split(HEAD_SIZE, dim=-1)
+        build = lambda: build_tree_block_mask(  # noqa: E731
+            meta, table, query.shape[0], pages.shape[0], BLOCK_SIZE, query.device,
+            **mask_options)
+        row[f"{name}_mask_build_ms"] = wall_ms(build)
+        mask, out = build(), torch.zeros_like(query)
+        run = lambda: tree_attention_flex(  # noqa: E731
+            query, key_pages, value_pages, mask, HEAD_SIZE ** -0.5, out, compile=True)
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        row[f"{name}_compile_s"] = time.perf_counter() - start
+        row[f"{name}_max_error"] = float((out.float() - want.float()).abs().max())
+        row[f"{name}_ms"] = gpu_ms(run)
+    except Exception as error:  # noqa: BLE001 - the alternative must not stop the run
+        print(f"  {name} failed: {type(error).__name__}: {error}")
+    return row
+
+
 def main() -> None:
     from vllm_specplug.verification.tree_attention import (tree_attention_reference,
                                                            tree_attention_triton)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--flex-dense", action="store_true",
+                        help="also time flex with a create_block_mask-built mask")
     args = parser.parse_args()
+    # Every case is a new shape for Inductor; past the default limit dynamo
+    # would fall back to eager flex, which materializes all T x cache scores.
+    torch._dynamo.config.recompile_limit = 64
     generator = torch.Generator().manual_seed(0)
     rows = []
     for batch in BATCH_SIZES:
@@ -105,6 +169,11 @@ def main() -> None:
                 error = float((out.float() - want.float()).abs().max())
                 row[f"ours_{block_m}x{block_n}_w{warps}_ms"] = gpu_ms(run)
                 row[f"ours_{block_m}x{block_n}_w{warps}_max_error"] = error
+            flex_args = (query, key_cache, value_cache, table, meta, want)
+            if not args.no_flex:
+                row.update(flex_row("flex", *flex_args))
+            if args.flex_dense:
+                row.update(flex_row("flex_dense", *flex_args, direct=False, compile=True))
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)

@@ -23,7 +23,9 @@ matters). Plain decode step time at batch 1/16/64 (from two generation
 lengths, so prefill cancels), then one `specplug_eagle3` engine (64-node trees:
 topk 8, 8 steps) whose verification is cut to chains of 2..9 and trees of
 8..64 nodes by the probe (`specplug_tree_draft_shape`), with per-phase times
-of every decode step. `report` (benchmarks/gpu/tree_cost_model.py) turns the
+of every decode step; `--parts configs`: one engine per real configuration
+(chain K=5, trees of 16 and 32 nodes) at its own capture sizes, drafting
+with graphed passes. `report` (benchmarks/gpu/tree_cost_model.py) turns the
 JSON into tables, the cost model and plots.
 """
 from __future__ import annotations
@@ -239,6 +241,52 @@ def sweep_steps(target: Path, head: Path, prompts) -> list[dict]:
         shutdown_llm(llm)
 
 
+ENGINE_CONFIGS = {  # name -> (tree options, nodes verified): one engine each
+    "chain K=5": ({"topk": 1, "num_steps": 5, "num_draft_tokens": 6}, 6),
+    "tree 16": ({"topk": 4, "num_steps": 4, "num_draft_tokens": 16}, 16),
+    "tree 32": ({"topk": 4, "num_steps": 8, "num_draft_tokens": 32}, 32),
+}
+
+
+def _torch_profile(llm, prompts) -> dict:
+    """torch's profiler over one more short run (where a step's time goes,
+    kernel by kernel); its times include the profiler's overhead."""
+    from vllm_specplug.engine import generate, greedy_params
+
+    llm.collective_rpc("specplug_torch_profile", args=(True,))
+    generate(llm, prompts, greedy_params(4, ignore_eos=True))
+    profile = llm.collective_rpc("specplug_torch_profile", args=(False,))[0]
+    print(profile["table"][:3000], flush=True)
+    return profile
+
+
+def config_steps(target: Path, head: Path, prompts, names: list[str]) -> list[dict]:
+    """Per-phase times of decode steps of one engine per configuration, so
+    each verifies at its own CUDA-graph capture sizes (multiples of its node
+    count) and drafts with its own shape (graphed drafting passes)."""
+    from vllm_specplug.engine import generate, greedy_params, shutdown_llm
+
+    rows = []
+    for name in names:
+        options, nodes = ENGINE_CONFIGS[name]
+        spec = {"method": "specplug_eagle3", "model": str(head), **options}
+        llm = _engine(target, spec, compilation_config={
+            "max_cudagraph_capture_size": nodes * max(BATCH_SIZES)},
+            **{**ENGINE_8B, "gpu_memory_utilization": 0.6})
+        try:
+            generate(llm, prompts[:1], greedy_params(4))
+            for batch in BATCH_SIZES:
+                generate(llm, prompts[:batch], greedy_params(4))  # captures drafting graphs
+                _profile(llm, True)
+                generate(llm, prompts[:batch], greedy_params(SWEEP_TOKENS, ignore_eos=True))
+                steps = [r for r in _profile(llm, False) if r["num_tokens"] == batch * nodes]
+                rows.append({**shape_row(nodes, options["topk"] == 1, batch, steps),
+                             "config": name, "torch_profile": _torch_profile(llm, prompts[:batch])})
+        finally:
+            shutdown_llm(llm)
+    return rows
+
+
 def shape_row(num_nodes: int, chain: bool, batch: int, steps: list[dict]) -> dict:
     median = lambda key: (statistics.median(s[key] for s in steps if s[key] is not None)
                           if any(s[key] is not None for s in steps) else None)
@@ -334,17 +382,22 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
     return rows
 
 
-def costs(work: Path, results: Path, parts: list[str]) -> None:
-    """`parts`: "plain", "sweep", "head" (each fits one 10-minute device call)."""
+def costs(work: Path, results: Path, parts: list[str], configs: list[str]) -> None:
+    """`parts`: "plain", "sweep", "head", "configs" (each fits one 10-minute
+    device call; "configs" one or two engines per call, `configs` names them)."""
     target, head = build_8b(work)
     prompts = prompts_8b(max(BATCH_SIZES))
     path = results / "tree_costs_8b.json"
     run = json.loads(path.read_text())[0] if path.exists() else {}
     for part in parts:
         started = time.perf_counter()
-        run[part] = {"plain": lambda: plain_steps(target, prompts),
-                     "sweep": lambda: sweep_steps(target, head, prompts),
-                     "head": lambda: head_steps(head)}[part]()
+        rows = {"plain": lambda: plain_steps(target, prompts),
+                "sweep": lambda: sweep_steps(target, head, prompts),
+                "head": lambda: head_steps(head),
+                "configs": lambda: config_steps(target, head, prompts, configs)}[part]()
+        if part == "configs":  # one call per engine or two: keep the others' rows
+            rows = [r for r in run.get("configs", []) if r["config"] not in configs] + rows
+        run[part] = rows
         run[f"{part}_seconds"] = time.perf_counter() - started
         _save(path, [run])
 
@@ -357,8 +410,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=[],
                         help="tiny: a subset of " + ", ".join(tiny_methods("HEAD")))
     parser.add_argument("--parts", nargs="*", default=["plain", "sweep", "head"],
-                        choices=["plain", "sweep", "head"],
+                        choices=["plain", "sweep", "head", "configs"],
                         help="costs: which measurements to run (head: no engine)")
+    parser.add_argument("--configs", nargs="*", default=list(ENGINE_CONFIGS),
+                        choices=list(ENGINE_CONFIGS),
+                        help="costs --parts configs: one engine per configuration")
     args = parser.parse_args()
     unknown = set(args.methods) - set(tiny_methods("HEAD"))
     if unknown:
@@ -368,7 +424,7 @@ def main() -> None:
     elif args.step == "tiny":
         tiny(args.work, args.results, args.methods)
     else:
-        costs(args.work, args.results, args.parts)
+        costs(args.work, args.results, args.parts, args.configs)
 
 
 if __name__ == "__main__":

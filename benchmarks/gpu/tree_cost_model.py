@@ -91,6 +91,24 @@ def projections(lengths, costs, plain, drafts) -> list[dict]:
     return rows
 
 
+TINY_NAME = {"chain K=5": "chain K=5", "tree 16": "ours tree 16", "tree 32": "ours tree 32"}
+
+
+def engine_projections(lengths, config_rows: list[dict], plain) -> list[dict]:
+    """One engine per configuration (`--parts configs`): its measured decode
+    step (target forward, verification, drafting as the engine runs it, the
+    rest) and L x T_plain / that step."""
+    rows = []
+    for c in config_rows:
+        length, plain_s = lengths.get(TINY_NAME.get(c["config"], "")), plain.get(c["batch_size"])
+        if length is None or plain_s is None or c["step_s"] is None:
+            continue
+        rows.append({**c, "acceptance_length": length, "plain_s": plain_s,
+                     "other_s": c["step_s"] - c["forward_s"] - c["verify_s"] - c["draft_s"],
+                     "speedup": length * plain_s / c["step_s"]})
+    return rows
+
+
 def ngram_check(ngram_rows: list[dict], costs, plain) -> list[dict]:
     """n-gram on the 8B shape (issue 11's measured run, K=5: 6 nodes, no head):
     projected from our chain-6 step costs without drafting vs measured."""
@@ -151,7 +169,8 @@ def main() -> None:
     ngram = json.loads(args.ngram.read_text())["llama3-8b-shape"] if args.ngram.exists() else []
     write_report(args.out, tiny, plain, costs, cost_run.get("head", []),
                  projections(lengths, costs, plain, drafts),
-                 ngram_check(ngram, costs, plain) + tiny_check(tiny))
+                 ngram_check(ngram, costs, plain) + tiny_check(tiny),
+                 engine_projections(lengths, cost_run.get("configs", []), plain))
 
 
 if __name__ == "__main__":

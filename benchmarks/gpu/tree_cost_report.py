@@ -114,6 +114,27 @@ def _projection_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _engine_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## One engine per configuration, 8B shape (its own capture sizes; drafting "
+             "passes replayed as CUDA graphs; ms, median of decode steps)",
+             "| config | batch | accept len (tiny) | plain | forward | verify+compaction "
+             "| draft | other | step | projected speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['batch_size']} | {r['acceptance_length']:.2f} | "
+                     + " | ".join(f"{MS * r[k]:.2f}" for k in
+                                  ("plain_s", "forward_s", "verify_s", "draft_s", "other_s",
+                                   "step_s")) + f" | {r['speedup']:.2f}x |")
+    for batch in sorted({r["batch_size"] for r in rows}):
+        by = {r["config"]: r["speedup"] for r in rows if r["batch_size"] == batch}
+        chain, tree = by.get("chain K=5"), max((v for k, v in by.items() if "tree" in k),
+                                               default=None)
+        if chain and tree:
+            lines.append(f"- batch {batch}: best tree / chain K=5 = {tree / chain:.2f}")
+    return lines
+
+
 def _check_table(checks: list[dict]) -> list[str]:
     lines = ["## The cost model against measured runs",
              "| run | batch | predicted | measured | error |", "|---|---|---|---|---|"]
@@ -158,10 +179,12 @@ def _plot(out: Path, costs: dict, rows: list[dict]) -> None:
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
-def write_report(out: Path, tiny, plain, costs, head_rows, rows, checks) -> None:
+def write_report(out: Path, tiny, plain, costs, head_rows, rows, checks,
+                 engine_rows=()) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n".join(_tiny_table(tiny) + [""] + _cost_table(plain, costs) + [""]
                      + _head_table(head_rows) + [""] + _projection_table(rows) + [""]
+                     + _engine_table(list(engine_rows)) + [""]
                      + _check_table(checks)) + "\n"
     out.with_suffix(".txt").write_text(text)
     slim = [{k: v for k, v in r.items() if k not in ("batched", "alone", "gaps")}
@@ -170,6 +193,7 @@ def write_report(out: Path, tiny, plain, costs, head_rows, rows, checks) -> None
     out.with_suffix(".json").write_text(json.dumps(
         {"tiny": slim, "plain_s": plain, "costs": [dict(c) for c in costs.values()],
          "head": head_rows,
-         "projections": rows, "checks": checks}, indent=1))
+         "projections": rows, "engine_projections": list(engine_rows),
+         "checks": checks}, indent=1))
     _plot(out, costs, rows)
     print(text)

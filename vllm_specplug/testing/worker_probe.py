@@ -43,6 +43,28 @@ class SpecplugProbe:
             PROFILER.enable(enable)
         return taken
 
+    def specplug_torch_profile(self, start: bool, row_limit: int = 30) -> dict | None:
+        """Benchmarks: start torch's profiler in this worker (CPU + CUDA), or
+        stop it and return its kernel table: {"table": text sorted by self
+        device time, "events": [{name, count, self_device_us, self_cpu_us}]}."""
+        import torch
+
+        if start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._specplug_profiler = torch.profiler.profile(activities=activities)
+            self._specplug_profiler.__enter__()
+            return None
+        profiler = self._specplug_profiler
+        profiler.__exit__(None, None, None)
+        averages = profiler.key_averages()
+        device = lambda e: getattr(e, "self_device_time_total", 0.0)  # noqa: E731
+        events = sorted(averages, key=device, reverse=True)[:row_limit]
+        return {"table": averages.table(sort_by="self_device_time_total", row_limit=row_limit),
+                "events": [{"name": e.key, "count": e.count, "self_device_us": device(e),
+                            "self_cpu_us": e.self_cpu_time_total} for e in events]}
+
     def specplug_tree_draft_shape(self, num_nodes: int | None, chain: bool = False) -> str:
         """Verify only the first `num_nodes` drafted nodes, as a tree or chain."""
         drafter = self.model_runner.drafter

@@ -235,3 +235,25 @@ def test_batched_drafts_equal_each_request_alone():
     assert runtime.last_position("b") == -1
     runtime.ingest("d", torch.randn(2, 48), torch.randint(0, 50, (2,)), torch.arange(2))
     assert runtime.cache_of("d").positions.tolist() == [0, 1]  # b's old rows are gone
+
+
+def test_head_cost_bench_runs_on_cpu(tmp_path):
+    """`bench_tree_head.head_steps` (the cost model's drafting input, run on
+    the GPU host) on a small head here: one row per (batch, tree shape), eager
+    times measured, no graph time without CUDA."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+    import bench_tree_head
+
+    head = _gqa_head()
+    head.save_pretrained(tmp_path)
+    config = {k: getattr(head.config, k) for k in (
+        "vocab_size", "hidden_size", "aux_layer_ids", "target_hidden_size",
+        "num_key_value_heads", "head_dim")}
+    rows = bench_tree_head.head_steps(tmp_path, config, batch_sizes=(1, 3), context_len=9)
+    assert [(r["batch_size"], r["num_nodes"]) for r in rows] == [
+        (b, n) for b in (1, 3) for _, _, n in bench_tree_head.HEAD_CONFIGS]
+    assert all(r["ingest_s"] > 0 and r["draft_s"] > 0 and r["draft_graph_s"] is None
+               for r in rows)

@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu/host.sh report       # one table from every bench run on this host
 #   bash benchmarks/gpu/host.sh tree-tiny    # tree EAGLE lossless + speed on the tiny model
 #   bash benchmarks/gpu/host.sh tree-costs   # step costs on the 8B shape (cost model input)
-#   bash benchmarks/gpu/host.sh tree-kernel  # the tree-attention kernel alone vs FlashAttention
+#   bash benchmarks/gpu/host.sh tree-kernel [--no-flex|--flex-dense]  # kernel vs FA3 and FlexAttention
+#   bash benchmarks/gpu/host.sh tree-tests   # tree kernels, flex, graphed drafting (no engine)
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -51,9 +52,18 @@ print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__nam
     cp "$RESULTS"/tree_*.json "$OUT"/ 2>/dev/null ;;
   tree-kernel)
     # our tree-attention kernel alone vs FlashAttention (8B attention shapes)
-    python3 benchmarks/gpu/bench_tree_attention.py --out "$OUT" 2>&1 | tee "$OUT/tree-kernel.log" \
-      | quiet | tail -20 ;;
+    shift
+    python3 benchmarks/gpu/bench_tree_attention.py --out "$OUT" "$@" 2>&1 \
+      | tee "$OUT/tree-kernel.log" | quiet | tail -20 ;;
+  tree-tests)
+    # issue 15 checks that need no engine: kernels vs references, graphed drafting
+    ln -sfn ../kernels vllm_specplug/kernels
+    timeout 300 python3 -m pytest -q -rs tests/kernels/test_tree_attention.py \
+      tests/kernels/test_tree_attention_flex.py tests/kernels/test_cuda_tree_attention.py \
+      "tests/gpu/test_tree_eagle_cuda.py::test_graphed_drafting_equals_eager_drafting" 2>&1 \
+      | tee "$OUT/pytest_tree.log" | quiet | tail -30 ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel"; exit 2 ;;
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests"
+     exit 2 ;;
 esac

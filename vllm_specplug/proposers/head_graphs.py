@@ -104,7 +104,9 @@ class DraftGraphs:
                 self.draft_pass(*static, num_keys, *shape)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
+            # thread_local: CUDA calls of vLLM's other threads do not void the capture
+            with torch.cuda.graph(graph, pool=self.memory_pool,
+                                  capture_error_mode="thread_local"):
                 tree = self.draft_pass(*static, num_keys, *shape)
         except Exception as error:  # noqa: BLE001 - drafting goes on, eagerly
             logger.warning("vllm-specplug: capturing a drafting pass as a CUDA graph "

@@ -35,6 +35,7 @@ def engine_args_error(model_dir, spec: dict) -> str:
     ({"topk": 4096}, "topk"),
     ({"depth": 3}, "depth"),
     ({"draft_temperature": 0.0}, "draft_temperature"),
+    ({"draft_cudagraph": "yes"}, "draft_cudagraph"),
 ])
 def test_bad_options_name_the_field(tiny_model_dir, tiny_eagle3_dir, options, field):
     spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), **options}

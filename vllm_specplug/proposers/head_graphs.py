@@ -74,7 +74,10 @@ class DraftGraphs:
         if self.disabled:
             return self.draft_pass(slot_ids, root_token_ids, root_positions, num_keys, *shape)
         if pool.version != self.version:  # reallocated: the captured addresses are stale
+            # A fresh memory pool too: capturing into the pool of the graphs just
+            # freed hit an allocator assert on an H100 (docs/results/tree_cuda_h100_graphs).
             self.graphs.clear()
+            self.memory_pool = None
             self.version = pool.version
         batch, size = len(slots), padded_batch(len(slots))
         inputs = [_padded(t, size) for t in (slot_ids, root_token_ids, root_positions)]

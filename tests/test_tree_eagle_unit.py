@@ -36,6 +36,7 @@ def engine_args_error(model_dir, spec: dict) -> str:
     ({"depth": 3}, "depth"),
     ({"draft_temperature": 0.0}, "draft_temperature"),
     ({"draft_cudagraph": "yes"}, "draft_cudagraph"),
+    ({"draft_dtype": "fp8"}, "draft_dtype"),
 ])
 def test_bad_options_name_the_field(tiny_model_dir, tiny_eagle3_dir, options, field):
     spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), **options}
@@ -185,26 +186,36 @@ def _gqa_head(seed: int = 0):
     return head.eval()
 
 
-def test_runtime_cache_matches_the_training_forward():
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5),
+                                              (torch.bfloat16, 3e-2)])
+def test_runtime_cache_matches_the_training_forward(dtype, tolerance):
     """The runtime's pooled cache, filled in three ingests (a prefill, one
     position, a chunk), gives the logits at every ingested position that the
-    training forward (one causal pass, `Eagle3Head.forward` step 0) gives:
-    an independent implementation of the same attention, with GQA."""
+    training forward (one causal pass, `Eagle3Head.forward` step 0, float32)
+    gives: an independent implementation of the same attention, with GQA.
+    In bfloat16 (`draft_dtype`) within bf16 rounding, with the cache pool
+    and the weights in bf16 and rotary frequencies kept in float32."""
+    import copy
+
+    from vllm_specplug.proposers.draft_layers import cast_parameters
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
-    head = _gqa_head()
+    head = _gqa_head(seed=4)
     torch.manual_seed(1)
     embed = torch.nn.Embedding(50, 32)
     aux, next_ids = torch.randn(13, 48), torch.randint(0, 50, (13,))
     with torch.no_grad():
         want = head(aux[None], embed(next_ids)[None], torch.arange(13),
                     torch.ones(1, 13, dtype=torch.bool), 1)[0][0]  # [13, Vd]
-    runtime = HeadRuntime(head, embed)
+    runtime = HeadRuntime(cast_parameters(copy.deepcopy(head), dtype), embed)
+    assert runtime.layer.head.inv_freq.dtype == torch.float32
     for chunk in (slice(0, 7), slice(7, 8), slice(8, 13)):
         rows = torch.arange(13)[chunk]
         runtime.ingest("r", aux[chunk], next_ids[chunk], rows)
-        torch.testing.assert_close(runtime.cache_of("r").last_logits, want[chunk.stop - 1],
-                                   atol=1e-5, rtol=1e-5)
+        got = runtime.cache_of("r").last_logits
+        assert got.dtype == dtype and runtime.pool.keys.dtype == dtype
+        torch.testing.assert_close(got.float(), want[chunk.stop - 1],
+                                   atol=tolerance * want.abs().max().item(), rtol=tolerance)
     assert runtime.last_position("r") == 12
 
 

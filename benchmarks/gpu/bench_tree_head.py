@@ -39,18 +39,22 @@ def _timed(fn, repeats: int = 20) -> float:
 
 
 def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
-               context_len: int = HEAD_CONTEXT) -> list[dict]:
+               context_len: int = HEAD_CONTEXT, dtype: str | None = None) -> list[dict]:
     """Our head runtime on the 8B-shaped random head, no engine: ingest of one
     verified position per request, one expansion step at width k (eager), and
     a whole drafting pass eager and as the runtime replays it on CUDA (one
-    captured graph per pass), at batch 1/16/64."""
+    captured graph per pass), at batch 1/16/64. dtype: the head's (default
+    bfloat16 on CUDA, as `draft_dtype="auto"` with a bf16 target; float32 on
+    CPU)."""
     import torch
 
+    from vllm_specplug.proposers.draft_layers import cast_parameters
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
     from vllm_specplug.proposers.eagle3_loading import load_head
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    head = load_head(head_dir).to(device)
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    head = cast_parameters(load_head(head_dir).to(device), getattr(torch, dtype))
     embed = torch.nn.Embedding(config["vocab_size"], config["hidden_size"]).to(device)
     embed = embed.to(torch.bfloat16) if device == "cuda" else embed
     eager = HeadRuntime(head, embed, num_slots=max(batch_sizes))
@@ -76,19 +80,19 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
                pool.valid[slots, :context_len + 1])
         for topk, steps, nodes in HEAD_CONFIGS:
             beam = torch.zeros(batch, topk, dtype=torch.long, device=device)
-            parent = torch.zeros(batch, topk, config["hidden_size"], device=device)
-            path = (torch.zeros(batch, topk, config["num_key_value_heads"], 1,
-                                config["head_dim"], device=device),) * 2
+            parent = pool.last_out.new_zeros(batch, topk, config["hidden_size"])
+            path = (pool.keys.new_zeros(batch, topk, config["num_key_value_heads"], 1,
+                                        config["head_dim"]),) * 2
             expand = lambda: eager._expand(ctx, beam, parent, path, one + 1)  # noqa: E731
             draft = lambda rt: lambda: rt.draft_trees(  # noqa: E731
                 ids, roots, one + 1, topk, steps, nodes)
-            rows.append({"batch_size": batch, "topk": topk, "num_steps": steps,
+            rows.append({"dtype": dtype, "batch_size": batch, "topk": topk, "num_steps": steps,
                          "num_nodes": nodes, "ingest_s": ingest, "step_eager_s": _timed(expand),
                          "draft_s": _timed(draft(eager), 5),
                          "draft_graph_s": (_timed(draft(graphed), 20)
                                            if graphed.graphs is not None else None)})
             r = rows[-1]
-            print(f"  head batch {batch} topk {topk} steps {steps}: ingest "
+            print(f"  head {dtype} batch {batch} topk {topk} steps {steps}: ingest "
                   f"{MS * ingest:.2f} ms, step {MS * r['step_eager_s']:.2f} ms eager, pass "
                   f"{MS * r['draft_s']:.2f} ms eager / "
                   f"{MS * (r['draft_graph_s'] or float('nan')):.2f} ms graphed", flush=True)

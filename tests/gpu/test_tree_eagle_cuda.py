@@ -62,16 +62,18 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
     assert counts.num_drafts and counts.num_accepted_tokens > 2 * counts.num_drafts, counts
 
 
-def test_graphed_drafting_equals_eager_drafting():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_drafting_equals_eager_drafting(dtype):
     """The runtime's captured drafting passes give the trees the same pass
     gives eagerly (same keys bucket), at batch sizes that pad (3 -> 4, 9 ->
     16) and share a graph (3 and 4), and after the pool grows (its tensors
     move: the graphs must be captured again, not replayed on stale memory)."""
     from tests.test_tree_eagle_unit import _gqa_head
+    from vllm_specplug.proposers.draft_layers import cast_parameters
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
     from vllm_specplug.proposers.head_graphs import keys_bucket
 
-    head = _gqa_head().cuda()
+    head = cast_parameters(_gqa_head().cuda(), dtype)
     torch.manual_seed(0)
     embed = torch.nn.Embedding(50, 32).cuda()
     graphed = HeadRuntime(head, embed, num_slots=4, cuda_graphs=True)

@@ -22,7 +22,7 @@ import torch
 from vllm_specplug.integration import tree_step
 from vllm_specplug.integration.config import selection_of
 from vllm_specplug.integration.guard import ProposerGuard
-from vllm_specplug.proposers.draft_layers import MtpDraftLayer
+from vllm_specplug.proposers.draft_layers import MtpDraftLayer, cast_parameters
 from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions, chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.proposers.eagle3_loading import load_head
@@ -48,6 +48,8 @@ class TreeEagleDrafter:
         self.device = torch.device(str(vllm_config.device_config.device))
         self.cuda_graphs = (self.device.type == "cuda" and self.options.draft_cudagraph
                             and not vllm_config.model_config.enforce_eager)
+        self.draft_dtype = (vllm_config.model_config.dtype if self.options.draft_dtype == "auto"
+                            else getattr(torch, self.options.draft_dtype))
         self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
         source = self._load_drafter(vllm_config)
         self.head: HeadRuntime | None = None
@@ -56,9 +58,9 @@ class TreeEagleDrafter:
         # Benchmarks only (cost sweeps): verify the first N nodes of each
         # drafted tree, as a tree or re-linked as a chain (`set_draft_shape`).
         self.draft_shape: tuple[int, bool] | None = None
-        logger.info("vllm-specplug %s: %s, topk=%d num_steps=%d num_draft_tokens=%d",
+        logger.info("vllm-specplug %s: %s, topk=%d num_steps=%d num_draft_tokens=%d, %s",
                     self.method, source, self.options.topk, self.options.num_steps,
-                    self.options.num_draft_tokens)
+                    self.options.num_draft_tokens, self.draft_dtype)
 
     def _load_drafter(self, vllm_config) -> str:
         self.head_model = load_head(self.options.model)
@@ -71,7 +73,8 @@ class TreeEagleDrafter:
 
     def load_model(self, target_model) -> None:
         """The head shares the target's token embedding (as vLLM's eagle3)."""
-        self._make_runtime(self.head_model.to(self.device), target_model)
+        head = cast_parameters(self.head_model.to(self.device), self.draft_dtype)
+        self._make_runtime(head, target_model)
 
     def _make_runtime(self, drafter, target_model) -> None:
         self.head = HeadRuntime(drafter, target_model.embed_input_ids,
@@ -201,8 +204,9 @@ class TreeMtpDrafter(TreeEagleDrafter):
         return f"MTP layer 0 of {model_dir}"
 
     def load_model(self, target_model) -> None:
-        self._make_runtime(MtpDraftLayer(self.mtp_layer.to(self.device),
-                                         self.lm_head_weight.to(self.device)), target_model)
+        layer = cast_parameters(self.mtp_layer.to(self.device), self.draft_dtype)
+        self._make_runtime(MtpDraftLayer(layer, self.lm_head_weight.to(self.device)),
+                           target_model)
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         return None if hidden_states is None else hidden_states[:num_tokens]

@@ -19,11 +19,21 @@ from vllm_specplug.training.layers import rope_cos_sin, split_heads
 from vllm_specplug.training.mtp_model import MtpLayer
 
 
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The module's weights in `dtype`; buffers stay as they are (`Module.to`
+    would also round the rotary `inv_freq` buffer, shifting every angle)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            param.data = param.data.to(dtype)
+    return module
+
+
 class Eagle3DraftLayer:
     """vLLM's `Eagle3LlamaForCausalLM` math (training/eagle3_model.py)."""
 
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head.eval()
+        self.dtype = head.fc.weight.dtype  # the activations' dtype too
         c = head.config
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim, self.hidden_size = c.head_dim, c.hidden_size
@@ -31,7 +41,7 @@ class Eagle3DraftLayer:
         self.logits_size = c.draft_vocab_size  # the head's own vocabulary
 
     def input_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.fc(target_hidden.to(torch.float32))
+        return self.head.fc(target_hidden.to(self.dtype))
 
     def qkv(self, embeds, hidden, positions):
         cos, sin = self.head.rope(positions)
@@ -56,14 +66,15 @@ class MtpDraftLayer:
 
     def __init__(self, layer: MtpLayer, lm_head_weight: torch.Tensor) -> None:
         self.layer = layer.eval()
-        self.lm_head_weight = lm_head_weight   # [V, H], the target's
+        self.dtype = layer.input_proj.weight.dtype
+        self.lm_head_weight = lm_head_weight.to(self.dtype)   # [V, H], the target's
         c = layer.config
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim, self.hidden_size = c.head_dim, c.hidden_size
         self.vocab_size = self.logits_size = c.vocab_size
 
     def input_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        return target_hidden.to(torch.float32)
+        return target_hidden.to(self.dtype)
 
     def qkv(self, embeds, hidden, positions):
         layer, attn = self.layer, self.layer.self_attn

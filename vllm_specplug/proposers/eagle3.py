@@ -28,6 +28,7 @@ from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerConfig
 TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.tree_drafter.TreeEagleDrafter"
 DEFAULT_NUM_STEPS = 5
 METHOD = "specplug_eagle3"
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,16 @@ class TreeOptions(ProposerOptions):
     # On CUDA, replay each drafting pass as a captured CUDA graph (off under
     # enforce_eager). False drafts eagerly: slower, same trees.
     draft_cudagraph: bool = True
+    # The drafter's weights and activations: "auto" is the target's dtype,
+    # as vLLM's eagle3 runs its head; "float32" costs about twice the time of
+    # bfloat16 on a GPU (the 8B-shaped head is bandwidth-bound at batch 1 and
+    # compute-bound at 64). Selection only: any dtype is lossless.
+    draft_dtype: str = "auto"
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
+        require(self.draft_dtype in DRAFT_DTYPES, name,
+                f"draft_dtype={self.draft_dtype!r} must be one of {', '.join(DRAFT_DTYPES)}")
         require(self.draft_temperature > 0, name,
                 f"draft_temperature={self.draft_temperature} must be > 0")
         if self.num_steps is not None:

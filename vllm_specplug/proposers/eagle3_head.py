@@ -63,6 +63,12 @@ def _pad_host(arrays: list[np.ndarray], fill: int) -> np.ndarray:
     return out
 
 
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim in float32 (bf16 sums of many keys drift),
+    returned in the scores' dtype for the value product."""
+    return scores.float().softmax(-1).to(scores.dtype)
+
+
 class HeadRuntime:
     def __init__(self, head, embed: Callable[[torch.Tensor], torch.Tensor],
                  draft_temperature: float = 1.0, num_slots: int = MIN_SLOTS,
@@ -90,12 +96,14 @@ class HeadRuntime:
         return self.pool.view(req_id)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(token_ids).to(torch.float32)
+        return self.embed(token_ids).to(self.layer.dtype)
 
     def _qkv(self, embeds, hidden, positions):
         """[R, H] inputs at positions [R] -> q [R, nh, hd], k, v [R, kvh, hd]
         (roped q, k) and the residual base [R, H]."""
         q, k, v, base = self.layer.qkv(embeds, hidden, positions)
+        # rope's float32 cos/sin promote q, k: back to the drafter's dtype
+        q, k, v = (t.to(self.layer.dtype) for t in (q, k, v))
         return q, k[:, ::self.group], v[:, ::self.group], base  # undo the GQA repeat
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -167,7 +175,7 @@ class HeadRuntime:
             <= torch.from_numpy(q_pos).to(device)[:, :, None])  # [G, Tmax, L]
         scores = torch.einsum("gtcjd,gcld->gcjtl", padded, keys) * self.scale
         scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-        out = torch.einsum("gcjtl,gcld->gtcjd", scores.softmax(-1), values)
+        out = torch.einsum("gcjtl,gcld->gtcjd", _softmax(scores), values)
         return out.flatten(0, 1)[rows].flatten(1, 2)
 
     def _expand(self, ctx, beam_tokens, parent_out, path_kv, position):
@@ -188,7 +196,7 @@ class HeadRuntime:
         ctx_scores = torch.einsum("bwcjd,bcld->bwcjl", q, keys_ctx)
         ctx_scores = ctx_scores.masked_fill(~valid[:, None, None, None, :], float("-inf"))
         scores = torch.cat([ctx_scores, torch.einsum("bwcjd,bwcld->bwcjl", q, path_k)], -1)
-        probs = (scores * self.scale).softmax(-1)
+        probs = _softmax(scores * self.scale)
         num_ctx = keys_ctx.shape[2]
         attn = (torch.einsum("bwcjl,bcld->bwcjd", probs[..., :num_ctx], values_ctx)
                 + torch.einsum("bwcjl,bwcld->bwcjd", probs[..., num_ctx:], path_v))

@@ -109,6 +109,24 @@ def engine_projections(lengths, config_rows: list[dict], plain) -> list[dict]:
     return rows
 
 
+def engine_check(rows: list[dict], engine_rows: list[dict]) -> list[dict]:
+    """The model's projection for a configuration (target phases from the
+    node-count sweep + our head runtime measured alone, graphed) against the
+    same configuration's own engine (`--parts configs`), same acceptance
+    length: the error is that of the modelled step time."""
+    by_key = {(r["config"], r["batch_size"]): r for r in rows}
+    checks = []
+    for e in engine_rows:
+        model = by_key.get((TINY_NAME.get(e["config"], e["config"]), e["batch_size"]))
+        if model is None or "graphed_speedup" not in model:
+            continue
+        checks.append({"run": f"{e['config']} (8B shape, model vs its engine)",
+                       "batch_size": e["batch_size"], "predicted": model["graphed_speedup"],
+                       "measured": e["speedup"],
+                       "error": model["graphed_speedup"] / e["speedup"] - 1})
+    return checks
+
+
 def ngram_check(ngram_rows: list[dict], costs, plain) -> list[dict]:
     """n-gram on the 8B shape (issue 11's measured run, K=5: 6 nodes, no head):
     projected from our chain-6 step costs without drafting vs measured."""
@@ -159,18 +177,25 @@ def main() -> None:
     parser.add_argument("--ngram", type=Path, default=Path(
         "docs/results/model_runner_v2_h100.json"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sweep-from", type=Path, default=None,
+                        help="a tree_costs_8b.json whose node-count sweep to use when "
+                             "--results has none (the sweep takes a device call of its own)")
     args = parser.parse_args()
     tiny = json.loads((args.results / "tree_tiny.json").read_text())
     cost_run = json.loads((args.results / "tree_costs_8b.json").read_text())[0]
     plain = {r["batch_size"]: r["step_s"] for r in cost_run["plain"]}
-    costs = phase_costs(cost_run.get("sweep", []))
+    sweep = cost_run.get("sweep")
+    if sweep is None and args.sweep_from is not None:
+        sweep = json.loads(args.sweep_from.read_text())[0]["sweep"]
+    costs = phase_costs(sweep or [])
     lengths = acceptance(tiny)
     drafts = draft_costs(cost_run.get("head", []))
     ngram = json.loads(args.ngram.read_text())["llama3-8b-shape"] if args.ngram.exists() else []
-    write_report(args.out, tiny, plain, costs, cost_run.get("head", []),
-                 projections(lengths, costs, plain, drafts),
-                 ngram_check(ngram, costs, plain) + tiny_check(tiny),
-                 engine_projections(lengths, cost_run.get("configs", []), plain))
+    rows = projections(lengths, costs, plain, drafts)
+    engine_rows = engine_projections(lengths, cost_run.get("configs", []), plain)
+    write_report(args.out, tiny, plain, costs, cost_run.get("head", []), rows,
+                 engine_check(rows, engine_rows) + ngram_check(ngram, costs, plain)
+                 + tiny_check(tiny), engine_rows)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,18 @@ from pathlib import Path
 MS = 1000.0
 
 
+def _differences(base: dict, row: dict, mode: str) -> str:
+    """Where each differing output first departs from no speculation, with
+    the no-speculation run's top-2 log-prob gap there (a tiny gap: a
+    floating-point tie that another batch shape's rounding can flip)."""
+    from vllm_specplug.bench.compare import divergences
+
+    if "gaps" not in base:
+        return ""
+    found = divergences(base[mode]["token_ids"], row[mode]["token_ids"], base["gaps"])
+    return "".join(f"; #{d['request']}@{d['position']} gap {d['gap']:.1e}" for d in found)
+
+
 def _tiny_table(tiny: list[dict]) -> list[str]:
     base = next(r for r in tiny if r["method"] == "none")
     lines = ["## Tiny model + built-in head on the H100 (fp32, 60 held-out prompts, 64 tokens)",
@@ -17,7 +29,8 @@ def _tiny_table(tiny: list[dict]) -> list[str]:
         cells = [row["method"]]
         for mode in ("batched", "alone"):
             same = sum(a == b for a, b in zip(base[mode]["token_ids"], row[mode]["token_ids"]))
-            cells.append(f"{same}/{len(base[mode]['token_ids'])}")
+            cells.append(f"{same}/{len(base[mode]['token_ids'])}"
+                         + _differences(base, row, mode))
         counts = row["batched"]["counts"]
         accept = 1 + counts["num_accepted_tokens"] / max(counts["num_drafts"], 1)
         cells.append(f"{accept:.2f}")
@@ -52,7 +65,7 @@ def _median(values: list[float]) -> float:
 
 def _cost_table(plain: dict, costs: dict) -> list[str]:
     lines = ["## Step costs, Llama-3-8B shape (bf16 dummy weights, FlashAttention; "
-             "random EAGLE-3 head, fp32; ms, median of decode steps)",
+             "random EAGLE-3 head; ms, median of decode steps)",
              "| batch | plain decode | verify shape | nodes | forward | verify+compaction "
              "| draft in the engine (64-node trees) | other | step |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -70,7 +83,9 @@ def _head_table(head_rows: list[dict]) -> list[str]:
     (`draft_graph_s`); older ones one graphed expansion step (`step_graph_s`)."""
     whole = any("draft_graph_s" in r for r in head_rows)
     graph_label = "whole draft, CUDA graph" if whole else "one step, CUDA graph"
-    lines = ["## Our head runtime alone, 8B-shaped EAGLE-3 head (fp32, 512 cached positions; ms)",
+    dtypes = ", ".join(sorted({r.get("dtype", "float32") for r in head_rows}))
+    lines = [f"## Our head runtime alone, 8B-shaped EAGLE-3 head ({dtypes}, 512 cached "
+             "positions; ms)",
              "| batch | topk | head steps | nodes | ingest (1 position) | one step, eager "
              f"| whole draft, eager | {graph_label} |", "|---|---|---|---|---|---|---|---|"]
     for r in head_rows:

@@ -249,6 +249,60 @@ def test_batched_drafts_equal_each_request_alone():
     assert runtime.cache_of("d").positions.tolist() == [0, 1]  # b's old rows are gone
 
 
+def _decode_ingests(runtime, seed: int = 5) -> None:
+    """Prefills of three requests, then decode-like ingests: 1..4 positions
+    per request, a batch of three (padded to four), a request alone, and one
+    that re-ingests from an earlier position (its later rows are dropped)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = {"a": 6, "b": 11, "c": 3}
+    for req_id, length in lengths.items():
+        runtime.ingest(req_id, torch.randn(length, 48, generator=generator),
+                       torch.randint(0, 50, (length,), generator=generator),
+                       torch.arange(length))
+    for step in [{"a": 2, "b": 1, "c": 4}, {"b": 3}, {"a": 1, "c": 1, "b": 2}]:
+        ids, counts = list(step), list(step.values())
+        positions = torch.cat([torch.arange(lengths[r], lengths[r] + n) for r, n in step.items()])
+        total = sum(counts)
+        runtime.ingest_many(ids, torch.randn(total, 48, generator=generator),
+                            torch.randint(0, 50, (total,), generator=generator), positions,
+                            counts)
+        lengths.update({r: lengths[r] + n for r, n in step.items()})
+    runtime.ingest("b", torch.randn(2, 48, generator=generator),
+                   torch.randint(0, 50, (2,), generator=generator), torch.tensor([9, 10]))
+
+
+def test_padded_decode_ingest_equals_the_eager_ingest():
+    """A decode step's ingest padded to fixed shapes (the pass a CUDA graph
+    replays; here run eagerly, as after a failed capture) leaves every cache
+    as the ragged ingest does: the same positions, K/V rows and last logits,
+    and the same drafts after."""
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+    from vllm_specplug.proposers.head_graphs import PassGraphs
+
+    head = _gqa_head(seed=6)
+    embed = torch.nn.Embedding(50, 32)
+    ragged = HeadRuntime(head, embed, num_slots=2)
+    padded = HeadRuntime(head, embed, num_slots=2)
+    padded.graphs = PassGraphs()
+    padded.graphs.disabled = True  # no CUDA here: the padded pass runs eagerly
+    calls = []
+    original = padded._ingest_pass
+    padded._ingest_pass = lambda *a: calls.append(a[3].shape) or original(*a)
+    for runtime in (ragged, padded):
+        _decode_ingests(runtime)
+    assert calls == [(4, 4), (1, 4), (4, 2), (1, 2)]  # (padded batch, rows) per decode ingest
+    for req_id in "abc":
+        want, got = ragged.cache_of(req_id), padded.cache_of(req_id)
+        assert got.positions.tolist() == want.positions.tolist()
+        for name in ("keys", "values", "last_out", "last_logits"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name),
+                                       atol=1e-5, rtol=1e-5)
+    assert ragged.cache_of("b").positions.tolist() == list(range(11))
+    roots, positions = torch.tensor([1, 2, 3]), torch.tensor([9, 11, 8])
+    trees = [r.draft_trees(list("abc"), roots, positions, 3, 3, 8) for r in (ragged, padded)]
+    assert torch.equal(trees[0].token_ids, trees[1].token_ids)
+
+
 def test_head_cost_bench_runs_on_cpu(tmp_path):
     """`bench_tree_head.head_steps` (the cost model's drafting input, run on
     the GPU host) on a small head here: one row per (batch, tree shape), eager

@@ -84,6 +84,20 @@ def _profile(llm, enable: bool | None = None) -> list[dict]:
     return llm.collective_rpc("specplug_tree_profile", args=(enable,))[0]
 
 
+PROFILED_ALONE = 10  # prompts run alone again with the phase profiler on
+
+
+def _generate(llm, prompts, params, mode: str) -> tuple[list[list[int]], float]:
+    """Token ids and seconds of the prompts in one batch or one at a time."""
+    from vllm_specplug.engine import generate
+
+    if mode == "batched":
+        result = generate(llm, prompts, params)
+        return result.token_ids, result.seconds
+    results = [generate(llm, [p], params) for p in prompts]
+    return [r.token_ids[0] for r in results], sum(r.seconds for r in results)
+
+
 def run_tiny_method(work: Path, name: str, spec, prompts) -> dict:
     from vllm_specplug.engine import generate, greedy_params, shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
@@ -95,24 +109,21 @@ def run_tiny_method(work: Path, name: str, spec, prompts) -> dict:
         params = greedy_params(MAX_TOKENS)
         generate(llm, prompts[:2], greedy_params(8))  # warm-up
         llm.collective_rpc("specplug_record_cudagraph_modes")
-        if ours:
-            _profile(llm, True)
         row = {"method": name, "spec": spec}
         for mode in ("batched", "alone"):
             before = read_spec_decode_counts(llm)
-            if mode == "batched":
-                result = generate(llm, prompts, params)
-                token_ids, seconds = result.token_ids, result.seconds
-            else:
-                results = [generate(llm, [p], params) for p in prompts]
-                token_ids = [r.token_ids[0] for r in results]
-                seconds = sum(r.seconds for r in results)
+            token_ids, seconds = _generate(llm, prompts, params, mode)
             counts = read_spec_decode_counts(llm) - before
             row[mode] = {"token_ids": token_ids, "seconds": seconds,
                          "tokens_per_second": sum(map(len, token_ids)) / seconds,
-                         "counts": counts.as_dict(),
-                         "phases": _profile(llm) if ours else []}
+                         "counts": counts.as_dict(), "phases": []}
         row["cudagraph_modes"] = llm.collective_rpc("specplug_cudagraph_modes")[0]
+        if ours:  # phases in passes of their own: a profiled step syncs at every mark
+            _profile(llm, True)
+            for mode, count in (("batched", len(prompts)), ("alone", PROFILED_ALONE)):
+                _generate(llm, prompts[:count], params, mode)
+                row[mode]["phases"] = _profile(llm)
+            _profile(llm, False)
         if spec is None:
             from vllm_specplug.bench.compare import top2_gaps
             outputs = llm.generate(prompts, greedy_params(MAX_TOKENS, logprobs=2),

@@ -71,8 +71,11 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
         for runtime in (eager, graphed):
             runtime.ingest_many(ids, *inputs)
         one = torch.full((batch,), context_len, device=device)
-        ingest = _timed(lambda: eager.ingest_many(
-            ids, torch.randn(batch, aux, device=device), one, one, [1] * batch))
+        step_inputs = (torch.randn(batch, aux, device=device), one,
+                       torch.full((batch,), context_len), [1] * batch)  # positions on the host
+        ingest = _timed(lambda: eager.ingest_many(ids, *step_inputs))
+        ingest_graph = (_timed(lambda: graphed.ingest_many(ids, *step_inputs))
+                        if graphed.graphs is not None else None)
         roots = torch.zeros(batch, dtype=torch.long, device=device)
         slots = torch.tensor([eager.pool.slot_of[r] for r in ids], device=device)
         pool = eager.pool
@@ -87,13 +90,15 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
             draft = lambda rt: lambda: rt.draft_trees(  # noqa: E731
                 ids, roots, one + 1, topk, steps, nodes)
             rows.append({"dtype": dtype, "batch_size": batch, "topk": topk, "num_steps": steps,
-                         "num_nodes": nodes, "ingest_s": ingest, "step_eager_s": _timed(expand),
+                         "num_nodes": nodes, "ingest_s": ingest, "ingest_graph_s": ingest_graph,
+                         "step_eager_s": _timed(expand),
                          "draft_s": _timed(draft(eager), 5),
                          "draft_graph_s": (_timed(draft(graphed), 20)
                                            if graphed.graphs is not None else None)})
             r = rows[-1]
             print(f"  head {dtype} batch {batch} topk {topk} steps {steps}: ingest "
-                  f"{MS * ingest:.2f} ms, step {MS * r['step_eager_s']:.2f} ms eager, pass "
+                  f"{MS * ingest:.2f} ms eager / {MS * (ingest_graph or float('nan')):.2f} "
+                  f"ms graphed, step {MS * r['step_eager_s']:.2f} ms eager, pass "
                   f"{MS * r['draft_s']:.2f} ms eager / "
                   f"{MS * (r['draft_graph_s'] or float('nan')):.2f} ms graphed", flush=True)
         for req_id in ids:

@@ -100,9 +100,45 @@ def test_graphed_drafting_equals_eager_drafting(dtype):
     ingest(ids, 40)
     for batch in (1, 3, 4, 9):
         check(ids[:batch], 40)
-    assert not graphed.graphs.disabled and len(graphed.graphs.graphs) == 3  # 1, 4, 16
+    assert not graphed.graphs.disabled and len(graphed.graphs.keys("draft")) == 3  # 1, 4, 16
     version = graphed.pool.version
     ingest(ids[:3], 300)  # past the first capacity: the pool is reallocated
     assert graphed.pool.version > version
     check(ids[:3], 300)
-    assert not graphed.graphs.disabled and len(graphed.graphs.graphs) == 1
+    assert not graphed.graphs.disabled and len(graphed.graphs.keys("draft")) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_ingest_equals_the_padded_pass_run_eagerly(dtype):
+    """Decode ingests replayed from captured graphs leave every cache (K/V,
+    validity, last output and logits) bit-equal to the same padded pass run
+    eagerly, across batch padding, row buckets and a re-ingest; and close to
+    the ragged eager ingest (tests/test_tree_eagle_unit.py checks the
+    padded pass against it on CPU)."""
+    from tests.test_tree_eagle_unit import _decode_ingests, _gqa_head
+    from vllm_specplug.proposers.draft_layers import cast_parameters
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    head = cast_parameters(_gqa_head(seed=6).cuda(), dtype)
+    embed = torch.nn.Embedding(50, 32).cuda()
+    graphed = HeadRuntime(head, embed, num_slots=2, cuda_graphs=True)
+    eager = HeadRuntime(head, embed, num_slots=2, cuda_graphs=True)
+    eager.graphs.disabled = True  # the same padded pass, eagerly
+    for runtime in (graphed, eager):
+        _decode_ingests(_OnCuda(runtime))
+    assert not graphed.graphs.disabled and len(graphed.graphs.keys("ingest")) == 4
+    for name in ("keys", "values", "valid", "last_out", "last_logits"):
+        assert torch.equal(getattr(graphed.pool, name), getattr(eager.pool, name)), name
+
+
+class _OnCuda:
+    """A runtime whose ingest inputs (built on the CPU) move to CUDA."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+
+    def ingest(self, req_id, hidden, token_ids, positions):
+        self.runtime.ingest(req_id, hidden.cuda(), token_ids.cuda(), positions)
+
+    def ingest_many(self, req_ids, hidden, token_ids, positions, counts):
+        self.runtime.ingest_many(req_ids, hidden.cuda(), token_ids.cuda(), positions, counts)

@@ -93,10 +93,12 @@ class TreeRejectionSampler(RejectionSampler):
                 chosen = torch.where(greedy.view(-1, *[1] * (getattr(result, name).dim() - 1)),
                                      getattr(result, name), getattr(sampled, name))
                 setattr(result, name, chosen)
+        # one device-to-host copy for the whole batch (not one per request)
+        host = torch.cat([result.num_accepted[:, None].long(),
+                          result.accepted_node_ids.long()], 1).cpu().numpy()
         for request in step.requests:
-            row = request.row
-            path = result.accepted_node_ids[row, :int(result.num_accepted[row]) + 1]
-            step.accepted[request.req_id] = path.tolist()
+            num_accepted, path = host[request.row, 0], host[request.row, 1:]
+            step.accepted[request.req_id] = path[:num_accepted + 1].tolist()
         compact_kv(self.runner, step)
         return SamplerOutput(sampled_token_ids=result.output_token_ids.to(torch.int32),
                              logprobs_tensors=None)

@@ -15,7 +15,8 @@ by path log-probability; the best k are expanded next. Draft K/V rows are
 never stored: after verification the accepted positions are ingested with the
 target's hidden states, as vLLM's eagle3 does. A drafting pass has fixed
 shapes for a (batch, context bucket, tree shape), so on CUDA it replays as
-one captured graph (`head_graphs.py`).
+one captured graph (`head_graphs.py`); so does a decode step's ingest (every
+request cached before, a few positions each), padded to fixed shapes.
 
 Shapes: B requests, k = topk, nh query heads, kvh KV heads (g = nh / kvh per
 group), hd head size, H head hidden size, Vd draft vocabulary.
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView, HeadCachePool
-from vllm_specplug.proposers.head_graphs import DraftGraphs
+from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout,
+                                                  run_draft_pass, run_ingest_pass)
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, flatten_draft_steps,
                                                    next_beam)
@@ -83,7 +85,7 @@ class HeadRuntime:
         self.group = self.layer.num_heads // self.layer.num_kv_heads  # query heads per KV head
         self.num_slots = num_slots
         self.pool: HeadCachePool | None = None  # made at the first ingest (dtype, device)
-        self.graphs = DraftGraphs(self._draft_pass) if cuda_graphs else None
+        self.graphs = PassGraphs() if cuda_graphs else None
 
     def forget(self, req_id: str) -> None:
         if self.pool is not None:
@@ -137,8 +139,15 @@ class HeadRuntime:
         runs over the pool's slots of a group of requests at once (groups
         bounded by ATTENTION_ELEMENTS, so a batch of prefills fits). Cache
         bookkeeping runs on host copies of the positions: no device sync."""
-        hidden = self.layer.input_hidden(target_hidden)
         host_positions = positions.cpu().numpy().astype(np.int64)
+        pool = self.pool
+        if self.graphs is not None and pool is not None:
+            layout = decode_ingest_layout(pool, req_ids, host_positions, counts)
+            if layout is not None:  # a decode step: fixed shapes, replayed as a graph
+                run_ingest_pass(self.graphs, self._ingest_pass, pool, layout,
+                                target_hidden, next_token_ids)
+                return
+        hidden = self.layer.input_hidden(target_hidden)
         q, k, v, base = self._qkv(self._embed(next_token_ids), hidden,
                                   positions.to(hidden.device))
         pool = self._pool_for(q)
@@ -154,29 +163,55 @@ class HeadRuntime:
                 host_positions[starts[r]:starts[r + 1]] for r in group])
         out = self.layer.finish(attn.reshape(attn.shape[0], -1), base)
         last = starts[1:] - 1
-        pool.set_last(slots, out[last], self._logits(out[last]))
+        pool.set_last(torch.from_numpy(slots).to(pool.device), out[last],
+                      self._logits(out[last]))
+
+    def _ingest_pass(self, slots: torch.Tensor, target_hidden: torch.Tensor,
+                     next_token_ids: torch.Tensor, positions: torch.Tensor,
+                     cuts: torch.Tensor, num_keys: int) -> None:
+        """A decode ingest on device tensors (no sync, shapes fixed by
+        positions [Bp, R] and num_keys: a graph can capture it). Row r of
+        request b is (target_hidden, next_token_ids)[b * R + r] at
+        positions[b, r]; rows past a request's count repeat its last row, and
+        padding requests repeat the last one (their writes are identical)."""
+        pool, (batch, rows) = self.pool, positions.shape
+        hidden = self.layer.input_hidden(target_hidden)
+        q, k, v, base = self._qkv(self._embed(next_token_ids), hidden, positions.flatten())
+        pool.write(slots, cuts, slots.repeat_interleave(rows), positions.flatten(), k, v)
+        queries = q.view(batch, rows, -1, self.group, q.shape[-1])
+        attn = self._attend_slots(queries, slots, positions, num_keys)
+        out = self.layer.finish(attn.reshape(batch * rows, -1), base).view(batch, rows, -1)
+        pool.set_last(slots, out[:, -1], self._logits(out[:, -1]))
 
     def _attend(self, queries: torch.Tensor, slots: np.ndarray,
                 query_positions: list[np.ndarray]) -> torch.Tensor:
         """Causal attention of G requests' new rows (concatenated, [Tq, nh, hd];
         positions host arrays) over their slots' cached positions. Returns
         [Tq, nh, hd]."""
-        device, pool = queries.device, self.pool
+        device = queries.device
         q_pos = _pad_host(query_positions, NO_QUERY)  # [G, Tmax]
-        num_keys = int(q_pos.max()) + 1
         rows = torch.from_numpy(np.flatnonzero(q_pos >= 0)).to(device)
         padded = queries.new_zeros(q_pos.size, *queries.shape[1:])
         padded[rows] = queries
         padded = padded.view(*q_pos.shape, -1, self.group, queries.shape[-1])
-        index = torch.from_numpy(slots).to(device)
+        out = self._attend_slots(padded, torch.from_numpy(slots).to(device),
+                                 torch.from_numpy(q_pos).to(device), int(q_pos.max()) + 1)
+        return out.flatten(0, 1)[rows]
+
+    def _attend_slots(self, queries: torch.Tensor, index: torch.Tensor,
+                      positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """queries [G, T, kvh, g, hd] at positions [G, T] (NO_QUERY: padding)
+        over the cached keys < num_keys of slots index [G], causal. Returns
+        [G, T, nh, hd]."""
+        pool = self.pool
         keys, values = pool.keys[index, :, :num_keys], pool.values[index, :, :num_keys]
         allowed = pool.valid[index, :num_keys][:, None, :] & (
-            torch.arange(num_keys, device=device)[None, None, :]
-            <= torch.from_numpy(q_pos).to(device)[:, :, None])  # [G, Tmax, L]
-        scores = torch.einsum("gtcjd,gcld->gcjtl", padded, keys) * self.scale
+            torch.arange(num_keys, device=index.device)[None, None, :]
+            <= positions[:, :, None])  # [G, T, L]
+        scores = torch.einsum("gtcjd,gcld->gcjtl", queries, keys) * self.scale
         scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
         out = torch.einsum("gcjtl,gcld->gtcjd", _softmax(scores), values)
-        return out.flatten(0, 1)[rows].flatten(1, 2)
+        return out.flatten(2, 3)
 
     def _expand(self, ctx, beam_tokens, parent_out, path_kv, position):
         """Run the layer on the beam: tokens [B, k], parent outputs [B, k, H],
@@ -216,8 +251,8 @@ class HeadRuntime:
         num_keys = int(pool.last_positions[slots].max()) + 1
         shape = (topk, num_steps, num_draft_tokens)
         if self.graphs is not None:
-            return self.graphs.run(pool, slots, root_token_ids, root_positions, num_keys,
-                                   shape)
+            return run_draft_pass(self.graphs, self._draft_pass, pool, slots, root_token_ids,
+                                  root_positions, num_keys, shape)
         return self._draft_pass(torch.from_numpy(slots).to(pool.device), root_token_ids,
                                 root_positions, num_keys, *shape)
 

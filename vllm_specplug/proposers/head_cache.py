@@ -115,22 +115,30 @@ class HeadCachePool:
         """Drop each slot's positions at or after `cuts[r]` ([R] host), then
         write rows ([T] host slot and position each; keys/values [T, kvh, hd])."""
         self.reserve(0, int(row_positions.max()) + 1)
-        device = self.device
-        slot_ids = torch.from_numpy(slots).to(device)
-        kept = (torch.arange(self.capacity, device=device)[None, :]
-                < torch.from_numpy(cuts).to(device)[:, None])
-        self.valid[slot_ids] &= kept
-        rows = torch.from_numpy(row_slots).to(device)
-        positions = torch.from_numpy(row_positions).to(device)
-        self.keys[rows, :, positions] = keys.to(self.dtype)
-        self.values[rows, :, positions] = values.to(self.dtype)
-        self.valid[rows, positions] = True
-        # every cut is at or below the slot's new rows: its last position is theirs
+        on_device = [torch.from_numpy(a).to(self.device)
+                     for a in (slots, cuts, row_slots, row_positions)]
+        self.write(*on_device, keys, values)
+        self.note_rows(slots, row_slots, row_positions)
+
+    def write(self, slots: torch.Tensor, cuts: torch.Tensor, row_slots: torch.Tensor,
+              row_positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`store`'s device half (device tensors only, no sync: a CUDA graph
+        can capture it). A slot listed twice must get identical rows."""
+        kept = torch.arange(self.capacity, device=self.device)[None, :] < cuts[:, None]
+        self.valid[slots] &= kept
+        self.keys[row_slots, :, row_positions] = keys.to(self.dtype)
+        self.values[row_slots, :, row_positions] = values.to(self.dtype)
+        self.valid[row_slots, row_positions] = True
+
+    def note_rows(self, slots: np.ndarray, row_slots: np.ndarray,
+                  row_positions: np.ndarray) -> None:
+        """`store`'s host half: every cut is at or below the slot's new rows,
+        so its last position is theirs."""
         self.last_positions[slots] = NO_POSITION
         np.maximum.at(self.last_positions, row_slots, row_positions)
 
-    def set_last(self, slots: np.ndarray, out: torch.Tensor, logits: torch.Tensor) -> None:
-        index = torch.from_numpy(slots).to(self.device)
+    def set_last(self, index: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> None:
+        """The drafter's output and logits at each slot's last position (index [R] on device)."""
         self.last_out[index] = out.to(self.dtype)
         self.last_logits[index] = logits.to(self.dtype)
 

@@ -1,4 +1,4 @@
-"""Drafting passes as captured CUDA graphs.
+"""The head's passes as captured CUDA graphs: drafting, and a decode step's ingest.
 
 A drafting pass (`HeadRuntime._draft_pass`: num_steps expansions of the
 drafter, top-k, pooling, the tree build kernel) launches a few hundred small
@@ -9,14 +9,20 @@ captures its own eagle drafting the same way). Batches are padded up to
 capture sizes (1, 2, 4, then multiples of 8) by repeating the last request;
 keys read are rounded up to a power of two. The graphs share one memory pool
 and are replayed one at a time; their outputs are read before the next.
-If a capture fails the runtime logs why and drafts eagerly from then on.
+If a capture fails the runtime logs why and runs the head eagerly from then on.
+
+A decode step's ingest (every request cached before, its accepted tokens
+plus one, at most MAX_GRAPHED_ROWS positions each) is the same kind of
+pass: padded to [capture size, power-of-two rows] by repetition
+(`IngestLayout`), it replays a graph too. Prefills and new requests, whose
+sizes vary widely, ingest eagerly.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -29,6 +35,7 @@ logger = logging.getLogger("vllm_specplug.head_graphs")
 BATCH_STEP = 8  # capture sizes above 4 requests: multiples of this
 MIN_KEYS = 64  # smallest keys-read bucket
 MAX_GRAPHS = 256  # oldest graphs are dropped past this
+MAX_GRAPHED_ROWS = 16  # positions per request up to which an ingest replays a graph
 
 
 def padded_batch(num_requests: int) -> int:
@@ -44,59 +51,54 @@ def keys_bucket(num_keys: int, capacity: int) -> int:
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
-    slots: torch.Tensor  # [Bp] int64, static input
-    root_token_ids: torch.Tensor  # [Bp] int64, static input
-    root_positions: torch.Tensor  # [Bp] int64, static input
-    tree: DraftTree  # [Bp, N] static outputs
+    inputs: list[torch.Tensor]  # static inputs, copied into before each replay
+    outputs: Any  # what the pass returned while captured (static outputs)
 
 
-def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
-    """[B] -> [size], the last entry repeated."""
-    return torch.cat([values, values[-1:].expand(size - values.shape[0])])
+def padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, ...] -> [size, ...], the last entry repeated."""
+    return torch.cat([values, values[-1:].expand(size - values.shape[0], *values.shape[1:])])
 
 
-class DraftGraphs:
-    def __init__(self, draft_pass: Callable[..., DraftTree]) -> None:
-        """draft_pass(slots, root_token_ids, root_positions, num_keys, topk,
-        num_steps, num_draft_tokens) -> DraftTree, all shapes fixed by its
-        inputs' sizes and the ints."""
-        self.draft_pass = draft_pass
+class PassGraphs:
+    """The head's passes (drafting, decode ingest) captured per key, lazily,
+    in one memory pool; replayed one at a time."""
+
+    def __init__(self) -> None:
         self.graphs: dict[tuple, _Captured] = {}
-        self.version = None  # the pool's tensors the graphs read
+        self.version = None  # the cache pool's tensors the graphs read
         self.memory_pool = None
         self.disabled = False
 
-    def run(self, pool, slots: np.ndarray, root_token_ids: torch.Tensor,
-            root_positions: torch.Tensor, num_keys: int, shape: tuple[int, int, int]
-            ) -> DraftTree:
-        num_keys = keys_bucket(num_keys, pool.capacity)
-        slot_ids = torch.from_numpy(slots).to(pool.device)
+    def keys(self, kind: str) -> list[tuple]:
+        return [k for k in self.graphs if k[0] == kind]
+
+    def run(self, version: int, key: tuple, run_pass: Callable[..., Any],
+            inputs: list[torch.Tensor], *constants) -> tuple[bool, Any]:
+        """(True, outputs) of `run_pass(*inputs, *constants)` replayed from the
+        graph captured for `key` (captured first if new); (False, None) when
+        graphs are off or the capture failed: the caller runs it eagerly.
+        The shapes of `run_pass` must be fixed by `key`; outputs are the
+        graph's own tensors, valid until the next replay."""
         if self.disabled:
-            return self.draft_pass(slot_ids, root_token_ids, root_positions, num_keys, *shape)
-        if pool.version != self.version:  # reallocated: the captured addresses are stale
+            return False, None
+        if version != self.version:  # reallocated: the captured addresses are stale
             # A fresh memory pool too: capturing into the pool of the graphs just
             # freed hit an allocator assert on an H100 (docs/results/tree_cuda_h100_graphs).
             self.graphs.clear()
             self.memory_pool = None
-            self.version = pool.version
-        batch, size = len(slots), padded_batch(len(slots))
-        inputs = [_padded(t, size) for t in (slot_ids, root_token_ids, root_positions)]
-        key = (size, num_keys, shape)
+            self.version = version
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self._capture(key, inputs)
+            captured = self._capture(key, run_pass, inputs, constants)
             if captured is None:
-                return self.draft_pass(slot_ids, root_token_ids, root_positions, num_keys,
-                                       *shape)
-        for static, value in zip((captured.slots, captured.root_token_ids,
-                                  captured.root_positions), inputs):
+                return False, None
+        for static, value in zip(captured.inputs, inputs):
             static.copy_(value)
         captured.graph.replay()
-        return DraftTree(**{f.name: getattr(captured.tree, f.name)[:batch]
-                            for f in dataclasses.fields(DraftTree)})
+        return True, captured.outputs
 
-    def _capture(self, key: tuple, inputs: list[torch.Tensor]) -> _Captured | None:
-        size, num_keys, shape = key
+    def _capture(self, key, run_pass, inputs, constants) -> _Captured | None:
         static = [t.clone() for t in inputs]
         try:
             if self.memory_pool is None:
@@ -104,23 +106,93 @@ class DraftGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # compiles kernels, sets up cuBLAS: not capturable
-                self.draft_pass(*static, num_keys, *shape)
+                run_pass(*static, *constants)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of vLLM's other threads do not void the capture
             with torch.cuda.graph(graph, pool=self.memory_pool,
                                   capture_error_mode="thread_local"):
-                tree = self.draft_pass(*static, num_keys, *shape)
-        except Exception as error:  # noqa: BLE001 - drafting goes on, eagerly
-            logger.warning("vllm-specplug: capturing a drafting pass as a CUDA graph "
-                           "failed (%s: %s); drafting eagerly from now on",
+                outputs = run_pass(*static, *constants)
+        except Exception as error:  # noqa: BLE001 - the head goes on, eagerly
+            logger.warning("vllm-specplug: capturing the head's %s pass as a CUDA graph "
+                           "failed (%s: %s); running it eagerly from now on", key[0],
                            type(error).__name__, error)
             self.disabled = True
             self.graphs.clear()
             return None
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.pop(next(iter(self.graphs)))
-        captured = _Captured(graph, *static, tree)
-        self.graphs[key] = captured
-        logger.debug("vllm-specplug: captured a drafting pass for %s", key)
+        self.graphs[key] = captured = _Captured(graph, static, outputs)
+        logger.debug("vllm-specplug: captured the head's pass %s", key)
         return captured
+
+
+def run_draft_pass(graphs: PassGraphs, draft_pass: Callable[..., DraftTree], pool,
+                   slots: np.ndarray, root_token_ids: torch.Tensor,
+                   root_positions: torch.Tensor, num_keys: int,
+                   shape: tuple[int, int, int]) -> DraftTree:
+    """A drafting pass for `slots` (host [B]), the batch padded to a capture
+    size by repeating its last request, replayed from its graph (eager if
+    none could be captured)."""
+    num_keys = keys_bucket(num_keys, pool.capacity)
+    slot_ids = torch.from_numpy(slots).to(pool.device)
+    batch, size = len(slots), padded_batch(len(slots))
+    inputs = [padded(t, size) for t in (slot_ids, root_token_ids, root_positions)]
+    ok, tree = graphs.run(pool.version, ("draft", size, num_keys, shape), draft_pass, inputs,
+                          num_keys, *shape)
+    if not ok:
+        return draft_pass(slot_ids, root_token_ids, root_positions, num_keys, *shape)
+    return DraftTree(**{f.name: getattr(tree, f.name)[:batch]
+                        for f in dataclasses.fields(DraftTree)})
+
+
+@dataclass
+class IngestLayout:
+    """A decode step's ingest padded to fixed shapes: Bp requests x R rows.
+    Rows past a request's count repeat its last row and padding requests
+    repeat the last request, so every extra write equals a real one."""
+    slots: np.ndarray  # [Bp] int64
+    take: np.ndarray  # [Bp * R] int64, the input row each padded row copies
+    positions: np.ndarray  # [Bp, R] int64
+    cuts: np.ndarray  # [Bp] int64, each request's first new position (later ones are dropped)
+    request_slots: np.ndarray  # [B] int64, unpadded (host bookkeeping)
+    row_slots: np.ndarray  # [T] int64
+    row_positions: np.ndarray  # [T] int64
+
+
+def decode_ingest_layout(pool, req_ids: list[str], positions: np.ndarray,
+                         counts: list[int]) -> IngestLayout | None:
+    """The padded layout of an ingest (positions [T] host, `counts` per
+    request), or None unless every request is cached already and brings at
+    most MAX_GRAPHED_ROWS positions (prefills and new requests run eagerly)."""
+    if max(counts) > MAX_GRAPHED_ROWS or any(r not in pool.slot_of for r in req_ids):
+        return None
+    slots = np.array([pool.slot_of[r] for r in req_ids], dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    rows, size = next_power_of_2(int(counts.max())), padded_batch(len(req_ids))
+    take = starts[:, None] + np.minimum(np.arange(rows)[None, :], counts[:, None] - 1)
+    take = np.concatenate([take, np.repeat(take[-1:], size - len(req_ids), axis=0)])
+    pad = lambda a: np.concatenate([a, np.repeat(a[-1:], size - len(a))])  # noqa: E731
+    return IngestLayout(pad(slots), take.reshape(-1), positions[take], pad(positions[starts]),
+                        slots, np.repeat(slots, counts), positions)
+
+
+def run_ingest_pass(graphs: PassGraphs, ingest_pass: Callable[..., None], pool,
+                    layout: IngestLayout, target_hidden: torch.Tensor,
+                    next_token_ids: torch.Tensor) -> None:
+    """`ingest_pass` (HeadRuntime._ingest_pass) on `layout`, replayed from its
+    graph (eager if none could be captured); the host bookkeeping after."""
+    needed = int(layout.positions.max()) + 1
+    pool.reserve(0, needed)  # before the key: a reallocation voids the graphs
+    num_keys = keys_bucket(needed, pool.capacity)
+    take = torch.from_numpy(layout.take).to(target_hidden.device)
+    device_array = lambda a: torch.from_numpy(a).to(pool.device)  # noqa: E731
+    inputs = [device_array(layout.slots), target_hidden[take],
+              next_token_ids[take.to(next_token_ids.device)],
+              device_array(layout.positions), device_array(layout.cuts)]
+    key = ("ingest", *layout.positions.shape, num_keys)
+    ok, _ = graphs.run(pool.version, key, ingest_pass, inputs, num_keys)
+    if not ok:
+        ingest_pass(*inputs, num_keys)
+    pool.note_rows(layout.request_slots, layout.row_slots, layout.row_positions)

@@ -284,7 +284,7 @@ def test_padded_decode_ingest_equals_the_eager_ingest():
     ragged = HeadRuntime(head, embed, num_slots=2)
     padded = HeadRuntime(head, embed, num_slots=2)
     padded.graphs = PassGraphs()
-    padded.graphs.disabled = True  # no CUDA here: the padded pass runs eagerly
+    padded.graphs.disabled = {"ingest", "draft"}  # no CUDA here: the padded pass runs eagerly
     calls = []
     original = padded._ingest_pass
     padded._ingest_pass = lambda *a: calls.append(a[3].shape) or original(*a)
@@ -323,3 +323,25 @@ def test_head_cost_bench_runs_on_cpu(tmp_path):
         (b, n) for b in (1, 3) for _, _, n in bench_tree_head.HEAD_CONFIGS]
     assert all(r["ingest_s"] > 0 and r["draft_s"] > 0 and r["draft_graph_s"] is None
                for r in rows)
+
+
+def test_a_failed_capture_sends_only_its_kind_of_pass_to_eager(caplog):
+    """A pass whose capture fails is logged and runs eagerly from then on
+    (the caller's fallback), without another try; the other kind of pass
+    (drafting vs ingest) is still captured."""
+    from vllm_specplug.proposers.head_graphs import PassGraphs
+
+    graphs = PassGraphs()
+
+    def failing_pass(x):  # on CPU the capture fails before it is called
+        raise RuntimeError("not capturable")
+
+    def warnings(kind):
+        return sum(f"head's {kind} pass" in r.getMessage() for r in caplog.records)
+
+    assert graphs.run(0, ("ingest", 1, 2), failing_pass, [torch.zeros(2)]) == (False, None)
+    assert graphs.disabled == {"ingest"} and warnings("ingest") == 1
+    assert graphs.run(0, ("ingest", 4, 2), failing_pass, [torch.zeros(2)]) == (False, None)
+    assert warnings("ingest") == 1  # not tried again
+    graphs.run(0, ("draft", 1), failing_pass, [torch.zeros(2)])
+    assert graphs.disabled == {"ingest", "draft"} and warnings("draft") == 1

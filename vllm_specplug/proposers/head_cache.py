@@ -128,7 +128,10 @@ class HeadCachePool:
         self.valid[slots] &= kept
         self.keys[row_slots, :, row_positions] = keys.to(self.dtype)
         self.values[row_slots, :, row_positions] = values.to(self.dtype)
-        self.valid[row_slots, row_positions] = True
+        # a tensor, not `= True`: a Python scalar goes through a CPU tensor, and
+        # a CPU-to-GPU copy cannot be captured in a CUDA graph
+        self.valid.index_put_((row_slots, row_positions), torch.ones_like(row_positions,
+                                                                           dtype=torch.bool))
 
     def note_rows(self, slots: np.ndarray, row_slots: np.ndarray,
                   row_positions: np.ndarray) -> None:

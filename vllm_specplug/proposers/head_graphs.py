@@ -9,7 +9,8 @@ captures its own eagle drafting the same way). Batches are padded up to
 capture sizes (1, 2, 4, then multiples of 8) by repeating the last request;
 keys read are rounded up to a power of two. The graphs share one memory pool
 and are replayed one at a time; their outputs are read before the next.
-If a capture fails the runtime logs why and runs the head eagerly from then on.
+If a capture fails the runtime logs why and runs that kind of pass eagerly
+from then on (the other kind keeps its graphs).
 
 A decode step's ingest (every request cached before, its accepted tokens
 plus one, at most MAX_GRAPHED_ROWS positions each) is the same kind of
@@ -68,7 +69,7 @@ class PassGraphs:
         self.graphs: dict[tuple, _Captured] = {}
         self.version = None  # the cache pool's tensors the graphs read
         self.memory_pool = None
-        self.disabled = False
+        self.disabled: set[str] = set()  # kinds whose capture failed: they run eagerly
 
     def keys(self, kind: str) -> list[tuple]:
         return [k for k in self.graphs if k[0] == kind]
@@ -80,7 +81,7 @@ class PassGraphs:
         graphs are off or the capture failed: the caller runs it eagerly.
         The shapes of `run_pass` must be fixed by `key`; outputs are the
         graph's own tensors, valid until the next replay."""
-        if self.disabled:
+        if key[0] in self.disabled:
             return False, None
         if version != self.version:  # reallocated: the captured addresses are stale
             # A fresh memory pool too: capturing into the pool of the graphs just
@@ -115,10 +116,13 @@ class PassGraphs:
                 outputs = run_pass(*static, *constants)
         except Exception as error:  # noqa: BLE001 - the head goes on, eagerly
             logger.warning("vllm-specplug: capturing the head's %s pass as a CUDA graph "
-                           "failed (%s: %s); running it eagerly from now on", key[0],
+                           "failed (%s: %s); running that pass eagerly from now on", key[0],
                            type(error).__name__, error)
-            self.disabled = True
+            # only this kind runs eagerly; the others are captured again, in a
+            # fresh memory pool (the failed capture's allocations are not trusted)
+            self.disabled.add(key[0])
             self.graphs.clear()
+            self.memory_pool = None
             return None
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.pop(next(iter(self.graphs)))

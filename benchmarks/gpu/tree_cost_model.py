@@ -94,6 +94,18 @@ def projections(lengths, costs, plain, drafts) -> list[dict]:
 
 
 TINY_NAME = {"chain K=5": "chain K=5", "tree 16": "ours tree 16", "tree 32": "ours tree 32"}
+MTP_NAME = {"chain K=5": "ours-chain-k5", "tree 16": "ours-tree16-topk4-T0.25",
+            "tree 32": "ours-tree32-topk4-T0.25"}  # same shapes as the engine configurations
+
+
+def mtp_acceptance(path: Path) -> dict[str, float]:
+    """Acceptance lengths of the tiny MTP model (`docs/results/mtp_tiny/
+    offline.json`, benchmarks/bench_mtp.py), under the names
+    `engine_projections` looks up."""
+    rows = {r["name"]: r["counts"]["mean_acceptance_length"]
+            for r in json.loads(path.read_text())["rows"]}
+    return {TINY_NAME[config]: rows[name] for config, name in MTP_NAME.items()
+            if rows.get(name)}
 
 
 def engine_projections(lengths, config_rows: list[dict], plain) -> list[dict]:
@@ -179,6 +191,8 @@ def main() -> None:
     parser.add_argument("--ngram", type=Path, default=Path(
         "docs/results/model_runner_v2_h100.json"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mtp", type=Path, default=Path("docs/results/mtp_tiny/offline.json"),
+                        help="acceptance lengths of the tiny MTP model (CPU run)")
     parser.add_argument("--sweep-from", type=Path, default=None,
                         help="a tree_costs_8b.json whose node-count sweep to use when "
                              "--results has none (the sweep takes a device call of its own)")
@@ -195,9 +209,11 @@ def main() -> None:
     ngram = json.loads(args.ngram.read_text())["llama3-8b-shape"] if args.ngram.exists() else []
     rows = projections(lengths, costs, plain, drafts)
     engine_rows = engine_projections(lengths, cost_run.get("configs", []), plain)
+    mtp_rows = (engine_projections(mtp_acceptance(args.mtp), cost_run.get("configs", []),
+                                   plain) if args.mtp.exists() else [])
     write_report(args.out, tiny, plain, costs, cost_run.get("head", []), rows,
                  engine_check(rows, engine_rows) + ngram_check(ngram, costs, plain)
-                 + tiny_check(tiny), engine_rows)
+                 + tiny_check(tiny), engine_rows, mtp_rows)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ import json
 from pathlib import Path
 
 MS = 1000.0
+MTP_SOURCE = ("MTP acceptance (the tiny MTP model, CPU run, outputs exact; the step costs "
+              "are those of the EAGLE-3-shaped head, whose draft vocabulary is 32k: an MTP "
+              "layer reads the target's 128k-row lm_head each step, more)")
 
 
 def _differences(base: dict, row: dict, mode: str) -> str:
@@ -131,12 +134,12 @@ def _projection_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _engine_table(rows: list[dict]) -> list[str]:
+def _engine_table(rows: list[dict], source: str = "tiny") -> list[str]:
     if not rows:
         return []
     lines = ["## One engine per configuration, 8B shape (its own capture sizes; drafting "
-             "passes replayed as CUDA graphs; ms, median of decode steps)",
-             "| config | batch | accept len (tiny) | plain | forward | verify+compaction "
+             f"passes replayed as CUDA graphs; ms, median of decode steps): {source}",
+             f"| config | batch | accept len ({source.split(' ')[0]}) | plain | forward | verify+compaction "
              "| draft | other | step | projected speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['batch_size']} | {r['acceptance_length']:.2f} | "
@@ -161,7 +164,10 @@ def _check_table(checks: list[dict]) -> list[str]:
     return lines
 
 
-def _plot(out: Path, costs: dict, rows: list[dict]) -> None:
+ENGINE_COLORS = {"chain K=5": "C4", "tree 16": "C5", "tree 32": "C6"}  # as their projected lines
+
+
+def _plot(out: Path, costs: dict, rows: list[dict], engine_rows=(), mtp_rows=()) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -186,9 +192,16 @@ def _plot(out: Path, costs: dict, rows: list[dict]) -> None:
             continue
         right.plot([p[0] for p in points], [p[1] for p in points],
                    "--" if "tree" in config else "-", marker=".", label=config)
+    for engine, marker, source in ((engine_rows, "X", "engine, tiny L"),
+                                   (mtp_rows, "D", "engine, MTP L")):
+        for config in sorted({r["config"] for r in engine}):
+            points = sorted((r["batch_size"], r["speedup"]) for r in engine
+                            if r["config"] == config)
+            right.plot([p[0] for p in points], [p[1] for p in points], marker, ls=":",
+                       color=ENGINE_COLORS.get(config), label=f"{config} ({source})")
     right.axhline(1.0, color="grey", lw=0.8)
     right.set(xscale="log", xlabel="batch size", ylabel="projected speed-up",
-              title="8B shape, projected (graphed drafting)")
+              title="8B shape: projected (lines), engine-measured steps (markers)")
     right.set_xticks([1, 16, 64], labels=["1", "16", "64"])
     right.minorticks_off()
     right.legend(fontsize=6, ncol=2)
@@ -197,11 +210,13 @@ def _plot(out: Path, costs: dict, rows: list[dict]) -> None:
 
 
 def write_report(out: Path, tiny, plain, costs, head_rows, rows, checks,
-                 engine_rows=()) -> None:
+                 engine_rows=(), mtp_rows=()) -> None:
+    """mtp_rows: the engine rows again with the MTP model's acceptance lengths."""
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n".join(_tiny_table(tiny) + [""] + _cost_table(plain, costs) + [""]
                      + _head_table(head_rows) + [""] + _projection_table(rows) + [""]
-                     + _engine_table(list(engine_rows)) + [""]
+                     + _engine_table(list(engine_rows), "tiny EAGLE-3 head") + [""]
+                     + _engine_table(list(mtp_rows), MTP_SOURCE) + [""]
                      + _check_table(checks)) + "\n"
     out.with_suffix(".txt").write_text(text)
     slim = [{k: v for k, v in r.items() if k not in ("batched", "alone", "gaps")}
@@ -211,6 +226,7 @@ def write_report(out: Path, tiny, plain, costs, head_rows, rows, checks,
         {"tiny": slim, "plain_s": plain, "costs": [dict(c) for c in costs.values()],
          "head": head_rows,
          "projections": rows, "engine_projections": list(engine_rows),
+         "engine_projections_mtp": list(mtp_rows),
          "checks": checks}, indent=1))
-    _plot(out, costs, rows)
+    _plot(out, costs, rows, list(engine_rows), list(mtp_rows))
     print(text)

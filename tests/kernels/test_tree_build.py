@@ -91,3 +91,25 @@ def _bad(device, **changes):
 def test_bad_input_is_named(change, message, device):
     with pytest.raises(VerificationInputError, match=message):
         build_draft_tree(**_bad(device, **change(device)))
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 6, 16, 33, 64])
+def test_vectorized_tree_layout_equals_the_node_loop(num_nodes):
+    """`tree_from_parents` (the engine's per-step tree, built on the host)
+    computes depths, ancestor masks and child/sibling links without a loop
+    over nodes; the reference loops (`_ancestry`, `_links`) must agree on
+    random trees, chains and stars."""
+    from vllm_specplug.verification import tree_build
+
+    generator = torch.Generator().manual_seed(num_nodes)
+    random = torch.full((5, num_nodes), -1, dtype=torch.long)
+    for i in range(1, num_nodes):  # parents precede children
+        random[:, i] = torch.randint(0, i, (5,), generator=generator)
+    chain = torch.arange(-1, num_nodes - 1).expand(2, num_nodes)
+    star = torch.zeros(1, num_nodes, dtype=torch.long)
+    star[:, 0] = -1
+    for parents in (random, chain, star):
+        for fast, loop in ((tree_build._ancestry_closure, tree_build._ancestry),
+                           (tree_build._links_vectorized, tree_build._links)):
+            for got, want in zip(fast(parents), loop(parents)):
+                assert torch.equal(got, want)

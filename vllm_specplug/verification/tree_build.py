@@ -74,6 +74,35 @@ def _links(parent_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first_child, next_sibling
 
 
+def _ancestry_closure(parent_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_ancestry` without a loop over nodes (the engine builds a tree per
+    request every step, on the host, where a torch op costs microseconds):
+    ancestor-or-self is the transitive closure of "is the parent of", reached
+    by ceil(log2 N) squarings of I + A ([B, N, N] 0/1, exact in float32);
+    a node's depth is its number of proper ancestors."""
+    num_nodes = parent_ids.shape[1]
+    has_parent = (parent_ids >= 0)[..., None]
+    adjacency = torch.nn.functional.one_hot(parent_ids.clamp(min=0), num_nodes) * has_parent
+    reach = adjacency.float() + torch.eye(num_nodes, device=parent_ids.device)
+    for _ in range(max(1, (num_nodes - 1).bit_length())):
+        reach = (reach @ reach).clamp(max=1.0)
+    mask = reach > 0
+    return mask.sum(-1) - 1, mask
+
+
+def _links_vectorized(parent_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_links` without a loop over nodes: a node's next sibling is the first
+    later node with its parent, a node's first child the first node whose
+    parent it is ([B, N, N] comparisons; argmax returns the first maximum)."""
+    node = torch.arange(parent_ids.shape[1], device=parent_ids.device)
+    later_sibling = ((parent_ids[:, :, None] == parent_ids[:, None, :])
+                     & (node[:, None] < node[None, :]) & (parent_ids >= 0)[:, :, None])
+    child = parent_ids[:, None, :] == node[None, :, None]  # [B, parent, node]
+    first_child = torch.where(child.any(-1), child.int().argmax(-1), NO_NODE)
+    next_sibling = torch.where(later_sibling.any(-1), later_sibling.int().argmax(-1), NO_NODE)
+    return first_child, next_sibling
+
+
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """[B, N, N] bool -> [B, N, ceil(N/32)] int32, bit j%32 of word j//32."""
     batch, num_nodes, _ = mask.shape
@@ -208,8 +237,8 @@ def tree_from_parents(token_ids: torch.Tensor, parent_ids: torch.Tensor,
     pad = node[None, :] >= num_nodes[:, None]
     parents = torch.where(pad, 0, parent_ids)
     parents[:, 0] = NO_NODE
-    depths, mask = _ancestry(parents)
-    first_child, next_sibling = _links(parents)
+    depths, mask = _ancestry_closure(parents)
+    first_child, next_sibling = _links_vectorized(parents)
     first_child = torch.where(first_child >= num_nodes[:, None], NO_NODE, first_child)
     next_sibling = torch.where(next_sibling >= num_nodes[:, None], NO_NODE, next_sibling)
     mask = mask & ~(pad[:, :, None] | pad[:, None, :]) | torch.diag_embed(pad)

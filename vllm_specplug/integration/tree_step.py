@@ -28,13 +28,14 @@ class TreeRequest:
     parent_ids: np.ndarray  # [num_nodes] int64, root first (-1)
     depths: np.ndarray  # [num_nodes] int64
 
+    is_chain: bool = field(init=False)  # read per attention layer: computed once
+
+    def __post_init__(self) -> None:
+        self.is_chain = is_chain(self.parent_ids)
+
     @property
     def num_nodes(self) -> int:
         return len(self.parent_ids)
-
-    @property
-    def is_chain(self) -> bool:
-        return is_chain(self.parent_ids)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: [i, j] when node j is node i or one of its ancestors."""

@@ -68,3 +68,25 @@ def tiny_mtp_dir(tiny_model_dir):
     from vllm_specplug.models.heads import build_head
 
     return build_head("tiny-mtp")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_dir():
+    """SmolLM2-135M-Instruct converted from its GGUF, fp32 weights."""
+    from vllm_specplug.models.smollm2 import build_smollm2
+
+    return build_smollm2("float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_dir():
+    from vllm_specplug.models.smollm2 import build_smollm2
+
+    return build_smollm2("bfloat16")
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32_llm(smollm2_fp32_dir):
+    llm = make_llm(smollm2_fp32_dir, max_model_len=2048)
+    yield llm
+    shutdown_llm(llm)

@@ -17,6 +17,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from vllm_specplug.cache import default_cache_dir
 from vllm_specplug.models.corpus import Corpus, load_corpus
 
 BUILD_INFO_FILE = "specplug_build.json"
@@ -55,11 +56,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
                        num_key_value_heads=4, intermediate_size=1536,
                        batch_size=8, num_steps=600, lr=1.5e-3),
 }
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("VLLM_SPECPLUG_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "vllm_specplug"
 
 
 def cache_key(spec: ModelSpec, corpus: Corpus) -> str:

@@ -60,7 +60,7 @@ def main() -> None:
         {"none": None,
          "eagle3-untrained": e2e.eagle3_config(work / "untrained", args.k),
          "eagle3-trained": e2e.eagle3_config(work / "head", args.k)},
-        args.max_new_tokens)
+        args.max_new_tokens, enforce_eager=True)
     summary = "\n".join([
         f"data: {report.num_samples + report.num_resumed} samples, "
         f"{report.num_tokens} new tokens extracted, {extract_s:.0f} s (engine start "

@@ -125,22 +125,68 @@ def test_bench_errors_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_turns_follow_the_models_own_answers(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from vllm_specplug.extraction.prompts import template_for_generation
+
+    path = tmp_path / "turns.jsonl"
+    path.write_text('{"turns": ["def f():", "now g"]}\n')
+    (prompt,) = read_bench_prompts(path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    second = prompt.input_for(tokenizer, 1, ["return 1"])["prompt_token_ids"]
+    assert second == template_for_generation(tokenizer, [
+        {"role": "user", "content": "def f():"}, {"role": "assistant", "content": "return 1"},
+        {"role": "user", "content": "now g"}])
+    assert prompt.num_turns == 2 and prompt.input_for(tokenizer)["prompt_token_ids"] == \
+        template_for_generation(tokenizer, [{"role": "user", "content": "def f():"}])
+    path.write_text('{"turns": []}\n')
+    with pytest.raises(PromptFileError, match="line 1: \"turns\" must be a list"):
+        read_bench_prompts(path)
+
+
+def test_public_sets_are_fetched_with_their_hash():
+    from vllm_specplug.bench.sets import load_public_set
+
+    mt_bench = load_public_set("mt-bench")
+    assert len(mt_bench) == 80 and all(p.num_turns == 2 for p in mt_bench)
+    assert mt_bench[0].turns[0].startswith("Compose an engaging travel blog post")
+    humaneval = load_public_set("humaneval", limit=10)
+    assert len(humaneval) == 10 and humaneval[0].turns[0].startswith("from typing import")
+    assert len(load_public_set("humaneval")) == 164
+    with pytest.raises(ValueError, match="choose one of"):
+        load_public_set("gsm8k")
+
+
 def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
+    """Interleaved engines, repeat-and-edit prompts plus two-turn chats."""
+    from vllm_specplug.models.corpus import repetitive_prompts
+
     out = tmp_path / "out"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in repetitive_prompts(3))
+                       + json.dumps({"turns": ["def add(a, b):", "and subtract?"]}) + "\n")
     specs = [f"vllm-ngram={json.dumps({**NGRAM, 'method': 'ngram', 'prompt_lookup_min': 2})}",
              json.dumps(NGRAM)]
     code = main(["bench", "offline", "--model", str(tiny_model_dir), "--prompts",
-                 "repeat-edit", "--num-prompts", "4", "--batch-sizes", "1", "4",
+                 str(prompts), "--batch-sizes", "1", "4",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
+                 "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
                  *[f"--spec={s}" for s in specs], "--out", str(out)])
     assert code == 0
     result = json.loads((out / "offline.json").read_text())
+    assert result["settings"]["order"] == "interleaved"
+    assert result["settings"]["num_turns"] == 5
     rows = {(r["name"], r["batch_size"]): r for r in result["rows"]}
     assert sorted(rows) == sorted((n, b) for n in ("none", "vllm-ngram", "specplug_ngram")
                                   for b in (1, 4))
     for (name, _), row in rows.items():
         assert row["error"] is None and row["num_mismatches"] == 0
-        assert len(row["tokens_per_second"]) == 2
+        assert len(row["tokens_per_second"]) == 2 and len(row["ratios"]) == 2
+        engine = row["engine"]
+        assert engine["engine_args"]["enforce_eager"] is True
+        assert engine["runner"].endswith("CPUModelRunner")
+        assert (engine["speculator"] is None) == (name == "none")
         drafted = row["counts"]["num_drafts"] > 0
         assert drafted == (name != "none")
         if drafted:  # repeat-and-edit prompts copy whole lines: real acceptance
@@ -149,3 +195,4 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     assert (out / "offline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "offline.txt").read_text()
     assert "specplug_ngram" in table and "vllm-ngram" in table
+    assert "cpu_model_runner/" in table

@@ -1,27 +1,40 @@
 """Offline benchmark: the same prompts through several speculative configs,
-one `vllm.LLM` engine at a time, side by side with no speculation.
+side by side with no speculation, one `vllm.LLM` engine per config.
+
+**Interleaved** (the default): every engine starts first, then each repeat
+runs every config in turn, so drift of the machine (clocks, other tenants)
+falls on every row alike; a row's ratio to no speculation is taken per repeat
+(repeat r over the baseline's repeat r) and reported as median and range.
+`order="sequential"` runs one engine at a time instead (less memory).
 
 For each config and batch size the prompts run in consecutive batches of that
-size (the engine's `max_num_seqs` admits the largest), `repeats` times; the
-row keeps every repeat's tokens/s, the speculation counters of all repeats and,
-under greedy sampling, how many requests' tokens differ from the baseline's at
-the same batch size (vLLM's batched numerics may differ from its unbatched).
+size; a conversation of several turns (MT-Bench) runs turn by turn, each turn
+after the model's own answers. Under greedy sampling a row also counts the
+requests whose tokens differ from the baseline's at the same batch size.
+
+Engines use vLLM's serving defaults (CUDA graphs or compilation, the model's
+dtype) unless the caller passes other `vllm.LLM` arguments; what each engine
+ran (arguments, runner, speculator) is kept on its rows.
 """
 from __future__ import annotations
 
 import logging
 import statistics
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from vllm_specplug.bench.compare import token_mismatches
+from vllm_specplug.bench.prompts import BenchPrompt, bench_prompt_of_input
 from vllm_specplug.bench.specs import NamedSpec
+from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME, engine_record
 from vllm_specplug.engine import generate, running_llm
 from vllm_specplug.metrics import SpecDecodeCounts, read_spec_decode_counts
 
 logger = logging.getLogger("vllm_specplug.bench")
 NUM_WARMUP_PROMPTS = 2
+ORDERS = ("interleaved", "sequential")
 
 
 @dataclass
@@ -29,10 +42,12 @@ class OfflineRow:
     name: str
     batch_size: int
     tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
+    ratios: list[float] = field(default_factory=list)  # repeat r / baseline's repeat r
     counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     num_mismatches: int | None = None  # None: not compared (sampling, or failed)
-    speedup: float = float("nan")      # median tok/s over the baseline's median
+    speedup: float = float("nan")      # median of `ratios`
     error: str | None = None
+    engine: dict = field(default_factory=dict)  # arguments, runner, speculator
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -44,57 +59,110 @@ class OfflineRow:
         return min(self.tokens_per_second, default=0.0)
 
 
-def _run_batches(llm, inputs: list, batch_size: int, params) -> tuple[list, float, int]:
-    token_ids, seconds = [], 0.0
-    for start in range(0, len(inputs), batch_size):
-        result = generate(llm, inputs[start:start + batch_size], params)
-        token_ids += result.token_ids
-        seconds += result.seconds
-    return token_ids, seconds, sum(len(t) for t in token_ids)
+def serving_defaults(engine_kwargs: dict, num_engines: int = 1) -> dict:
+    """`vllm.LLM` arguments with vLLM's serving defaults where `make_llm` pins
+    test ones: CUDA graphs / compilation on, the model's own dtype. With
+    several engines alive at once on one GPU each gets an equal share of its
+    memory, unless the caller set `gpu_memory_utilization`.
+    """
+    options = {"enforce_eager": False, "dtype": "auto",
+               "worker_extension_cls": WORKER_INFO_QUALNAME, **engine_kwargs}
+    if num_engines > 1 and "gpu_memory_utilization" not in engine_kwargs:
+        import torch
+
+        if torch.cuda.is_available():
+            options["gpu_memory_utilization"] = round(0.85 / num_engines, 3)
+    return options
 
 
-def _measure_engine(llm, spec: NamedSpec, inputs, batch_sizes, repeats, params,
-                    progress) -> list[OfflineRow]:
+def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params
+                      ) -> tuple[list[list[int]], float]:
+    """Every prompt's tokens over all its turns, and the seconds spent generating
+    (templating between turns is not timed)."""
+    tokenizer = llm.get_tokenizer()
+    answers: list[list[str]] = [[] for _ in prompts]
+    token_ids: list[list[int]] = [[] for _ in prompts]
+    seconds = 0.0
+    for turn in range(max(p.num_turns for p in prompts)):
+        active = [i for i, p in enumerate(prompts) if p.num_turns > turn]
+        inputs = [prompts[i].input_for(tokenizer, turn, answers[i]) for i in active]
+        for start in range(0, len(active), batch_size):
+            result = generate(llm, inputs[start:start + batch_size], params)
+            seconds += result.seconds
+            for i, ids, text in zip(active[start:start + batch_size], result.token_ids,
+                                    result.texts):
+                token_ids[i] += ids
+                answers[i].append(text)
+    return token_ids, seconds
+
+
+def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool) -> None:
+    before = read_spec_decode_counts(llm)
+    token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params)
+    row.counts = row.counts + (read_spec_decode_counts(llm) - before)
+    row.tokens_per_second.append(sum(len(t) for t in token_ids) / seconds)
+    if keep_tokens:
+        row.token_ids = token_ids
+
+
+def _schedule(specs: list[NamedSpec], repeats: int, order: str) -> list[tuple[int, int]]:
+    """(repeat, spec index) in the order they run."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: choose one of {ORDERS}")
+    if order == "interleaved":
+        return [(r, s) for r in range(repeats) for s in range(len(specs))]
+    return [(r, s) for s in range(len(specs)) for r in range(repeats)]
+
+
+def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, prompts,
+           rows: list[OfflineRow]):
+    """The spec's running engine, warmed up; None (rows marked) if it fails."""
     from vllm import SamplingParams
 
-    generate(llm, inputs[:NUM_WARMUP_PROMPTS], SamplingParams(temperature=0, max_tokens=8))
-    rows = []
-    for batch_size in batch_sizes:
-        row = OfflineRow(spec.name, batch_size)
-        before = read_spec_decode_counts(llm)
-        for repeat in range(repeats):
-            token_ids, seconds, num_tokens = _run_batches(llm, inputs, batch_size, params)
-            row.tokens_per_second.append(num_tokens / seconds)
-            if repeat == 0:
-                row.token_ids = token_ids
-            progress.update(1)
-        row.counts = read_spec_decode_counts(llm) - before
-        rows.append(row)
-    return rows
+    kwargs = {**engine_kwargs, **spec.engine_kwargs}
+    try:
+        llm = stack.enter_context(running_llm(model, spec.config, **kwargs))
+        generate(llm, [p.input_for(llm.get_tokenizer()) for p in prompts[:NUM_WARMUP_PROMPTS]],
+                 SamplingParams(temperature=0, max_tokens=8))
+    except Exception as error:  # one bad config must not lose the others
+        logger.error("spec %s failed: %s", spec.name, error)
+        for row in rows:
+            row.error = f"{type(error).__name__}: {error}"
+        return None
+    record = engine_record(llm, kwargs)
+    for row in rows:
+        row.engine = record
+    return llm
 
 
-def run_offline(model: str, inputs: list, specs: list[NamedSpec], batch_sizes: list[int],
-                repeats: int, params, **engine_kwargs) -> list[OfflineRow]:
+def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
+                batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
+                **engine_kwargs) -> list[OfflineRow]:
     """One row per (spec, batch size). The first spec is the baseline; a spec
     whose engine fails gets rows with `error` set and the others go on."""
+    schedule = _schedule(specs, repeats, order)
+    engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
+                                     if order == "interleaved" else 1)
     engine_kwargs.setdefault("max_num_seqs", max(batch_sizes))
-    rows: list[OfflineRow] = []
-    total = len(specs) * len(batch_sizes) * repeats
-    with tqdm(total=total, desc="bench", unit="run") as progress:
-        for spec in specs:
-            progress.set_postfix_str(spec.name)
-            try:
-                with running_llm(model, spec.config,
-                                 **{**engine_kwargs, **spec.engine_kwargs}) as llm:
-                    rows += _measure_engine(llm, spec, inputs, batch_sizes, repeats,
-                                            params, progress)
-            except Exception as error:  # one bad config must not lose the others
-                logger.error("spec %s failed: %s", spec.name, error)
-                rows += [OfflineRow(spec.name, b, error=f"{type(error).__name__}: {error}")
-                         for b in batch_sizes]
-                progress.update(len(batch_sizes) * repeats)
-    _compare_to_baseline(rows, specs[0].name, greedy=params.temperature == 0)
-    return rows
+    rows = [[OfflineRow(s.name, b) for b in batch_sizes] for s in specs]
+    last_use = {s: i for i, (_, s) in enumerate(schedule)}
+    engines: dict[int, object] = {}
+    with ExitStack() as all_engines, tqdm(total=len(schedule) * len(batch_sizes),
+                                          desc="bench", unit="run") as progress:
+        stacks = {s: all_engines.enter_context(ExitStack()) for s in range(len(specs))}
+        for step, (repeat, s) in enumerate(schedule):
+            progress.set_postfix_str(f"{specs[s].name} repeat {repeat + 1}")
+            if s not in engines:
+                engines[s] = _start(stacks[s], model, specs[s], engine_kwargs, prompts, rows[s])
+            for row in rows[s]:
+                if engines[s] is not None:
+                    _measure(engines[s], row, prompts, params, keep_tokens=repeat == 0)
+                progress.update(1)
+            if last_use[s] == step:
+                stacks[s].close()  # sequential order: free the engine now
+    flat = [row for spec_rows in rows for row in spec_rows]
+    _compare_to_baseline(flat, specs[0].name, greedy=params.temperature == 0)
+    return flat
 
 
 def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) -> None:
@@ -103,21 +171,25 @@ def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) ->
         ref = base.get(row.batch_size)
         if row.error is not None or ref is None:
             continue
-        row.speedup = row.median_tokens_per_second / ref.median_tokens_per_second
+        row.ratios = [ours / theirs for ours, theirs in
+                      zip(row.tokens_per_second, ref.tokens_per_second)]
+        row.speedup = statistics.median(row.ratios)
         if greedy:
             row.num_mismatches = len(token_mismatches(ref.token_ids, row.token_ids))
 
 
 def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],
                  max_tokens: int, repeats: int = 1, **engine_kwargs) -> list[OfflineRow]:
-    """All `inputs` as one greedy batch through each method, `repeats` times;
-    the first method must be the baseline (config None)."""
+    """All `inputs` (texts, token-id prompts or `BenchPrompt`s) as one greedy
+    batch through each method, `repeats` times interleaved; the first method
+    must be the baseline (config None)."""
     from vllm import SamplingParams
 
     names = list(methods)
     if methods[names[0]] is not None:
         raise ValueError("the first method must be the baseline (config None)")
     specs = [NamedSpec(name, methods[name]) for name in names]
+    prompts = [p if isinstance(p, BenchPrompt) else bench_prompt_of_input(p) for p in inputs]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return run_offline(str(model), inputs, specs, [len(inputs)], repeats, params,
+    return run_offline(str(model), prompts, specs, [len(prompts)], repeats, params,
                        **engine_kwargs)

@@ -33,21 +33,38 @@ def _acceptance_text(counts: SpecDecodeCounts) -> tuple[str, str]:
             " ".join(f"{p:.2f}" for p in accepted_positions(counts)))
 
 
+def _ratio_text(row) -> str:
+    """Median ratio to no speculation and, over several repeats, its range."""
+    if math.isnan(row.speedup):
+        return "-"
+    ratios = getattr(row, "ratios", [])
+    if len(ratios) < 2:
+        return f"{row.speedup:.2f}"
+    return f"{row.speedup:.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def _engine_text(row) -> str:
+    engine = getattr(row, "engine", {}) or {}
+    runner = (engine.get("runner") or "").rsplit(".", 2)
+    where = runner[-2] if len(runner) > 1 else runner[0]
+    return f"{where}/{engine.get('speculator') or '-'}" if where else ""
+
+
 def format_offline_table(rows) -> str:
     w = max([18] + [len(row.name) + 1 for row in rows])  # method column
-    header = (f"{'method':<{w}}{'batch':>6}{'tok/s':>9}{'min':>9}{'x none':>8}"
-              f"{'accept len':>11}{'drafts':>8}{'exact':>8}  per-position acceptance")
+    header = (f"{'method':<{w}}{'batch':>6}{'tok/s':>9}{'min':>9}{'x none [range]':>18}"
+              f"{'accept len':>11}{'drafts':>8}{'exact':>8}  {'runner/speculator':<34}"
+              "per-position acceptance")
     lines = [header, "-" * len(header)]
     for row in rows:
         if row.error is not None:
             lines.append(f"{row.name:<{w}}{row.batch_size:>6}  failed: {row.error[:90]}")
             continue
         length, per_pos = _acceptance_text(row.counts)
-        speedup = "-" if math.isnan(row.speedup) else f"{row.speedup:.2f}"
         lines.append(f"{row.name:<{w}}{row.batch_size:>6}{row.median_tokens_per_second:>9.1f}"
-                     f"{row.min_tokens_per_second:>9.1f}{speedup:>8}{length:>11}"
+                     f"{row.min_tokens_per_second:>9.1f}{_ratio_text(row):>18}{length:>11}"
                      f"{row.counts.num_drafts:>8}{_exact_text(row.num_mismatches):>8}  "
-                     f"{per_pos}")
+                     f"{_engine_text(row):<34}{per_pos}")
     return "\n".join(lines)
 
 

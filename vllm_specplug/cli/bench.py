@@ -17,13 +17,16 @@ import json
 import os
 import sys
 
-BUILTIN_PROMPT_SETS = ("held-out", "repeat-edit")
+BUILTIN_PROMPT_SETS = ("held-out", "repeat-edit")  # the built-in tiny model's
+PUBLIC_PROMPT_SETS = ("mt-bench", "humaneval")     # chat sets, from the package index
 
 
 def _common(parser) -> None:
-    parser.add_argument("--prompts", default=None, help="JSONL, one request a line: "
-                        '{"messages": [...]} (chat) or {"prompt": "..."} (plain); '
-                        "or a built-in code set: " + ", ".join(BUILTIN_PROMPT_SETS))
+    parser.add_argument("--prompts", default=None, help="a public set ("
+                        + ", ".join(PUBLIC_PROMPT_SETS) + "; MT-Bench runs both turns); "
+                        "JSONL, one request a line: {\"messages\": [...]} or "
+                        "{\"turns\": [...]} (chat) or {\"prompt\": \"...\"} (plain); "
+                        "or a set for the built-in model: " + ", ".join(BUILTIN_PROMPT_SETS))
     parser.add_argument("--num-prompts", type=int, default=None, help="first N lines")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -38,15 +41,22 @@ def add_parser(sub) -> None:
     modes = parser.add_subparsers(dest="mode", required=True)
     offline = modes.add_parser("offline", help="vllm.LLM engines, one per spec")
     offline.add_argument("--model", required=True,
-                         help="local model directory, or a built-in name ('tiny')")
+                         help="local model directory, a built-in name ('tiny') or 'smollm2'")
     offline.add_argument("--spec", action="append", default=[], metavar="[NAME=]JSON|@FILE",
                          help="a speculative_config (repeat for several); ours or vLLM's")
     offline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    offline.add_argument("--repeats", type=int, default=3, help="report min and median")
+    offline.add_argument("--repeats", type=int, default=3,
+                         help="report the median ratio to no speculation and its range")
+    offline.add_argument("--order", choices=("interleaved", "sequential"),
+                         default="interleaved", help="interleaved: all engines start, "
+                         "then each repeat runs every spec in turn (drift falls on every "
+                         "row alike); sequential: one engine at a time (less memory)")
     offline.add_argument("--max-model-len", type=int, default=2048)
-    offline.add_argument("--dtype", default="auto")
+    offline.add_argument("--dtype", default="auto", help="default: the model's own")
     offline.add_argument("--engine-args", default="{}",
-                         help="JSON of further vllm.LLM keyword arguments")
+                         help="JSON of further vllm.LLM keyword arguments; vLLM's serving "
+                         "defaults otherwise (graphs/compilation on: "
+                         "'{\"enforce_eager\": true}' turns them off)")
     _common(offline)
     offline.set_defaults(func=run_offline_command)
     online = modes.add_parser("online", help="running OpenAI-compatible servers")
@@ -67,7 +77,7 @@ def _raw_formatter():
     return argparse.RawDescriptionHelpFormatter
 
 
-def _builtin_prompt_sets():
+def _builtin_prompt_sets():  # built-in model's sets, plain completion text
     from vllm_specplug.models import held_out_prompts
     from vllm_specplug.models.corpus import repetitive_prompts
 
@@ -83,6 +93,10 @@ def _load_prompts(args):
     if args.prompts in BUILTIN_PROMPT_SETS:
         texts = _builtin_prompt_sets()[args.prompts](args.num_prompts or 24)
         return [BenchPrompt(text=t) for t in texts]
+    if args.prompts in PUBLIC_PROMPT_SETS:
+        from vllm_specplug.bench.sets import load_public_set
+
+        return load_public_set(args.prompts, args.num_prompts)
     return read_bench_prompts(args.prompts, args.num_prompts)
 
 
@@ -113,10 +127,12 @@ def _finish(rows, table: str, out: str | None, mode: str, settings: dict) -> int
 def run_offline_command(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.bench.offline import run_offline
-    from vllm_specplug.bench.prompts import PromptFileError, engine_inputs
+    from vllm_specplug.assets import AssetError
+    from vllm_specplug.models.smollm2 import MissingDependencyError
+    from vllm_specplug.bench.prompts import PromptFileError
     from vllm_specplug.bench.report import format_offline_table
     from vllm_specplug.bench.specs import SpecError, named_specs
-    from vllm_specplug.cli.extract import _model_dir
+    from vllm_specplug.models.named import resolve_model
 
     try:
         _positive(args, "batch_sizes", "repeats", "max_tokens")
@@ -124,26 +140,30 @@ def run_offline_command(args) -> int:
         engine_kwargs = json.loads(args.engine_args)
         if not isinstance(engine_kwargs, dict):
             raise ValueError("--engine-args must be a JSON object")
-        model = _model_dir(args.model)
+        model = resolve_model(args.model)
         if model.startswith(("/", ".", "~")) and not os.path.isdir(model):
             raise ValueError(f"--model {model}: no such directory (a local model "
                              "directory, a hub id, or a built-in name such as 'tiny')")
         prompts = _load_prompts(args)
-    except (SpecError, PromptFileError, ValueError, FileNotFoundError) as error:
+    except (SpecError, PromptFileError, AssetError, MissingDependencyError, ValueError,
+            FileNotFoundError) as error:
         return _fail(error)
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    inputs = engine_inputs(prompts, AutoTokenizer.from_pretrained(model))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0)
-    rows = run_offline(model, inputs, specs, args.batch_sizes, args.repeats, params,
-                       max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
+    rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
+                       order=args.order, max_model_len=args.max_model_len, dtype=args.dtype,
+                       **engine_kwargs)
     settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
+                "num_turns": sum(p.num_turns for p in prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "repeats": args.repeats, "specs": {s.name: s.config for s in specs}}
-    print(f"\n{model}: {len(prompts)} prompts, {args.max_tokens} new tokens, "
-          f"temperature {args.temperature}, {args.repeats} repeat(s); tok/s = median")
+                "repeats": args.repeats, "order": args.order,
+                "specs": {s.name: s.config for s in specs}}
+    print(f"\n{model}: {len(prompts)} prompts ({settings['num_turns']} turns), "
+          f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "
+          f"{args.repeats} repeat(s) {args.order}; tok/s = median, x none = median "
+          "of per-repeat ratios [min-max]")
     return _finish(rows, format_offline_table(rows), args.out, "offline", settings)
 
 

@@ -13,8 +13,8 @@ import sys
 
 from vllm_specplug.models.build import MODEL_SPECS, build_model, read_build_info
 from vllm_specplug.models.heads import HEAD_SPECS, build_head
+from vllm_specplug.models.named import REAL_MODELS
 
-REAL_MODELS = ("smollm2",)
 
 
 def add_parser(sub) -> None:

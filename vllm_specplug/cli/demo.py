@@ -59,7 +59,9 @@ def run(args) -> int:
     if args.model == "tiny":
         methods["vllm-eagle3"] = {"method": "eagle3", "num_speculative_tokens": K,
                                   "model": str(build_head("tiny-eagle3"))}
-    rows = side_by_side(model_dir, prompts, methods, args.max_tokens, args.repeats)
+    # Eager: on CPU, compiling each of the ~8 engines costs more than its generation.
+    rows = side_by_side(model_dir, prompts, methods, args.max_tokens, args.repeats,
+                        enforce_eager=True)
     table = format_offline_table(rows)
     print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} new tokens each, "
           f"greedy, one batch, median of {args.repeats} run(s), K={K} draft tokens; exact = token for token equal "

@@ -40,13 +40,9 @@ def add_parser(sub) -> None:
     export.set_defaults(func=run_export)
 
 
-def _model_dir(name: str) -> str:
-    from vllm_specplug.models.build import MODEL_SPECS, build_model
-
-    return str(build_model(name)) if name in MODEL_SPECS else name
-
-
 def run(args) -> int:
+    from vllm_specplug.models.named import resolve_model
+
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.extraction.errors import OutputWriteError
     from vllm_specplug.extraction.pipeline import ExtractOptions, run_extract
@@ -55,7 +51,7 @@ def run(args) -> int:
         print("error: --max-new-tokens and --batch-size must be >= 1", file=sys.stderr)
         return 2
     options = ExtractOptions(
-        model=_model_dir(args.model), prompts=args.prompts, out=args.out,
+        model=resolve_model(args.model), prompts=args.prompts, out=args.out,
         layer_ids=args.layers, regenerate=args.regenerate,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         batch_size=args.batch_size, max_model_len=args.max_model_len)

@@ -68,7 +68,7 @@ def run(args) -> int:
 
 def run_trainer(args, trainer_cls, describe, **config_fields) -> int:
     """Check, train (resuming unless --no-resume), plot; exit codes as above."""
-    from vllm_specplug.cli.extract import _model_dir
+    from vllm_specplug.models.named import resolve_model
     from vllm_specplug.extraction.errors import OutputWriteError
     from vllm_specplug.training.trainer import TrainConfig, run_training
 
@@ -77,7 +77,7 @@ def run_trainer(args, trainer_cls, describe, **config_fields) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     config = TrainConfig(
-        data=args.data, target=_model_dir(args.target), out=args.out,
+        data=args.data, target=resolve_model(args.target), out=args.out,
         ttt_steps=args.ttt_steps, step_weight=args.step_weight, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
         held_out_fraction=args.held_out_fraction, eval_every=args.eval_every,

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+from vllm_specplug.bench.worker_info import runner_state
+
 PROBE_QUALNAME = "vllm_specplug.testing.worker_probe.SpecplugProbe"
 
 
 class SpecplugProbe:
+    """Everything the tests ask a worker (a superset of the bench's WorkerInfo)."""
+
     def specplug_runner_state(self) -> dict:
         return runner_state(self)
 
@@ -124,19 +128,6 @@ def _always_accept_class():
     return AlwaysAcceptFirstChild
 
 
-def runner_state(worker) -> dict:
-    """Which model runner and speculator a worker runs, and its capture sizes."""
-    runner = worker.model_runner
-    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
-    config = runner.vllm_config
-    return {"runner": f"{type(runner).__module__}.{type(runner).__name__}",
-            "speculator": None if speculator is None else type(speculator).__name__,
-            "async_scheduling": bool(config.scheduler_config.async_scheduling),
-            "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
-            "cudagraph_capture_sizes":
-                list(config.compilation_config.cudagraph_capture_sizes or [])}
-
-
 def record_cudagraph_modes(runner) -> None:
     """Wrap this runner's `sample_tokens` (the instance's, nothing global) to
     count the `CUDAGraphStat` vLLM attaches to each step's output."""
@@ -157,9 +148,3 @@ def record_cudagraph_modes(runner) -> None:
         return output
 
     runner.sample_tokens = sample_tokens
-
-
-def _qualname(cls_or_path) -> str | None:
-    if cls_or_path is None or isinstance(cls_or_path, str):
-        return cls_or_path
-    return f"{cls_or_path.__module__}.{cls_or_path.__qualname__}"

@@ -1,0 +1,44 @@
+"""What an engine of the benchmark actually ran: its runner and speculator,
+asked inside the worker process (a runner or speculator can differ from what
+the configuration suggests: vLLM falls back to its V1 runner for some methods)."""
+from __future__ import annotations
+
+WORKER_INFO_QUALNAME = "vllm_specplug.bench.worker_info.WorkerInfo"
+
+
+class WorkerInfo:
+    """A worker extension (`LLM(worker_extension_cls=WORKER_INFO_QUALNAME)`)."""
+
+    def specplug_runner_state(self) -> dict:
+        return runner_state(self)
+
+
+def runner_state(worker) -> dict:
+    """Which model runner and speculator a worker runs, and its capture sizes."""
+    runner = worker.model_runner
+    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    config = runner.vllm_config
+    return {"runner": f"{type(runner).__module__}.{type(runner).__name__}",
+            "speculator": None if speculator is None else type(speculator).__name__,
+            "async_scheduling": bool(config.scheduler_config.async_scheduling),
+            "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
+            "cudagraph_capture_sizes":
+                list(config.compilation_config.cudagraph_capture_sizes or [])}
+
+
+def _qualname(cls_or_path) -> str | None:
+    if cls_or_path is None or isinstance(cls_or_path, str):
+        return cls_or_path
+    return f"{cls_or_path.__module__}.{cls_or_path.__qualname__}"
+
+
+def engine_record(llm, engine_kwargs: dict) -> dict:
+    """The engine's arguments, and its worker's runner state where it can be
+    asked (a user's own worker extension replaces ours)."""
+    record = {"engine_args": {k: v for k, v in engine_kwargs.items()
+                              if isinstance(v, (str, int, float, bool, type(None)))}}
+    try:
+        record.update(llm.collective_rpc("specplug_runner_state")[0])
+    except Exception as error:  # the record is informative; the run goes on
+        record["runner"] = f"unknown ({type(error).__name__})"
+    return record

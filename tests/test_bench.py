@@ -112,6 +112,8 @@ def test_installed_environment_has_the_alias():
 @pytest.mark.parametrize("argv,message", [
     (["bench", "offline", "--model", "tiny", "--spec", "{oops"], "not JSON"),
     (["bench", "offline", "--model", "tiny", "--batch-sizes", "0"], "--batch-sizes must be >= 1"),
+    (["bench", "offline", "--model", "tiny", "--limit-prompts", "1:4"], "expected BATCH=N"),
+    (["bench", "offline", "--model", "tiny", "--prompts", "gsm8k.jsonl"], "gsm8k.jsonl"),
     (["bench", "offline", "--model", "/nonexistent/model", "--prompts", "held-out"],
      "/nonexistent/model"),
     (["bench", "online", "--url", "http://127.0.0.1:9", "--prompts", "held-out"],
@@ -169,7 +171,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     specs = [f"vllm-ngram={json.dumps({**NGRAM, 'method': 'ngram', 'prompt_lookup_min': 2})}",
              json.dumps(NGRAM)]
     code = main(["bench", "offline", "--model", str(tiny_model_dir), "--prompts",
-                 str(prompts), "--batch-sizes", "1", "4",
+                 str(prompts), "--batch-sizes", "1", "4", "--limit-prompts", "1=2",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
                  *[f"--spec={s}" for s in specs], "--out", str(out)])
@@ -177,6 +179,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     result = json.loads((out / "offline.json").read_text())
     assert result["settings"]["order"] == "interleaved"
     assert result["settings"]["num_turns"] == 5
+    assert result["settings"]["prompt_limits"] == {"1": 2}
     rows = {(r["name"], r["batch_size"]): r for r in result["rows"]}
     assert sorted(rows) == sorted((n, b) for n in ("none", "vllm-ngram", "specplug_ngram")
                                   for b in (1, 4))

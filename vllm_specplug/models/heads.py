@@ -21,28 +21,42 @@ import shutil
 from pathlib import Path
 
 from vllm_specplug.models.build import (BUILD_INFO_FILE, build_cached, build_model,
-                                        default_cache_dir)
+                                        build_resumable, default_cache_dir)
 
 HEAD_BUILDER_VERSION = 1  # bump when the recipe changes in a way the spec misses
 DATA_BUILDER_VERSION = 1
 EAGLE3, MTP = "eagle3", "mtp"
 
 
+CORPUS, MAGPIE = "corpus", "magpie"
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     name: str
-    target: str              # a built-in model name
-    num_prompts: int = 400   # training-split chat prompts the target answers
+    target: str              # a built-in model name, or "smollm2"
+    num_prompts: int = 400   # chat prompts the target answers
     max_new_tokens: int = 64
     epochs: int = 4
     ttt_steps: int = 3       # unrolled draft steps (the chain depth trained for)
     kind: str = EAGLE3
+    # corpus: the built-in target's training split; magpie: written by the
+    # target itself (training/magpie.py), disjoint from MT-Bench and HumanEval
+    prompts: str = CORPUS
+    draft_vocab_size: int | None = None  # None: the trainer's default
+    max_model_len: int = 1024
 
 
 HEAD_SPECS: dict[str, HeadSpec] = {
     "tiny-eagle3": HeadSpec("tiny-eagle3", target="tiny"),
     "tiny-mtp": HeadSpec("tiny-mtp", target="tiny", kind=MTP),
+    # The CPU path: about 1000 prompts and answers of up to 192 tokens.
+    "smollm2-eagle3": HeadSpec("smollm2-eagle3", target="smollm2", num_prompts=1024,
+                               max_new_tokens=192, epochs=3, prompts=MAGPIE,
+                               draft_vocab_size=8192, max_model_len=2048),
 }
+# Fields added after heads were first cached: left out of a key at their default.
+_LATER_FIELDS = {"prompts": CORPUS, "draft_vocab_size": None, "max_model_len": 1024}
 
 
 def _key(payload: dict) -> str:
@@ -53,25 +67,47 @@ def head_cache_key(spec: HeadSpec, target_dir: Path) -> str:
     fields = dataclasses.asdict(spec)
     if spec.kind == EAGLE3:
         fields.pop("kind")          # keys of EAGLE-3 heads built before MTP existed
+    for name, default in _LATER_FIELDS.items():
+        if fields[name] == default:
+            fields.pop(name)
     return _key({"spec": fields, "target": target_dir.name,
                  "builder": HEAD_BUILDER_VERSION})
 
 
+def _target_dir(spec: HeadSpec, cache_dir: Path | None) -> Path:
+    if spec.target == "smollm2":
+        from vllm_specplug.models.smollm2 import build_smollm2
+
+        return build_smollm2(cache_dir=cache_dir)
+    return build_model(spec.target, cache_dir)
+
+
 def build_training_data(spec: HeadSpec, target_dir: Path, root: Path) -> Path:
-    """The extracted dataset a head of `spec` trains on (cached)."""
+    """The extracted dataset a head of `spec` trains on (cached). Magpie data
+    is built in a folder kept across runs: an interrupted build resumes (the
+    prompts file, then the extraction's manifest, keep what was done)."""
     from vllm_specplug.training import end_to_end as e2e
 
-    key = _key({"target": target_dir.name, "num_prompts": spec.num_prompts,
-                "max_new_tokens": spec.max_new_tokens, "builder": DATA_BUILDER_VERSION})
-    final = root / "models" / f"{spec.target}-data-{key}"
+    fields = {"target": target_dir.name, "num_prompts": spec.num_prompts,
+              "max_new_tokens": spec.max_new_tokens, "builder": DATA_BUILDER_VERSION}
+    if spec.prompts == MAGPIE:
+        fields.update(prompts=MAGPIE, max_model_len=spec.max_model_len)
+    final = root / "models" / f"{spec.target}-data-{_key(fields)}"
 
-    def build(tmp: Path) -> None:
-        data_dir, report = e2e.extract_training_data(target_dir, tmp, spec.num_prompts,
-                                                     spec.max_new_tokens)
-        (tmp / BUILD_INFO_FILE).write_text(json.dumps(
-            {"data_dir": Path(data_dir).name, "num_tokens": report.num_tokens}))
+    def build(work: Path) -> None:
+        if spec.prompts == MAGPIE:
+            data_dir, report = e2e.extract_magpie_data(target_dir, work, spec.num_prompts,
+                                                       spec.max_new_tokens, spec.max_model_len)
+        else:
+            data_dir, report = e2e.extract_training_data(target_dir, work, spec.num_prompts,
+                                                         spec.max_new_tokens)
+        from vllm_specplug.extraction.dataset import read_manifest
 
-    return build_cached(final, build)
+        num_tokens = sum(r.num_tokens for r in read_manifest(data_dir))
+        (work / BUILD_INFO_FILE).write_text(json.dumps(
+            {"data_dir": Path(data_dir).name, "num_tokens": num_tokens}))
+
+    return (build_resumable if spec.prompts == MAGPIE else build_cached)(final, build)
 
 
 def _train(spec: HeadSpec, target_dir: Path, data_root: Path, out: Path) -> None:
@@ -79,8 +115,11 @@ def _train(spec: HeadSpec, target_dir: Path, data_root: Path, out: Path) -> None
 
     info = json.loads((data_root / BUILD_INFO_FILE).read_text())
     data_dir = str(data_root / info["data_dir"])
-    trainer = (e2e.train_head if spec.kind == EAGLE3 else e2e.train_mtp)(
-        target_dir, data_dir, out, spec.epochs, spec.ttt_steps)
+    if spec.kind == EAGLE3:
+        trainer = e2e.train_head(target_dir, data_dir, out, spec.epochs, spec.ttt_steps,
+                                 draft_vocab_size=spec.draft_vocab_size)
+    else:
+        trainer = e2e.train_mtp(target_dir, data_dir, out, spec.epochs, spec.ttt_steps)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     (out / BUILD_INFO_FILE).write_text(json.dumps({
         "spec": dataclasses.asdict(spec), "target_dir": str(target_dir),
@@ -95,10 +134,12 @@ def build_head(name: str, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"unknown built-in head {name!r}; choose one of "
                          f"{sorted(HEAD_SPECS)}")
     spec = HEAD_SPECS[name]
-    target_dir = build_model(spec.target, cache_dir)
+    target_dir = _target_dir(spec, cache_dir)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / "models" / f"{spec.name}-{head_cache_key(spec, target_dir)}"
     if (final / BUILD_INFO_FILE).is_file():
         return final
     data_root = build_training_data(spec, target_dir, root)
-    return build_cached(final, lambda tmp: _train(spec, target_dir, data_root, tmp))
+    # Magpie heads train long enough to be interrupted: their checkpoints stay.
+    build = build_resumable if spec.prompts == MAGPIE else build_cached
+    return build(final, lambda work: _train(spec, target_dir, data_root, work))

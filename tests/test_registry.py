@@ -49,18 +49,44 @@ def test_engine_refuses_unknown_method_with_our_list(tiny_model_dir):
         make_llm(tiny_model_dir, {"method": "specplug_typo", "num_speculative_tokens": 2})
 
 
+def _install_entry_points(site, lines: str) -> None:
+    """A dist-info on sys.path declaring `lines` in our entry-point group."""
+    dist = site / "specplug_test_plugins-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specplug-test-plugins\n"
+                                   "Version: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[vllm_specplug.proposers]\n{lines}\n")
+    sys.path.insert(0, str(site))
+    registry.refresh()
+
+
+def test_a_third_party_cannot_shadow_vllms_methods(tmp_path, caplog):
+    _install_entry_points(tmp_path, "ngram = tests.proposer_plugins.recording:"
+                          "RecordingProposer\nthird_ok = tests.proposer_plugins.recording:"
+                          "RecordingProposer")
+    try:
+        assert "ngram" in registry.vllm_method_names()
+        assert not registry.is_registered("ngram")       # vLLM's ngram stays vLLM's
+        assert registry.is_registered("third_ok")        # the rest of the package loads
+        assert translate({"method": "ngram", "num_speculative_tokens": 2}) is None
+        with pytest.raises(registry.ShadowingProposerError,
+                           match=r"proposers:ngram = .* is refused: 'ngram' is one of "
+                                 r"vLLM's own .* another name \(e.g. 'mypkg_ngram'\)"):
+            registry.get_proposer_class("ngram")
+        assert "is refused" in caplog.text                # logged where it is read
+        assert set(registry.refused_proposers()) == {"ngram"}
+    finally:
+        sys.path.remove(str(tmp_path))
+        registry.refresh()
+    assert registry.refused_proposers() == {}
+
+
 @pytest.fixture(scope="module")
 def recording_llm(tiny_model_dir, tmp_path_factory):
     """Install the test-only entry point (a dist-info on sys.path, visible to
     the engine's processes, which inherit sys.path) and start an engine."""
     site = tmp_path_factory.mktemp("site")
-    dist = site / "specplug_test_plugins-0.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specplug-test-plugins\n"
-                                   "Version: 0.0\n")
-    (dist / "entry_points.txt").write_text(f"[vllm_specplug.proposers]\n{ENTRY_POINT}\n")
-    sys.path.insert(0, str(site))
-    registry.refresh()
+    _install_entry_points(site, ENTRY_POINT)
     log_path = tmp_path_factory.mktemp("log") / "events.jsonl"
     llm = make_llm(tiny_model_dir, {"method": "test_recording", "num_speculative_tokens": 3,
                                     "prompt_lookup_max": 3, "log_path": str(log_path)})

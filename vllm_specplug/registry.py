@@ -31,10 +31,50 @@ class UnknownProposerError(ProposerConfigError):
     pass
 
 
+class ShadowingProposerError(ProposerConfigError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def vllm_method_names() -> frozenset[str]:
+    """Every `speculative_config.method` vLLM itself defines (its `Literal`)."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    def flatten(tp) -> list[str]:
+        args = get_args(tp)
+        return [tp] if not args else [name for arg in args for name in flatten(arg)]
+
+    return frozenset(name for name in flatten(SpeculativeMethod) if isinstance(name, str))
+
+
+def shadowing_message(name: str, value: str) -> str:
+    return (f"entry point {ENTRY_POINT_GROUP}:{name} = {value} is refused: {name!r} is "
+            "one of vLLM's own speculative methods, which keeps selecting vLLM's code; "
+            f"register it under another name (e.g. 'mypkg_{name}')")
+
+
+@lru_cache(maxsize=1)
+def _refused() -> dict[str, str]:
+    """Entry points refused because they shadow vLLM's methods: name -> why."""
+    vllm_names = vllm_method_names()
+    return {ep.name: shadowing_message(ep.name, ep.value)
+            for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name in vllm_names}
+
+
+def refused_proposers() -> dict[str, str]:
+    return dict(_refused())
+
+
 @lru_cache(maxsize=1)
 def _entry_points() -> dict[str, Any]:
     found = {}
+    for name, why in _refused().items():
+        logger.error(why)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _refused():
+            continue
         if ep.name in found and found[ep.name].value != ep.value:
             logger.warning("proposer %r is registered twice (%s and %s); using %s",
                            ep.name, found[ep.name].value, ep.value, found[ep.name].value)
@@ -53,6 +93,8 @@ def is_registered(name: Any) -> bool:
 
 @lru_cache(maxsize=None)
 def get_proposer_class(name: str) -> type[Proposer]:
+    if name in _refused():
+        raise ShadowingProposerError(_refused()[name])
     if not is_registered(name):
         raise UnknownProposerError(
             f"unknown speculative method {name!r}; registered vllm-specplug "
@@ -74,4 +116,5 @@ def parse_options(name: str, raw: dict[str, Any]) -> ProposerOptions:
 def refresh() -> None:
     """Forget what was read, e.g. after installing a package in a live process."""
     _entry_points.cache_clear()
+    _refused.cache_clear()
     get_proposer_class.cache_clear()

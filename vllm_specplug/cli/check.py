@@ -33,7 +33,12 @@ def run(args) -> int:
 
     register()
     state = registration_state()
+    from vllm_specplug.registry import available_proposers, refused_proposers
+
     print(f"entry point: {names[0]}")
+    print(f"proposers: {', '.join(available_proposers())}")
+    for why in refused_proposers().values():
+        print(f"refused: {why}")
     print(f"vLLM {state['vllm_version']}: registered "
           f"{', '.join(state['items']) or 'no extensions yet'}")
     return 0

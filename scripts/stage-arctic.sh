@@ -7,8 +7,21 @@
 # here against glibc 2.36 / libstdc++ 12, it loads on the host's newer ones.
 set -euo pipefail
 OUT="${1:-.gpu}"
-PY312="$(command -v python3.12 || true)"
-[ -n "$PY312" ] || { echo "[stage-arctic] python3.12 is needed to build a cp312 wheel"; exit 1; }
+# A Python 3.12 that really runs: $PYTHON312, python3.12 on PATH (a pyenv shim
+# for a version that is not active exits 127), or an installed pyenv version.
+find_python312() {
+    local candidate
+    for candidate in ${PYTHON312:-} "$(command -v python3.12 || true)" \
+                     "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+        [ -n "$candidate" ] && [ -x "$candidate" ] || continue
+        "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
+            && { echo "$candidate"; return 0; }
+    done
+    return 1
+}
+PY312="$(find_python312)" || { echo "[stage-arctic] no working Python 3.12: install one" \
+    "(e.g. 'pyenv install 3.12') or set PYTHON312=/path/to/python3.12"; exit 1; }
+echo "[stage-arctic] building with $PY312"
 WORK="$(mktemp -d)"; trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT/whl" .git/info
 grep -qx "/$OUT/" .git/info/exclude 2>/dev/null || echo "/$OUT/" >> .git/info/exclude

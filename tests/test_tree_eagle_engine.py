@@ -52,9 +52,8 @@ def test_batch_equals_no_speculation_and_accepts(tree_llm, eval_prompts, baselin
     assert len(depths) <= num_steps  # accepted depth never exceeds the tree's
 
 
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
 def test_single_prompts_equal_no_speculation(tree_llm, eval_prompts, baseline_outputs):
-    if tree_llm.tree_name != "tree16_topk4":
-        pytest.skip("alone-vs-batched is checked on one tree shape (engine time)")
     ours = generate_each(tree_llm, eval_prompts[:8], greedy_params(MAX_NEW_TOKENS))
     assert_same_tokens(baseline_outputs["single"][:8], ours, eval_prompts[:8])
 
@@ -64,17 +63,15 @@ def test_single_prompts_equal_no_speculation(tree_llm, eval_prompts, baseline_ou
     lambda base: greedy_params(MAX_NEW_TOKENS, stop=["return"]),
     lambda base: greedy_params(MAX_NEW_TOKENS, stop_token_ids=[base[12]]),
 ], ids=["max_tokens_1", "stop_string", "stop_token"])
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
 def test_stopping_requests_equal_no_speculation(tree_llm, baseline_llm, make_params):
-    if tree_llm.tree_name != "tree16_topk4":
-        pytest.skip("request edge cases are checked on one tree shape (engine time)")
     prompts = [REPETITIVE, REPETITIVE[:120]]
     base_ids = generate(baseline_llm, prompts[:1], greedy_params(MAX_NEW_TOKENS)).token_ids[0]
     assert_stopping_matches(tree_llm, baseline_llm, prompts, make_params(base_ids))
 
 
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
 def test_abort_mid_generation_leaves_others_exact(tree_llm, baseline_llm, eval_prompts):
-    if tree_llm.tree_name != "tree16_topk4":
-        pytest.skip("request edge cases are checked on one tree shape (engine time)")
     assert_abort_leaves_others_exact(tree_llm, baseline_llm, eval_prompts[:4],
                                      greedy_params(MAX_NEW_TOKENS))
 
@@ -87,11 +84,10 @@ def plain_samples(baseline_llm):
     return sample_positions(baseline_llm, SAMPLE_TEMPERATURE)
 
 
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
 def test_sampled_tokens_follow_the_target_distribution(tree_llm, plain_samples):
     """Tokens 2-4 are emitted by stochastic tree verification; at
     temperature 1 they follow the distribution without speculation."""
-    if tree_llm.tree_name != "tree16_topk4":
-        pytest.skip("stochastic verification is checked on one tree shape")
     before = read_spec_decode_counts(tree_llm)
     ours = sample_positions(tree_llm, SAMPLE_TEMPERATURE)
     counts = read_spec_decode_counts(tree_llm) - before
@@ -135,11 +131,10 @@ def test_chunked_prefill_prefix_caching_and_preemption_stay_exact(
     assert metrics["vllm:prefix_cache_hits"].value > 0, "the prefix cache was not used"
 
 
+@pytest.mark.parametrize("tree_llm", ["chain_k3"], indirect=True)
 def test_chain_acceptance_equals_vllm_eagle3(tree_llm, tiny_model_dir, tiny_eagle3_dir,
                                             eval_prompts):
     """topk=1 drafts the chain vLLM's eagle3 drafts with the same head and K."""
-    if tree_llm.tree_name != "chain_k3":
-        pytest.skip("the chain is compared with vLLM's eagle3 (K=3)")
     from vllm_specplug.training import end_to_end as e2e
 
     def acceptance(llm):

@@ -46,7 +46,7 @@ def extract_magpie_data(model_dir, work: Path, num_prompts: int, max_new_tokens:
                         max_model_len: int = 2048):
     """Prompts the target writes itself (kept in `work` once written), then its
     answers and hidden states (resumable: the extraction's manifest)."""
-    from vllm_specplug.bench.sets import PUBLIC_SETS, question_texts
+    from vllm_specplug.public_sets import PUBLIC_SETS, question_texts
     from vllm_specplug.engine import running_llm
     from vllm_specplug.training.magpie import sample_prompts, write_prompts_file
 

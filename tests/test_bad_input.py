@@ -22,7 +22,7 @@ from vllm_specplug.extraction import dataset as ds
 from vllm_specplug.extraction import errors
 from vllm_specplug.extraction.repair import QUARANTINE_DIR, ensure_info
 from vllm_specplug.training.checkpoint import CheckpointError
-from vllm_specplug.training.eagle3_model import Eagle3Head, HeadLoadError
+from vllm_specplug.draft_models.eagle3_model import Eagle3Head, HeadLoadError
 from vllm_specplug.training.trainer import TrainConfig, run_training
 
 RERUN = "re-run `vllm-specplug extract` with the same arguments"

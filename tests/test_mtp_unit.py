@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.test_training_unit import synthetic_dataset
-from vllm_specplug.training.layers import rope_cos_sin
-from vllm_specplug.training.mtp_checkpoint import (MtpTargetError, read_mtp_tensors,
+from vllm_specplug.draft_models.layers import rope_cos_sin
+from vllm_specplug.draft_models.mtp_checkpoint import (MtpTargetError, read_mtp_tensors,
                                                    write_mtp_model)
-from vllm_specplug.training.mtp_model import MtpConfig, MtpLayer
+from vllm_specplug.draft_models.mtp_model import MtpConfig, MtpLayer
 from vllm_specplug.training.mtp_trainer import MtpTrainer
 from vllm_specplug.training.trainer import TrainConfig, run_training
 
@@ -81,7 +81,7 @@ def chain_outputs(layer: MtpLayer, hidden, embeds, anchor: int, num_steps: int):
     def qkv(h, e, p):
         x = layer.input_layernorm(layer.input_proj(torch.cat(
             [layer.hidden_layernorm(h), layer.token_layernorm(e)], dim=-1)))
-        from vllm_specplug.training.layers import split_heads
+        from vllm_specplug.draft_models.layers import split_heads
         return split_heads(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), 4, 2, 8,
                            cos[p], sin[p])
 

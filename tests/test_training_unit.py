@@ -6,8 +6,8 @@ import torch
 
 from vllm_specplug.extraction import dataset as ds
 from vllm_specplug.training.batches import collate, split_ids
-from vllm_specplug.training.eagle3_model import Eagle3Head, HeadConfig
-from vllm_specplug.training.target import TargetParts
+from vllm_specplug.draft_models.eagle3_model import Eagle3Head, HeadConfig
+from vllm_specplug.draft_models.target import TargetParts
 from vllm_specplug.training.trainer import TrainConfig, layer_roles, run_training
 from vllm_specplug.training.vocab import build_draft_vocab
 

@@ -175,7 +175,7 @@ def test_batched_ingest_equals_one_request_at_a_time(tiny_eagle3_dir, monkeypatc
 def _gqa_head(seed: int = 0):
     """A random EAGLE-3 head with grouped-query attention (4 query heads per
     2 KV heads), small enough for the CPU."""
-    from vllm_specplug.training.eagle3_model import Eagle3Head, HeadConfig
+    from vllm_specplug.draft_models.eagle3_model import Eagle3Head, HeadConfig
 
     config = HeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, vocab_size=50,

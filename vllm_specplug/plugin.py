@@ -18,7 +18,7 @@ logger = logging.getLogger("vllm_specplug")
 
 # "module:function" registrars run in order; each returns the names it added.
 REGISTRARS: tuple[str, ...] = (
-    "vllm_specplug.proposers.registrar:register_proposers",
+    "vllm_specplug.patches.install:register_proposers",
     "vllm_specplug.extraction.registrar:register_connectors",
 )
 

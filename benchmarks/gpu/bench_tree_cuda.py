@@ -173,7 +173,7 @@ def build_8b(work: Path) -> tuple[Path, Path]:
     """The 8B-shaped config and a random EAGLE-3 head of its shape."""
     import torch
 
-    from vllm_specplug.training.eagle3_model import Eagle3Head, HeadConfig
+    from vllm_specplug.draft_models.eagle3_model import Eagle3Head, HeadConfig
 
     target = work / "llama3-8b-shape"
     target.mkdir(parents=True, exist_ok=True)

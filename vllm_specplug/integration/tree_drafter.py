@@ -190,9 +190,9 @@ class TreeMtpDrafter(TreeEagleDrafter):
     options_cls = MtpTreeOptions
 
     def _load_drafter(self, vllm_config) -> str:
-        from vllm_specplug.training.mtp_checkpoint import read_mtp_tensors
-        from vllm_specplug.training.mtp_model import MtpConfig, MtpLayer
-        from vllm_specplug.training.target import TargetParts
+        from vllm_specplug.draft_models.mtp_checkpoint import read_mtp_tensors
+        from vllm_specplug.draft_models.mtp_model import MtpConfig, MtpLayer
+        from vllm_specplug.draft_models.target import TargetParts
 
         model_dir = vllm_config.model_config.model
         target = TargetParts.load(model_dir)

@@ -5,7 +5,7 @@ and training, cached and deterministic like the targets.
   (config.json + model.safetensors with d2t/t2d, training_log.json).
 - `build_head("tiny-mtp")`: `tiny` with one MTP layer, in MiMo's layout, which
   vLLM serves with `speculative_config={"method": "mtp"}` (the Llama target is
-  written as the equivalent Qwen2 one; `training/mtp_checkpoint.py`).
+  written as the equivalent Qwen2 one; `draft_models/mtp_checkpoint.py`).
 
 Both train on the same data: the target answers chat prompts from its
 training split (`extract --regenerate`), cached once per target and recipe

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specplug.training.eagle3_model import Eagle3Head
-from vllm_specplug.training.layers import rope_cos_sin, split_heads
-from vllm_specplug.training.mtp_model import MtpLayer
+from vllm_specplug.draft_models.eagle3_model import Eagle3Head
+from vllm_specplug.draft_models.layers import rope_cos_sin, split_heads
+from vllm_specplug.draft_models.mtp_model import MtpLayer
 
 
 def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -29,7 +29,7 @@ def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
 
 
 class Eagle3DraftLayer:
-    """vLLM's `Eagle3LlamaForCausalLM` math (training/eagle3_model.py)."""
+    """vLLM's `Eagle3LlamaForCausalLM` math (draft_models/eagle3_model.py)."""
 
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head.eval()
@@ -62,7 +62,7 @@ class Eagle3DraftLayer:
 
 
 class MtpDraftLayer:
-    """vLLM's `mimo_mtp` math (training/mtp_model.py), with the target's lm_head."""
+    """vLLM's `mimo_mtp` math (draft_models/mtp_model.py), with the target's lm_head."""
 
     def __init__(self, layer: MtpLayer, lm_head_weight: torch.Tensor) -> None:
         self.layer = layer.eval()

@@ -1,6 +1,6 @@
 """Inference of a one-layer drafter: ingest verified positions, draft EAGLE-2
-trees. The drafter is an EAGLE-3 head (`training/eagle3_model.py`, vLLM's
-`llama_eagle3.py` layout) or an MTP layer (`training/mtp_model.py`, vLLM's
+trees. The drafter is an EAGLE-3 head (`draft_models/eagle3_model.py`, vLLM's
+`llama_eagle3.py` layout) or an MTP layer (`draft_models/mtp_model.py`, vLLM's
 `mimo_mtp`), behind `draft_layers.py`.
 
 The runtime keeps the drafter's KV cache per request (a slot of one pool,

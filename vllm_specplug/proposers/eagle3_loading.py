@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specplug.training.eagle3_model import (HEAD_FIX, Eagle3Head, HeadConfig,
+from vllm_specplug.draft_models.eagle3_model import (HEAD_FIX, Eagle3Head, HeadConfig,
                                                  HeadLoadError, load_tensors,
                                                  tensor_problems)
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from vllm_specplug.proposers.base import ProposerConfigError, ProposerOptions
 from vllm_specplug.proposers.eagle3 import TreeOptions, TreeProposer, check_tree_attention_fits
-from vllm_specplug.training.mtp_checkpoint import MTP_ARCHITECTURE, NUM_MTP_LAYERS_KEY
+from vllm_specplug.draft_models.mtp_checkpoint import MTP_ARCHITECTURE, NUM_MTP_LAYERS_KEY
 
 METHOD = "specplug_mtp"
 TREE_MTP_DRAFTER_QUALNAME = "vllm_specplug.integration.tree_drafter.TreeMtpDrafter"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_specplug.training.target import TargetParts
+from vllm_specplug.draft_models.target import TargetParts
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from vllm_specplug.extraction.errors import OutputWriteError
 from vllm_specplug.extraction.storage import save_safetensors_atomic, write_json_atomic
-from vllm_specplug.training.eagle3_model import load_tensors, tensor_problems
+from vllm_specplug.draft_models.eagle3_model import load_tensors, tensor_problems
 
 KEEP = 2
 

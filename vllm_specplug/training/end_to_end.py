@@ -99,9 +99,9 @@ def train_mtp(model_dir, data_dir: str, out_dir: Path, epochs: int, ttt_steps: i
 
 def write_untrained_mtp(model_dir, out_dir: Path, seed: int = 1) -> Path:
     """`model_dir` with an MTP layer as training starts it (random weights)."""
-    from vllm_specplug.training.mtp_checkpoint import write_mtp_model
+    from vllm_specplug.draft_models.mtp_checkpoint import write_mtp_model
     from vllm_specplug.training.mtp_trainer import make_mtp_layer
-    from vllm_specplug.training.target import TargetParts
+    from vllm_specplug.draft_models.target import TargetParts
 
     target = TargetParts.load(model_dir)
     layer = make_mtp_layer(target.config, target, seed)

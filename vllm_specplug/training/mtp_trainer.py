@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from vllm_specplug.training.batches import Batch, collate
-from vllm_specplug.training.mtp_checkpoint import target_kind, write_mtp_model
-from vllm_specplug.training.mtp_model import MtpConfig, MtpLayer
+from vllm_specplug.draft_models.mtp_checkpoint import target_kind, write_mtp_model
+from vllm_specplug.draft_models.mtp_model import MtpConfig, MtpLayer
 from vllm_specplug.training.trainer import HeadTrainer, score_steps
 from vllm_specplug.training.vocab import check_token_ids
 

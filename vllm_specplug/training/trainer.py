@@ -23,8 +23,8 @@ from vllm_specplug.extraction.dataset import HiddenStatesDataset
 from vllm_specplug.extraction.storage import check_writable_dir, write_text_atomic
 from vllm_specplug.training import checkpoint as ckpt
 from vllm_specplug.training.batches import Batch, collate, split_ids
-from vllm_specplug.training.eagle3_model import Eagle3Head, HeadConfig
-from vllm_specplug.training.target import TargetParts
+from vllm_specplug.draft_models.eagle3_model import Eagle3Head, HeadConfig
+from vllm_specplug.draft_models.target import TargetParts
 from vllm_specplug.training.vocab import (DraftVocab, build_draft_vocab,
                                           check_token_ids, count_tokens,
                                           export_token_ranking)

@@ -1,5 +1,6 @@
-"""Registrar run by the plugin: installs the proposer patches and reports the
-registered proposer names."""
+"""Registrar run by the plugin: installs every patch (each one waits for the
+vLLM module it patches to be imported) and reports the registered proposer
+names. It lives here, not in `proposers/`: proposers never touch vLLM."""
 from __future__ import annotations
 
 from vllm_specplug.integration import kernel_overrides

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_specplug.training.layers import (MLP, RMSNorm, init_draft_parameters,
+from vllm_specplug.draft_models.layers import (MLP, RMSNorm, init_draft_parameters,
                                            rope_cos_sin, rope_inv_freq, shift_rows,
                                            split_heads, ttt_attend)
 

@@ -134,7 +134,11 @@ def test_chunked_prefill_prefix_caching_and_preemption_stay_exact(
 @pytest.mark.parametrize("tree_llm", ["chain_k3"], indirect=True)
 def test_chain_acceptance_equals_vllm_eagle3(tree_llm, tiny_model_dir, tiny_eagle3_dir,
                                             eval_prompts):
-    """topk=1 drafts the chain vLLM's eagle3 drafts with the same head and K."""
+    """topk=1 drafts the chain vLLM's eagle3 drafts with the same head and K.
+    Not token-identical drafts: our head runtime and vLLM's model sum in other
+    orders, so a near-tie in the head's argmax may go the other way. The
+    acceptance therefore agrees within 3% (the real-target issue asks 2% on
+    MT-Bench; this checks the mechanism on the tiny head)."""
     from vllm_specplug.training import end_to_end as e2e
 
     def acceptance(llm):
@@ -149,6 +153,7 @@ def test_chain_acceptance_equals_vllm_eagle3(tree_llm, tiny_model_dir, tiny_eagl
     finally:
         shutdown_llm(vllm_llm)
     assert ours.num_drafts > 0
-    assert ours.mean_acceptance_length == pytest.approx(vllm.mean_acceptance_length, rel=0.03)
+    assert ours.mean_acceptance_length == pytest.approx(vllm.mean_acceptance_length, rel=0.03), \
+        (ours.mean_acceptance_length, vllm.mean_acceptance_length)
     for a, b in zip(ours.per_position_acceptance, vllm.per_position_acceptance):
         assert a == pytest.approx(b, abs=0.03)

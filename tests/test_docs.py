@@ -20,7 +20,8 @@ CODE_PATH = re.compile(r"`([\w./-]+\.(?:py|sh|md|txt|json|png|toml))`")
 COMMAND = re.compile(r"vllm-specplug ([a-z][a-z0-9-]+)")
 CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)  # code blocks and inline code
 NOT_COMMANDS = {"proposer"}  # "vllm-specplug proposer 'x' failed ...": quoted log lines
-PLACEHOLDER = re.compile(r"^[A-Z_]+/")           # OUT/..., HEAD/...: not a repo path
+# OUT/..., HEAD/...: placeholders; .gpu/...: written by the staging scripts
+PLACEHOLDER = re.compile(r"^(?:[A-Z_]+|\.gpu)/")
 
 
 def _doc_ids():

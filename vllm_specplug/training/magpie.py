@@ -36,6 +36,7 @@ class MagpieReport:
     num_short: int = 0
     num_duplicates: int = 0
     num_overlapping: dict = field(default_factory=dict)  # set -> dropped for overlap
+    num_unused: int = 0         # sampled after enough prompts were kept
     kept_overlap: dict = field(default_factory=dict)     # set -> shared n-grams kept
     seconds: float = 0.0
 
@@ -105,10 +106,11 @@ def sample_prompts(llm, num_prompts: int, exclude_texts: dict[str, list[str]],
             outputs = _sample(llm, prefix, count, max_tokens, temperature)
             report.num_sampled += count
             for output in outputs:
-                text = output.outputs[0].text.strip()
-                if len(kept) < num_prompts and _keep(text, output.outputs[0], seen,
-                                                     exclude, report):
-                    kept.append(text)
+                if len(kept) == num_prompts:
+                    report.num_unused += 1
+                elif _keep(output.outputs[0].text.strip(), output.outputs[0], seen,
+                           exclude, report):
+                    kept.append(output.outputs[0].text.strip())
                     progress.update(1)
     report.num_kept, report.seconds = len(kept), time.perf_counter() - start
     report.kept_overlap = {name: sum(len(word_ngrams(t) & banned) for t in kept)

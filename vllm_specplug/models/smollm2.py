@@ -114,7 +114,3 @@ def build_smollm2(dtype: str = "bfloat16", cache_dir: Path | None = None) -> Pat
 
     return build_cached(final, build)
 
-
-def gguf_path(cache_dir: Path | None = None) -> Path:
-    """The checked GGUF (fetched if needed)."""
-    return fetch_asset(SMOLLM2_GGUF, cache_dir)

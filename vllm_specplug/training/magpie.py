@@ -15,6 +15,7 @@ Prompts that share any word 8-gram with a benchmark's questions
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+logger = logging.getLogger("vllm_specplug.magpie")
 OVERLAP_N = 8                  # words per n-gram in the overlap check
 MIN_PROMPT_CHARS = 16
 _MARKER = "\x00MAGPIE\x00"
@@ -106,13 +108,16 @@ def sample_prompts(llm, num_prompts: int, exclude_texts: dict[str, list[str]],
             outputs = _sample(llm, prefix, count, max_tokens, temperature)
             report.num_sampled += count
             for output in outputs:
+                sample = output.outputs[0]
                 if len(kept) == num_prompts:
                     report.num_unused += 1
-                elif _keep(output.outputs[0].text.strip(), output.outputs[0], seen,
-                           exclude, report):
-                    kept.append(output.outputs[0].text.strip())
+                elif _keep(sample.text.strip(), sample, seen, exclude, report):
+                    kept.append(sample.text.strip())
                     progress.update(1)
     report.num_kept, report.seconds = len(kept), time.perf_counter() - start
+    if len(kept) < num_prompts:  # the caller goes on with fewer; say so
+        logger.warning("magpie: kept %d of %d prompts after %d rounds (%s)", len(kept),
+                       num_prompts, max_rounds, report.as_dict())
     report.kept_overlap = {name: sum(len(word_ngrams(t) & banned) for t in kept)
                            for name, banned in exclude.items()}
     return kept, report

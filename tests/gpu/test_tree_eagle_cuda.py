@@ -1,7 +1,8 @@
-"""Tree EAGLE on a CUDA GPU (issue 15): our tree attention runs in vLLM's CUDA
-attention backend inside captured graphs, and the output equals no
-speculation. The recorded 60-prompt run is `benchmarks/gpu/bench_tree_cuda.py
-tiny` (docs/results/tree_cuda_h100.txt); this is the regression check.
+"""Tree EAGLE on a CUDA GPU (issues 15, 26): `specplug_eagle3` chains and
+trees run on Model Runner V2 with async scheduling (`SpecplugV2HeadSpeculator`),
+our tree attention runs in vLLM's CUDA attention backend inside captured
+graphs, and the output equals no speculation. The benchmark is `vllm-specplug
+bench offline` (docs/results/); this is the regression check.
 
 Run on the staged GPU host (docs/gpu.md) with the tiny model, its head and
 prompts in `$SPECPLUG_GPU_WORK` (`bench_model_runner_v2.py prepare` and
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_model_runner_v2 import _engine, _outputs, baseline, prompts, work  # noqa: F401
+from tests.gpu.test_model_runner_v2 import (V2_RUNNER, _engine, _outputs, baseline,  # noqa: F401
+                                            prompts, work)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -21,29 +23,45 @@ pytestmark = pytest.mark.skipif(
 
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25}
+CHAIN = {"method": "specplug_eagle3", "topk": 1, "num_steps": 5, "num_draft_tokens": 6}
+# accepted tokens per drafting step a trained head reaches on held-out
+# prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
+MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5}
 
 
-@pytest.fixture(scope="module")
-def tree_run(work, prompts):  # noqa: F811
+@pytest.fixture(scope="module", params=["tree", "chain"])
+def tree_run(request, work, prompts):  # noqa: F811
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 
     head = work / "tiny-eagle3"
     if not (head / "model.safetensors").exists():
         pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
-    llm = _engine(work, {**TREE, "model": str(head)}, dtype="float32",
+    spec = TREE if request.param == "tree" else CHAIN
+    llm = _engine(work, {**spec, "model": str(head)}, dtype="float32",
                   compilation_config={"max_cudagraph_capture_size": 1024})
     try:
         outputs = _outputs(llm, prompts)
         counts = read_spec_decode_counts(llm)
         state = llm.collective_rpc("specplug_tree_attention_state")[0]
-        yield outputs, counts, state
+        runner = llm.collective_rpc("specplug_runner_state")[0]
+        yield request.param, outputs, counts, state, runner
     finally:
         shutdown_llm(llm)
 
 
+def test_eagle3_runs_on_model_runner_v2_with_async_scheduling(tree_run):
+    _, _, _, _, runner = tree_run
+    assert runner["runner"] == V2_RUNNER, runner
+    assert runner["speculator"] == "SpecplugV2HeadSpeculator", runner
+    assert runner["async_scheduling"], runner
+
+
 def test_tree_attention_runs_in_the_cuda_backend(tree_run):
-    _, _, state = tree_run
+    kind, _, _, state, _ = tree_run
+    if kind == "chain":  # chains verify causally: no tree attention at all
+        assert not state["active"], state
+        return
     assert state["active"] and state["impl"] == "TritonAttentionImpl", state
     assert state["masked_steps"] > 0, state
 
@@ -53,13 +71,14 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
     baseline's own fp32 near-ties, as for every method (test_model_runner_v2)."""
     from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences
 
-    outputs, counts, _ = tree_run
+    kind, outputs, counts, _, _ = tree_run
     alone = [i for i, (a, b) in enumerate(zip(baseline["alone"], outputs["alone"])) if a != b]
     assert not alone, alone
     found = divergences(baseline["batched"], outputs["batched"], baseline["gaps"])
     assert all(d["gap"] < NEAR_TIE_GAP for d in found) and len(found) <= 2, found
-    # a trained head on held-out prompts: trees accept several tokens a step
-    assert counts.num_drafts and counts.num_accepted_tokens > 2 * counts.num_drafts, counts
+    # a trained head on held-out prompts accepts several tokens a step
+    assert counts.num_drafts, counts
+    assert counts.num_accepted_tokens > MIN_ACCEPTED[kind] * counts.num_drafts, counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -57,12 +57,8 @@ def test_buffers_then_backend_hook_equal_the_reference(device):
     assert buffers.num_masked == 2  # the chain is left to the backend
     kv_cache, block_table, query = setup(step, device)
     output = torch.full_like(query, 5.0)
-    cta.activate(buffers)
-    try:
-        cta.after_backend_forward(impl(), query, kv_cache, SimpleNamespace(
-            block_table=block_table), output)
-    finally:
-        cta.activate(None)
+    cta.after_backend_forward(impl(specplug_tree_rows=buffers), query, kv_cache,
+                              SimpleNamespace(block_table=block_table), output)
     first, counts = [0] * 4, [0] * 4
     dense = torch.zeros(4, 6, 6, dtype=torch.bool)
     for r in step.masked():
@@ -108,13 +104,10 @@ def test_unsupported_layer_features_are_named(device):
     buffers = cta.TreeAttentionBuffers(8, 6, device)
     buffers.update(step)
     kv_cache, block_table, query = setup(step, device)
-    cta.activate(buffers)
-    try:
-        with pytest.raises(TreeAttentionUnsupported, match="sliding window"):
-            cta.after_backend_forward(impl(sliding_window=(127, 0)), query, kv_cache,
-                                      SimpleNamespace(block_table=block_table), query)
-    finally:
-        cta.activate(None)
+    with pytest.raises(TreeAttentionUnsupported, match="sliding window"):
+        cta.after_backend_forward(impl(sliding_window=(127, 0), specplug_tree_rows=buffers),
+                                  query, kv_cache, SimpleNamespace(block_table=block_table),
+                                  query)
 
 
 def test_compaction_moves_whole_tokens_in_the_logical_layout(device):

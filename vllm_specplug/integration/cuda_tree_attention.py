@@ -6,7 +6,8 @@ sequential slot and attends causally); then our kernel (`kernels/
 tree_attention.py`) rewrites the rows of this step's non-chain trees. Its
 inputs live in persistent buffers (`TreeAttentionBuffers`), filled once per
 step by the runner patch, so the launch can be captured in a FULL CUDA graph:
-at replay the kernel reads the step's trees from the same addresses, and
+at replay the kernel reads the step's trees from the same addresses (each
+attention layer's impl holds the buffers: `attach`), and
 rows without a tree (chains, requests without drafts, batch padding) have
 `num_nodes = 0`, which the kernel skips.
 
@@ -39,6 +40,7 @@ class TreeAttentionBuffers:
         self.metadata = TreeAttentionMetadata(*(t.to(device) for t in vars(self.host).values()))
         self.num_masked = 0
         self.masked_steps = 0  # steps that had a non-chain tree (tests, benchmarks)
+        self.compiled: set[tuple] = set()  # layer shapes the kernel has been launched for
         self._rows_dirty = 0  # rows that may hold a tree: cleared on the next update
 
     @property
@@ -90,25 +92,34 @@ def ancestor_words(parent_ids: list[np.ndarray], max_nodes: int, num_words: int)
 
 
 DECODER = "decoder"  # vLLM's AttentionType.DECODER: self-attention over the request's tokens
-_ACTIVE: TreeAttentionBuffers | None = None
-_COMPILED: set[tuple] = set()  # layer shapes the kernel has been launched for
+TREE_ROWS_ATTR = "specplug_tree_rows"  # set on each attention impl by `attach`
 
 
-def activate(buffers: TreeAttentionBuffers | None) -> None:
-    """Tree attention runs in this process's CUDA attention layers (None: off)."""
-    global _ACTIVE
-    _ACTIVE = buffers
+def attach(layers: dict, buffers) -> int:
+    """Tree attention in these attention layers (vLLM's static forward
+    context: name -> layer): each layer's impl reads `buffers` (a
+    `TreeAttentionBuffers`, or Model Runner V2's `TreeSlots`); None turns it
+    off. Returns how many layers were attached."""
+    count = 0
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if impl is not None:
+            setattr(impl, TREE_ROWS_ATTR, buffers)
+            count += 1
+    return count
 
 
-def active() -> TreeAttentionBuffers | None:
-    return _ACTIVE
+def attached(layers: dict):
+    """The buffers the first attention layer reads (None: tree attention off)."""
+    impl = next((getattr(m, "impl") for m in layers.values() if hasattr(m, "impl")), None)
+    return getattr(impl, TREE_ROWS_ATTR, None)
 
 
 def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
     """Called after a CUDA backend's `forward`: tree rows get tree attention.
     Launched during CUDA-graph capture even with no tree (the graph must
     contain the launch for the steps it will replay)."""
-    buffers = _ACTIVE
+    buffers = getattr(impl, TREE_ROWS_ATTR, None)
     if (buffers is None or attn_metadata is None or kv_cache is None
             or getattr(impl, "attn_type", DECODER) != DECODER):
         return
@@ -116,10 +127,10 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
     # vLLM's warm-up runs, never inside a stream capture.
     key = (query.dtype, kv_cache.dtype, impl.num_heads, impl.num_kv_heads, impl.head_size,
            kv_cache.shape[2])
-    if (buffers.num_masked == 0 and key in _COMPILED
+    if (buffers.num_masked == 0 and key in buffers.compiled
             and not torch.cuda.is_current_stream_capturing()):
         return
-    _COMPILED.add(key)
+    buffers.compiled.add(key)
     check_supported(impl)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
     num_reqs = min(attn_metadata.block_table.shape[0], buffers.max_num_reqs)

@@ -1,5 +1,6 @@
-"""The drafters vLLM instantiates for `specplug_eagle3` and `specplug_mtp`
-(through `custom_class`).
+"""The V1 runner's drafters for `specplug_eagle3` and `specplug_mtp` (vLLM
+instantiates them through `custom_class`), thin adapters over the shared
+`HeadDrafter` (head_drafter.py); Model Runner V2's is `v2/head_speculator.py`.
 
 Per step (after verification, in the worker): every request's newly verified
 positions go into the head (an EAGLE-3 head, or the target's MTP layer) with
@@ -14,58 +15,34 @@ head costs speculation, never the engine.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from vllm_specplug.integration import tree_step
-from vllm_specplug.integration.config import selection_of
-from vllm_specplug.integration.guard import ProposerGuard
-from vllm_specplug.proposers.draft_layers import MtpDraftLayer, cast_parameters
-from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions, chain_parents
+from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
-from vllm_specplug.proposers.eagle3_loading import load_head
-from vllm_specplug.proposers.mtp import MtpTreeOptions
-
-logger = logging.getLogger("vllm_specplug.tree_drafter")
 
 
 class TreeEagleDrafter:
-    options_cls = Eagle3TreeOptions
-    # target layers whose hidden states the head reads (None: the last one)
-    aux_layer_ids: tuple[int, ...] | None
+    """The V1 runner's adapter over `HeadDrafter` (head_drafter.py)."""
 
     def __init__(self, vllm_config) -> None:
-        selection = selection_of(vllm_config.speculative_config)
-        if selection is None:
-            raise RuntimeError("vllm-specplug tree drafter created without a proposer "
-                               "selection: the plugin must be loaded in the front end")
-        self.method = selection.method
-        self.options = self.options_cls(**selection.options)
+        self.drafter = HeadDrafter(vllm_config)
+        self.method, self.options = self.drafter.method, self.drafter.options
+        self.guard = self.drafter.guard
+        self.aux_layer_ids = self.drafter.aux_layer_ids
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        self.device = torch.device(str(vllm_config.device_config.device))
-        self.cuda_graphs = (self.device.type == "cuda" and self.options.draft_cudagraph
-                            and not vllm_config.model_config.enforce_eager)
-        self.draft_dtype = (vllm_config.model_config.dtype if self.options.draft_dtype == "auto"
-                            else getattr(torch, self.options.draft_dtype))
-        self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
-        source = self._load_drafter(vllm_config)
+        self.device = self.drafter.device
         self.head: HeadRuntime | None = None
         # {req_id: (node token ids without the root, parents with the root)}
         self.trees: dict[str, tuple[list[int], np.ndarray]] = {}
         # Benchmarks only (cost sweeps): verify the first N nodes of each
         # drafted tree, as a tree or re-linked as a chain (`set_draft_shape`).
         self.draft_shape: tuple[int, bool] | None = None
-        logger.info("vllm-specplug %s: %s, topk=%d num_steps=%d num_draft_tokens=%d, %s",
-                    self.method, source, self.options.topk, self.options.num_steps,
-                    self.options.num_draft_tokens, self.draft_dtype)
-
-    def _load_drafter(self, vllm_config) -> str:
-        self.head_model = load_head(self.options.model)
-        self.aux_layer_ids = tuple(self.head_model.config.aux_layer_ids)
-        return f"head {self.options.model}"
+        # CUDA tree attention's buffers (set up by the runner patch, trees only)
+        self.tree_buffers = None
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -73,13 +50,7 @@ class TreeEagleDrafter:
 
     def load_model(self, target_model) -> None:
         """The head shares the target's token embedding (as vLLM's eagle3)."""
-        head = cast_parameters(self.head_model.to(self.device), self.draft_dtype)
-        self._make_runtime(head, target_model)
-
-    def _make_runtime(self, drafter, target_model) -> None:
-        self.head = HeadRuntime(drafter, target_model.embed_input_ids,
-                                self.options.draft_temperature, num_slots=self.max_num_seqs,
-                                cuda_graphs=self.cuda_graphs)
+        self.head = self.drafter.load_model(target_model, self.max_num_seqs)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
@@ -92,9 +63,8 @@ class TreeEagleDrafter:
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         """[num_tokens, *] what the head reads per token (None: not there)."""
-        if aux_hidden_states is None:
-            return None
-        return torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+        return self.drafter.target_hidden(hidden_states, aux_hidden_states,
+                                          slice(0, num_tokens))
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
                            hidden_states, aux_hidden_states) -> list[list[int]]:
@@ -183,30 +153,7 @@ class TreeEagleDrafter:
 
 
 class TreeMtpDrafter(TreeEagleDrafter):
-    """`specplug_mtp`: the target's own MTP layer (MiMo layout, read from the
-    target's checkpoint) drafts the trees, from the target's last hidden
-    state (the runner's model output: MiMo returns it before the final norm,
-    as the MTP layer expects)."""
-    options_cls = MtpTreeOptions
-
-    def _load_drafter(self, vllm_config) -> str:
-        from vllm_specplug.draft_models.mtp_checkpoint import read_mtp_tensors
-        from vllm_specplug.draft_models.mtp_model import MtpConfig, MtpLayer
-        from vllm_specplug.draft_models.target import TargetParts
-
-        model_dir = vllm_config.model_config.model
-        target = TargetParts.load(model_dir)
-        tensors, _ = read_mtp_tensors(model_dir)
-        self.mtp_layer = MtpLayer(MtpConfig.from_target(target.config))
-        self.mtp_layer.load_checkpoint_tensors(tensors, 0)
-        self.lm_head_weight = target.lm_head_weight
-        self.aux_layer_ids = None
-        return f"MTP layer 0 of {model_dir}"
-
-    def load_model(self, target_model) -> None:
-        layer = cast_parameters(self.mtp_layer.to(self.device), self.draft_dtype)
-        self._make_runtime(MtpDraftLayer(layer, self.lm_head_weight.to(self.device)),
-                           target_model)
-
-    def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
-        return None if hidden_states is None else hidden_states[:num_tokens]
+    """`specplug_mtp`: the target's own MTP layer drafts the trees (its
+    loading is `MtpTreeProposer.load_drafter`), from the target's last hidden
+    state (MiMo returns it before the final norm, as the MTP layer expects).
+    The same adapter; a name of its own for configs that name it."""

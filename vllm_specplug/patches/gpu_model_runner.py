@@ -64,7 +64,7 @@ def _prepare_inputs(original):
         if isinstance(drafter, TreeEagleDrafter):
             step = tree_step.build_step(self, scheduler_output, drafter.trees)
             tree_step.set_current(step)
-            buffers = cuda_tree_attention.active()
+            buffers = drafter.tree_buffers
             if buffers is not None:
                 buffers.update(step)
             PROFILER.mark("inputs_ready", len(step.num_computed), step.num_tokens)
@@ -95,8 +95,11 @@ def _setup_aux_hidden_states(original):
         self.rejection_sampler = TreeRejectionSampler(
             self.sampler, self.speculative_config, self.device, self)
         if self.device.type == "cuda" and drafter.options.topk > 1:
-            cuda_tree_attention.activate(cuda_tree_attention.TreeAttentionBuffers(
-                self.max_num_reqs, drafter.options.num_draft_tokens, self.device))
+            drafter.tree_buffers = cuda_tree_attention.TreeAttentionBuffers(
+                self.max_num_reqs, drafter.options.num_draft_tokens, self.device)
+            cuda_tree_attention.attach(
+                self.vllm_config.compilation_config.static_forward_context,
+                drafter.tree_buffers)
 
     return setup
 

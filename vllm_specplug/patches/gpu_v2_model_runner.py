@@ -1,14 +1,19 @@
 """Patches of `vllm.v1.worker.gpu.model_runner` (Model Runner V2, CUDA):
-`init_speculator` (as imported there) and two `GPUModelRunner` methods.
+`init_speculator` (as imported there) and three `GPUModelRunner` methods.
 
 Why: Model Runner V2 builds its speculator from a fixed list of methods
 (`v1/worker/gpu/spec_decode/__init__.py::init_speculator`) with no registry,
 and reports drafts to the scheduler as K placeholders per request. When the
-speculative config selects one of our proposers we build our
-`SpecplugV2Speculator` instead, and report the true draft lengths: to the
-sync scheduler as the drafts themselves (`take_draft_token_ids`), to the
-async one on the step output (`sample_tokens`, read by
-`SpecplugAsyncScheduler`). Every other method runs vLLM's code untouched.
+speculative config selects one of our proposers we build ours instead:
+`SpecplugV2Speculator` for model-free proposers, `SpecplugV2HeadSpeculator`
+for tree methods (`specplug_eagle3`, `specplug_mtp`). For the first we report
+the true draft lengths: to the sync scheduler as the drafts themselves
+(`take_draft_token_ids`), to the async one on the step output
+(`sample_tokens`, read by `SpecplugAsyncScheduler`). The second needs the
+target: `load_model` hands it over once loaded (vLLM does so only for its own
+`DraftModelSpeculator`s) and switches on the target's auxiliary hidden states
+for EAGLE-3 heads (vLLM decides that from a fixed list of methods). Every
+other method runs vLLM's code untouched.
 """
 from __future__ import annotations
 
@@ -27,10 +32,16 @@ def _ours(runner):
 def _init_speculator(original):
     def init_speculator(vllm_config, device, req_states):
         from vllm_specplug.integration.config import selection_of
+        from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
         from vllm_specplug.integration.v2_speculator import SpecplugV2Speculator
+        from vllm_specplug.proposers.eagle3 import TreeProposer
+        from vllm_specplug.registry import get_proposer_class
 
-        if selection_of(vllm_config.speculative_config) is None:
+        selection = selection_of(vllm_config.speculative_config)
+        if selection is None:
             return original(vllm_config, device, req_states)
+        if issubclass(get_proposer_class(selection.method), TreeProposer):
+            return SpecplugV2HeadSpeculator(vllm_config, device, req_states)
         return SpecplugV2Speculator(vllm_config, device, req_states)
 
     return init_speculator
@@ -69,6 +80,34 @@ def _sample_tokens(original):
     return sample_tokens
 
 
+def _load_model(original):
+    def load_model(self, *args, **kwargs):
+        from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+
+        result = original(self, *args, **kwargs)
+        speculator = getattr(self, "speculator", None)
+        if isinstance(speculator, SpecplugV2HeadSpeculator):
+            if speculator.aux_layer_ids is not None:
+                _set_aux_layers(self, speculator.method, speculator.aux_layer_ids)
+            speculator.attach(self.model, self.model_state,
+                              self.vllm_config.compilation_config.static_forward_context)
+        return result
+
+    return load_model
+
+
+def _set_aux_layers(runner, method: str, layer_ids: tuple[int, ...]) -> None:
+    """The target returns the hidden states of `layer_ids` beside its output
+    (vLLM's `SupportsEagle3`), and the runner unpacks them."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if not supports_eagle3(runner.model):
+        raise RuntimeError(f"{method}: the target {type(runner.model).__name__} does not "
+                           "expose auxiliary hidden states (vLLM's SupportsEagle3 interface)")
+    runner.model.set_aux_hidden_state_layers(layer_ids)
+    runner.use_aux_hidden_state_outputs = True
+
+
 def install() -> list[str]:
     import vllm.v1.worker.gpu.model_runner as module
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -81,5 +120,7 @@ def install() -> list[str]:
     patch_registry.apply(GPUModelRunner, "sample_tokens",
                          _sample_tokens(GPUModelRunner.sample_tokens),
                          reason="draft lengths for SpecplugAsyncScheduler")
+    patch_registry.apply(GPUModelRunner, "load_model", _load_model(GPUModelRunner.load_model),
+                         reason="hand the target to vllm-specplug's tree drafter")
     return [f"patch:{MODULE}.init_speculator", "patch:GPUModelRunner(V2).take_draft_token_ids",
-            "patch:GPUModelRunner(V2).sample_tokens"]
+            "patch:GPUModelRunner(V2).sample_tokens", "patch:GPUModelRunner(V2).load_model"]

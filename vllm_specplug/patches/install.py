@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from vllm_specplug.integration import kernel_overrides
 from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, flash_attn,
-                                   gpu_model_runner, gpu_v2_model_runner, triton_attn)
+                                   gpu_model_runner, gpu_v2_model_runner, gpu_v2_model_states,
+                                   triton_attn)
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -25,4 +26,5 @@ def register_proposers() -> list[str]:
         when_imported(backend.MODULE, backend.install)
     # Model Runner V2 (CUDA only; never imported on the CPU platform).
     when_imported(gpu_v2_model_runner.MODULE, gpu_v2_model_runner.install)
+    when_imported(gpu_v2_model_states.MODULE, gpu_v2_model_states.install)
     return items + [f"proposer:{name}" for name in available_proposers()]

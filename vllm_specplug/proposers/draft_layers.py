@@ -103,3 +103,36 @@ class MtpDraftLayer:
 
 def as_draft_layer(head) -> Eagle3DraftLayer | MtpDraftLayer:
     return Eagle3DraftLayer(head) if isinstance(head, Eagle3Head) else head
+
+
+class LoadedDrafter:
+    """A tree method's one-layer drafter, read from disk on the host before
+    the target exists: what both runners' drafters share. `build` puts it on
+    the device in the drafter's dtype, with the target's modules it borrows."""
+
+    def __init__(self, description: str, aux_layer_ids: tuple[int, ...] | None,
+                 module: torch.nn.Module, lm_head_weight: torch.Tensor | None = None):
+        self.description = description
+        # target layers whose hidden states it reads (None: the last hidden state)
+        self.aux_layer_ids = aux_layer_ids
+        self.module = module
+        self.lm_head_weight = lm_head_weight  # MTP: the target's [V, H]
+
+    def build(self, device: torch.device, dtype: torch.dtype):
+        """An `Eagle3Head` or an `MtpDraftLayer` on `device`, weights in `dtype`."""
+        module = cast_parameters(self.module.to(device), dtype)
+        if self.lm_head_weight is None:
+            return module
+        return MtpDraftLayer(module, self.lm_head_weight.to(device))
+
+    def target_hidden(self, hidden_states: torch.Tensor | None,
+                      aux_hidden_states: list[torch.Tensor] | None,
+                      rows: torch.Tensor | slice) -> torch.Tensor | None:
+        """[len(rows), *] what the drafter reads at the target's token `rows`
+        (EAGLE-3: its auxiliary layers, concatenated; MTP: the last hidden
+        state); None where the runner did not produce it."""
+        if self.aux_layer_ids is None:
+            return None if hidden_states is None else hidden_states[rows]
+        if aux_hidden_states is None:
+            return None
+        return torch.cat([h[rows] for h in aux_hidden_states], dim=-1)

@@ -147,14 +147,19 @@ class TreeProposer(Proposer):
     token-history `propose` of model-free methods."""
     options_cls: ClassVar[type[ProposerOptions]] = TreeOptions
     uses_hidden_states: ClassVar[bool] = True
-    # Trees need the V1 runner's patches (positions, attention, verification).
-    runs_on_model_runner_v2: ClassVar[bool] = False
+    # Model Runner V2 on CUDA (integration/v2/), the V1 runner elsewhere.
+    runs_on_model_runner_v2: ClassVar[bool] = True
 
     @classmethod
     def vllm_num_speculative_tokens(cls, options: TreeOptions,
                                     num_speculative_tokens: int | None) -> int:
         """What vLLM's scheduler must allow per step: every tree node but the root."""
         return options.resolved(num_speculative_tokens).num_draft_tokens - 1
+
+    @classmethod
+    def load_drafter(cls, options: TreeOptions, target_dir: str):
+        """The method's one-layer drafter (`draft_layers.LoadedDrafter`)."""
+        raise NotImplementedError
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         raise ProposerConfigError(
@@ -170,6 +175,15 @@ class Eagle3TreeProposer(TreeProposer):
     @classmethod
     def check_target(cls, name: str, options: Eagle3TreeOptions, target_hf) -> None:
         check_head_fits_target(name, options, target_hf)
+
+    @classmethod
+    def load_drafter(cls, options: Eagle3TreeOptions, target_dir: str):
+        """The head directory's EAGLE-3 head (`LoadedDrafter`), in float32."""
+        from vllm_specplug.proposers.draft_layers import LoadedDrafter
+        from vllm_specplug.proposers.eagle3_loading import load_head
+
+        head = load_head(options.model)
+        return LoadedDrafter(f"head {options.model}", tuple(head.config.aux_layer_ids), head)
 
 
 def chain_parents(num_nodes: int) -> np.ndarray:

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 
 from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView, HeadCachePool
-from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout,
-                                                  run_draft_pass, run_ingest_pass)
+from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, keys_bucket,
+                                                  padded, padded_batch, run_draft_pass,
+                                                  run_ingest_pass)
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, flatten_draft_steps,
                                                    next_beam)
@@ -111,14 +112,6 @@ class HeadRuntime:
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.layer.logits(out)
 
-    def _pool_for(self, like: torch.Tensor) -> HeadCachePool:
-        if self.pool is None:
-            layer = self.layer
-            self.pool = HeadCachePool(layer.num_kv_heads, layer.head_dim, layer.hidden_size,
-                                      layer.logits_size, like.dtype, like.device,
-                                      self.num_slots)
-        return self.pool
-
     @torch.inference_mode()
     def ingest(self, req_id: str, target_hidden: torch.Tensor, next_token_ids: torch.Tensor,
                positions: torch.Tensor) -> None:
@@ -147,12 +140,30 @@ class HeadRuntime:
                 run_ingest_pass(self.graphs, self._ingest_pass, pool, layout,
                                 target_hidden, next_token_ids)
                 return
-        hidden = self.layer.input_hidden(target_hidden)
-        q, k, v, base = self._qkv(self._embed(next_token_ids), hidden,
-                                  positions.to(hidden.device))
-        pool = self._pool_for(q)
-        starts = np.array([0, *itertools.accumulate(counts)])
+        if pool is None:
+            pool = self.make_pool(self.num_slots, self.layer.dtype, target_hidden.device)
         slots, new = pool.assign(req_ids)
+        self.ingest_slots(slots, new, target_hidden, next_token_ids, host_positions, counts)
+
+    def make_pool(self, num_slots: int, dtype: torch.dtype, device) -> HeadCachePool:
+        """The cache pool, made now (the first ingest makes it otherwise)."""
+        layer = self.layer
+        self.pool = HeadCachePool(layer.num_kv_heads, layer.head_dim, layer.hidden_size,
+                                  layer.logits_size, dtype, device, num_slots)
+        return self.pool
+
+    @torch.inference_mode()
+    def ingest_slots(self, slots: np.ndarray, new: np.ndarray, target_hidden: torch.Tensor,
+                     next_token_ids: torch.Tensor, host_positions: np.ndarray,
+                     counts: list[int]) -> None:
+        """Ragged ingest into given pool slots ([R] host; `new` [R] bool: the
+        slot forgets what it held), `counts[r]` rows each, positions on the
+        host ([T]). Eager: prefills, new requests. Rows as `ingest_many`."""
+        hidden = self.layer.input_hidden(target_hidden)
+        positions = torch.from_numpy(host_positions).to(hidden.device)
+        q, k, v, base = self._qkv(self._embed(next_token_ids), hidden, positions)
+        pool = self.pool
+        starts = np.array([0, *itertools.accumulate(counts)])
         cuts = np.where(new, 0, host_positions[starts[:-1]])  # a new slot forgets all
         pool.store(slots, cuts, np.repeat(slots, counts), host_positions, k, v)
         attn = torch.empty_like(q)
@@ -165,6 +176,28 @@ class HeadRuntime:
         last = starts[1:] - 1
         pool.set_last(torch.from_numpy(slots).to(pool.device), out[last],
                       self._logits(out[last]))
+
+    @torch.inference_mode()
+    def ingest_padded(self, slots: torch.Tensor, target_hidden: torch.Tensor,
+                      next_token_ids: torch.Tensor, positions: torch.Tensor,
+                      cuts: torch.Tensor, max_position: int) -> None:
+        """A decode ingest given on the device, already padded by repetition
+        (`_ingest_pass`'s layout: slots [P], rows [P * R], positions [P, R],
+        cuts [P]); `max_position` bounds the positions from above (host).
+        The batch is padded to a capture size and replays a graph."""
+        pool = self.pool
+        pool.reserve(0, max_position + 1)  # before the key: a reallocation voids the graphs
+        num_keys = keys_bucket(max_position + 1, pool.capacity)
+        size, rows = padded_batch(slots.shape[0]), positions.shape[1]
+        inputs = [padded(slots, size),
+                  padded(target_hidden.view(slots.shape[0], rows, -1), size).flatten(0, 1),
+                  padded(next_token_ids.view(-1, rows), size).flatten(),
+                  padded(positions, size), padded(cuts, size)]
+        ran = self.graphs is not None and self.graphs.run(
+            pool.version, ("ingest", size, rows, num_keys), self._ingest_pass, inputs,
+            num_keys)[0]
+        if not ran:
+            self._ingest_pass(*inputs, num_keys)
 
     def _ingest_pass(self, slots: torch.Tensor, target_hidden: torch.Tensor,
                      next_token_ids: torch.Tensor, positions: torch.Tensor,
@@ -249,12 +282,21 @@ class HeadRuntime:
         pool = self.pool
         slots = np.array([pool.slot_of[r] for r in req_ids], dtype=np.int64)
         num_keys = int(pool.last_positions[slots].max()) + 1
+        return self.draft_slots(torch.from_numpy(slots).to(pool.device), root_token_ids,
+                                root_positions, num_keys, topk, num_steps, num_draft_tokens)
+
+    @torch.inference_mode()
+    def draft_slots(self, slots: torch.Tensor, root_token_ids: torch.Tensor,
+                    root_positions: torch.Tensor, num_keys: int, topk: int, num_steps: int,
+                    num_draft_tokens: int) -> DraftTree:
+        """`draft_trees` for pool slots [B] on the device, reading cached
+        positions < num_keys (a host upper bound: no sync)."""
         shape = (topk, num_steps, num_draft_tokens)
         if self.graphs is not None:
-            return run_draft_pass(self.graphs, self._draft_pass, pool, slots, root_token_ids,
-                                  root_positions, num_keys, shape)
-        return self._draft_pass(torch.from_numpy(slots).to(pool.device), root_token_ids,
-                                root_positions, num_keys, *shape)
+            return run_draft_pass(self.graphs, self._draft_pass, self.pool, slots,
+                                  root_token_ids, root_positions, num_keys, shape)
+        return self._draft_pass(slots, root_token_ids, root_positions,
+                                min(num_keys, self.pool.capacity), *shape)
 
     def _draft_pass(self, slots: torch.Tensor, root_token_ids: torch.Tensor,
                     root_positions: torch.Tensor, num_keys: int, topk: int, num_steps: int,

@@ -132,20 +132,19 @@ class PassGraphs:
 
 
 def run_draft_pass(graphs: PassGraphs, draft_pass: Callable[..., DraftTree], pool,
-                   slots: np.ndarray, root_token_ids: torch.Tensor,
+                   slots: torch.Tensor, root_token_ids: torch.Tensor,
                    root_positions: torch.Tensor, num_keys: int,
                    shape: tuple[int, int, int]) -> DraftTree:
-    """A drafting pass for `slots` (host [B]), the batch padded to a capture
-    size by repeating its last request, replayed from its graph (eager if
-    none could be captured)."""
+    """A drafting pass for pool `slots` ([B] on the device), the batch padded
+    to a capture size by repeating its last request, replayed from its graph
+    (eager if none could be captured)."""
     num_keys = keys_bucket(num_keys, pool.capacity)
-    slot_ids = torch.from_numpy(slots).to(pool.device)
-    batch, size = len(slots), padded_batch(len(slots))
-    inputs = [padded(t, size) for t in (slot_ids, root_token_ids, root_positions)]
+    batch, size = slots.shape[0], padded_batch(slots.shape[0])
+    inputs = [padded(t, size) for t in (slots, root_token_ids, root_positions)]
     ok, tree = graphs.run(pool.version, ("draft", size, num_keys, shape), draft_pass, inputs,
                           num_keys, *shape)
     if not ok:
-        return draft_pass(slot_ids, root_token_ids, root_positions, num_keys, *shape)
+        return draft_pass(slots, root_token_ids, root_positions, num_keys, *shape)
     return DraftTree(**{f.name: getattr(tree, f.name)[:batch]
                         for f in dataclasses.fields(DraftTree)})
 

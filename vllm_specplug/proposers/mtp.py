@@ -44,3 +44,18 @@ class MtpTreeProposer(TreeProposer):
                 "DATA --out DIR` and serve DIR (built-in: `vllm-specplug build-model "
                 "tiny-mtp`)")
         check_tree_attention_fits(name, options, target_hf)
+
+    @classmethod
+    def load_drafter(cls, options: MtpTreeOptions, target_dir: str):
+        """MTP layer 0 of the target's checkpoint, with the target's lm_head."""
+        from vllm_specplug.draft_models.mtp_checkpoint import read_mtp_tensors
+        from vllm_specplug.draft_models.mtp_model import MtpConfig, MtpLayer
+        from vllm_specplug.draft_models.target import TargetParts
+        from vllm_specplug.proposers.draft_layers import LoadedDrafter
+
+        target = TargetParts.load(target_dir)
+        tensors, _ = read_mtp_tensors(target_dir)
+        layer = MtpLayer(MtpConfig.from_target(target.config))
+        layer.load_checkpoint_tensors(tensors, 0)
+        return LoadedDrafter(f"MTP layer 0 of {target_dir}", None, layer,
+                             target.lm_head_weight)

@@ -80,8 +80,8 @@ class SpecplugProbe:
         backend of the first layer, and the trees it has seen (masked steps)."""
         from vllm_specplug.integration import cuda_tree_attention
 
-        buffers = cuda_tree_attention.active()
         layers = self.model_runner.vllm_config.compilation_config.static_forward_context
+        buffers = cuda_tree_attention.attached(layers)
         impl = next((getattr(m, "impl", None) for m in layers.values()
                      if hasattr(m, "impl")), None)
         return {"active": buffers is not None,

@@ -1,0 +1,71 @@
+"""A tree method's drafter as both model runners drive it.
+
+`specplug_eagle3` and `specplug_mtp` draft EAGLE-2 trees with a one-layer
+drafter (an EAGLE-3 head, or the target's MTP layer) run by `HeadRuntime`
+(proposers/eagle3_head.py). What does not depend on the runner lives here,
+once: the selection and its options, the fault guard, loading the drafter
+(the proposer class says how: `load_drafter`), the drafter's dtype and CUDA
+graphs, and the runtime, made when the target is loaded (it borrows the
+target's token embedding, as vLLM's eagle3 does). The two runner adapters
+only translate their runner's batch state into the runtime's calls:
+`tree_drafter.py` (V1 runner, CPU) and `v2/head_speculator.py` (Model Runner
+V2, CUDA).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_specplug.integration.config import selection_of
+from vllm_specplug.integration.guard import ProposerGuard
+from vllm_specplug.proposers.eagle3_head import HeadRuntime
+from vllm_specplug.registry import get_proposer_class
+
+logger = logging.getLogger("vllm_specplug.tree_drafter")
+
+
+class HeadDrafter:
+    def __init__(self, vllm_config) -> None:
+        selection = selection_of(vllm_config.speculative_config)
+        if selection is None:
+            raise RuntimeError("vllm-specplug tree drafter created without a proposer "
+                               "selection: the plugin must be loaded in the front end")
+        self.method = selection.method
+        proposer_cls = get_proposer_class(self.method)
+        self.options = proposer_cls.options_cls(**selection.options)
+        self.device = torch.device(str(vllm_config.device_config.device))
+        self.cuda_graphs = (self.device.type == "cuda" and self.options.draft_cudagraph
+                            and not vllm_config.model_config.enforce_eager)
+        self.draft_dtype = (vllm_config.model_config.dtype if self.options.draft_dtype == "auto"
+                            else getattr(torch, self.options.draft_dtype))
+        self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
+        self.loaded = proposer_cls.load_drafter(self.options, vllm_config.model_config.model)
+        self.runtime: HeadRuntime | None = None
+        logger.info("vllm-specplug %s: %s, topk=%d num_steps=%d num_draft_tokens=%d, %s",
+                    self.method, self.loaded.description, self.options.topk,
+                    self.options.num_steps, self.options.num_draft_tokens, self.draft_dtype)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...] | None:
+        """Target layers the drafter reads (None: the last hidden state)."""
+        return self.loaded.aux_layer_ids
+
+    @property
+    def is_tree(self) -> bool:
+        return self.options.topk > 1
+
+    @property
+    def tree_shape(self) -> tuple[int, int, int]:
+        return self.options.topk, self.options.num_steps, self.options.num_draft_tokens
+
+    def load_model(self, target_model, num_slots: int) -> HeadRuntime:
+        """The runtime on the device, sharing the target's token embedding."""
+        layer = self.loaded.build(self.device, self.draft_dtype)
+        self.runtime = HeadRuntime(layer, target_model.embed_input_ids,
+                                   self.options.draft_temperature, num_slots=num_slots,
+                                   cuda_graphs=self.cuda_graphs)
+        return self.runtime
+
+    def target_hidden(self, hidden_states, aux_hidden_states, rows):
+        return self.loaded.target_hidden(hidden_states, aux_hidden_states, rows)

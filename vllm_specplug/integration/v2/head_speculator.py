@@ -1,0 +1,195 @@
+"""`specplug_eagle3` / `specplug_mtp` on Model Runner V2: a `BaseSpeculator`
+that drafts chains (`topk=1`) or EAGLE-2 trees on the device.
+
+Model Runner V2 calls `propose` once per step, after verification and
+`post_update`, and expects a [num_reqs, K] draft tensor on the device (K =
+tree nodes - 1: a tree is handed over as its node list, parents first). The
+step, with no host synchronisation:
+
+1. Ingest. Each decoding request's verified positions (its first query row,
+   then the accepted path: the tree sampler's `accepted_nodes`, or depth k
+   for chains that vLLM's sampler verified) go into the head with the
+   target's hidden states there, in one padded pass replayed as a CUDA
+   graph (`verification/tree_rows.verified_rows`, `HeadRuntime.ingest_padded`).
+   Prefill chunks, whose positions the host knows exactly, ingest eagerly.
+2. Draft. Every request gets a tree from its root (the last sampled token at
+   `total_len - 1`) in one graphed drafting pass; the node tokens are the
+   drafts, and for trees the parents, depths and ancestor bits go to the
+   request's state slot (`TreeSlots`) for the next step's layout.
+
+The head's cache pool is addressed by Model Runner V2's state slots, so no
+request bookkeeping is needed beyond knowing when a slot changed hands.
+Failures go through the method's `ProposerGuard`: a failing head costs
+speculation (drafts become the last token, verified as chains), never the
+engine. The runtime, loading and guard are the V1 runner's too
+(`head_drafter.HeadDrafter`).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.v2.tree_slots import TreeSlots
+from vllm_specplug.integration.v2_speculator import SpeculatorStats
+from vllm_specplug.verification.backend import next_power_of_2
+from vllm_specplug.verification.tree_rows import verified_rows
+
+
+class SpecplugV2HeadSpeculator:
+    supports_mm_inputs = False
+    draft_logits = None  # verification uses the target alone
+    num_query_per_req = 1
+    num_extra_query_per_req = 0
+
+    def __init__(self, vllm_config, device: torch.device, req_states) -> None:
+        self.drafter = HeadDrafter(vllm_config)
+        self.method = self.drafter.method
+        self.req_states = req_states
+        self.device = device
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens
+        num_nodes = self.drafter.options.num_draft_tokens
+        self.tree_slots = (TreeSlots(self.max_num_reqs, num_nodes, device)
+                           if self.drafter.is_tree else None)
+        self.drafts = torch.zeros(self.max_num_reqs, self.num_speculative_steps,
+                                  dtype=torch.int64, device=device)
+        # read by vLLM only with adaptive verification, which trees do not use
+        self.draft_token_confidence_probs = torch.ones_like(self.drafts, dtype=torch.float32)
+        self.slot_req_ids: list[str | None] = [None] * self.max_num_reqs
+        self.stats = SpeculatorStats(device)
+        self.runtime = None
+
+    @property
+    def guard(self):
+        return self.drafter.guard
+
+    @property
+    def failure_counts(self) -> dict[str, int]:
+        return self.guard.failure_counts
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...] | None:
+        return self.drafter.aux_layer_ids
+
+    def attach(self, target_model, model_state, attention_layers: dict) -> None:
+        """After the target is loaded: the head on the device (sharing the
+        target's embedding), and for trees the tree slots bound to the model
+        state and to every attention layer (tree attention)."""
+        from vllm_specplug.integration import cuda_tree_attention
+
+        self.runtime = self.drafter.load_model(target_model, self.max_num_reqs)
+        self.runtime.make_pool(self.max_num_reqs, self.drafter.draft_dtype, self.device)
+        if self.tree_slots is None:
+            return
+        if not hasattr(model_state, "bind"):
+            raise RuntimeError(f"{self.method} trees: the target runs under "
+                               f"{type(model_state).__name__}, not vllm-specplug's tree model "
+                               "state; use topk=1 (a chain) for this model")
+        model_state.bind(self.tree_slots)
+        cuda_tree_attention.attach(attention_layers, self.tree_slots)
+
+    # -- BaseSpeculator's cudagraph hooks: the head captures its own passes lazily.
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        del cudagraph_mode
+
+    def capture(self) -> None:
+        return None
+
+    def prepare_watermarking(self, *args, **kwargs) -> None:
+        raise RuntimeError("vllm-specplug drafters do not support watermarking")
+
+    @torch.inference_mode()
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs=None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        num_reqs = input_batch.num_reqs
+        drafts = self.drafts[:num_reqs]
+        if dummy_run or self.runtime is None:  # profiling, warm-up, DP padding
+            return drafts
+        started = time.perf_counter()
+        ok = not self.guard.disabled and self.guard.call(
+            "propose", list(input_batch.req_ids), self._step, input_batch,
+            last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
+            next_prefill_tokens, drafts)[0]
+        if not ok:  # failed or switched off: last-token drafts, verified as chains
+            slots = input_batch.idx_mapping[:num_reqs]
+            drafts.copy_(last_sampled.view(-1)[slots][:, None].expand_as(drafts))
+            if self.tree_slots is not None:
+                self.tree_slots.forget(slots)
+        self.stats.host_seconds += time.perf_counter() - started
+        self.stats.num_steps += 1
+        return drafts
+
+    def _step(self, input_batch, hidden, aux, num_rejected, last_sampled, next_prefill,
+              drafts) -> None:
+        num_reqs = input_batch.num_reqs
+        slots_np = input_batch.idx_mapping_np[:num_reqs]
+        new = np.array([self.slot_req_ids[s] != r for s, r in
+                        zip(slots_np, input_batch.req_ids)], dtype=bool)
+        for s, r in zip(slots_np, input_batch.req_ids):
+            self.slot_req_ids[s] = r
+        max_position = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
+        self.runtime.pool.reserve(self.max_num_reqs, max_position + 1)
+        prefill = input_batch.is_prefilling_np[:num_reqs] | new
+        if (~prefill).any():
+            self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
+                                 num_rejected, last_sampled, max_position)
+        if prefill.any():
+            self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
+                                  last_sampled, next_prefill)
+        self._draft(input_batch, last_sampled, max_position + 1, drafts)
+
+    def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
+                        last_sampled, max_position: int) -> None:
+        """Decoding requests' verified positions, padded, in one graphed pass."""
+        num_rows = next_power_of_2(int(input_batch.num_scheduled_tokens[rows].max()))
+        verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
+        layout = verified_rows(
+            torch.from_numpy(rows).to(self.device), input_batch.query_start_loc,
+            input_batch.seq_lens, num_rejected, input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            self.tree_slots.accepted_nodes if verified_trees else None,
+            input_batch.input_ids, last_sampled, num_rows)
+        target = self.drafter.target_hidden(hidden, aux, layout.token_rows)
+        self.runtime.ingest_padded(layout.slots, target, layout.next_ids, layout.positions,
+                                   layout.cuts, max_position)
+
+    def _ingest_prefills(self, input_batch, rows: np.ndarray, new: np.ndarray, hidden, aux,
+                         last_sampled, next_prefill) -> None:
+        """Prefill chunks (and requests new to their slot), eagerly: each
+        query row at its position, followed by the next prompt token, or by
+        the sampled token after a prompt's last chunk."""
+        counts = input_batch.num_scheduled_tokens[rows].astype(np.int64)
+        starts = input_batch.query_start_loc_np[rows].astype(np.int64)
+        first = input_batch.num_computed_prefill_tokens_np[rows].astype(np.int64)
+        token_rows = np.concatenate([s + np.arange(c) for s, c in zip(starts, counts)])
+        positions = np.concatenate([f + np.arange(c) for f, c in zip(first, counts)])
+        last = np.cumsum(counts) - 1
+        done = first + counts >= input_batch.prefill_len_np[rows]  # the prompt's last chunk
+        device_rows = torch.from_numpy(token_rows).to(self.device)
+        next_ids = input_batch.input_ids[(device_rows + 1).clamp_(
+            max=input_batch.input_ids.shape[0] - 1)].long()
+        slots = input_batch.idx_mapping[torch.from_numpy(rows).to(self.device)]
+        after = torch.where(torch.from_numpy(done).to(self.device), last_sampled[slots],
+                            next_prefill[0, slots].long())
+        next_ids[torch.from_numpy(last).to(self.device)] = after
+        target = self.drafter.target_hidden(hidden, aux, device_rows)
+        self.runtime.ingest_slots(input_batch.idx_mapping_np[rows].astype(np.int64), new[rows],
+                                  target, next_ids, positions, counts.tolist())
+
+    def _draft(self, input_batch, last_sampled, num_keys: int, drafts) -> None:
+        num_reqs = input_batch.num_reqs
+        slots = input_batch.idx_mapping[:num_reqs]
+        roots = last_sampled[slots]
+        root_positions = self.req_states.total_len.gpu[slots].long() - 1
+        tree = self.runtime.draft_slots(slots, roots, root_positions, num_keys,
+                                        *self.drafter.tree_shape)
+        drafts.copy_(tree.token_ids[:, 1:1 + drafts.shape[1]])
+        if self.tree_slots is not None:
+            self.tree_slots.store(slots, tree, True)

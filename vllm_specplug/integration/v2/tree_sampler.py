@@ -1,0 +1,207 @@
+"""Tree verification on Model Runner V2, then KV compaction.
+
+The model state hands this to the runner as its rejection sampler
+(`ModelState.custom_sampler`, tree_state.py). It is called with vLLM's
+logits, one row per tree node (root first) of each request that verifies a
+tree and one row for the others, in `cu_num_logits` layout. Each request
+becomes a tree from its state slot's parents (`TreeSlots`; nodes past what
+was scheduled are cut) and goes through our greedy (temperature 0) or
+stochastic (SpecInfer-style "target only", lossless) tree verification.
+Stochastic requests take their randomness from their vLLM seed and the
+root's position, so a seeded request reproduces its output. The output has
+vLLM's layout ([B, N] tokens: the accepted path then the bonus token), so
+`post_update`, the scheduler and the metrics read it as they read chains.
+
+Accepted paths are kept for the drafter's ingest, and each path's K/V moves
+from the node's slot (`seq_len + node`) to `seq_len + depth` in every layer.
+
+Batches whose sampling needs vLLM's full sampler on every row (logprobs,
+logits processors: penalties, bad words, logit bias, min tokens, thinking
+budgets; grammars; sampling masks) accept no drafts this step: vLLM's own
+sampler samples each request's root row (lossless; only speculation is lost).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+from vllm_specplug.integration.cuda_tree_attention import move_cached_tokens
+from vllm_specplug.verification.metadata import NO_NODE, DraftTree
+from vllm_specplug.verification.seeded_random import seeded_uniform
+from vllm_specplug.verification.tree_greedy import verify_tree_greedy
+from vllm_specplug.verification.tree_sampling import verify_tree_stochastic
+
+EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def sampling_params_need_processing(states, idx_mapping_np: np.ndarray) -> np.ndarray:
+    """[B] bool: vLLM's `SamplingStates.add_request` verdict for temperature,
+    min_p, top-k and top-p alone (what tree verification applies itself)."""
+    temperature = states.temperature.np[idx_mapping_np]
+    return (temperature != 0.0) & ((temperature != 1.0) | (states.min_p.np[idx_mapping_np] != 0)
+                                   | (states.top_k.np[idx_mapping_np] != states.vocab_size)
+                                   | (states.top_p.np[idx_mapping_np] != 1.0))
+
+
+def needs_full_sampler(sampler, idx_mapping_np: np.ndarray, has_grammar: bool) -> bool:
+    """Whether a request of the batch needs what tree verification does not
+    apply to draft nodes (see the module docstring)."""
+    states = sampler.sampling_states
+    processors = (sampler.needs_logits_processing[idx_mapping_np]
+                  & ~sampling_params_need_processing(states, idx_mapping_np))
+    return bool(has_grammar or processors.any()
+                or states.max_num_logprobs(idx_mapping_np) != NO_LOGPROBS
+                or sampler.return_sampling_mask or sampler.trace_replay_state is not None)
+
+
+def _node_rows(input_batch, num_nodes: int):
+    """Each request's logits row per node [B, N] (past its own nodes: its
+    last), its node count [B] and which nodes are real [B, N]."""
+    cu = input_batch.cu_num_logits[:input_batch.num_reqs + 1].long()
+    counts = cu[1:] - cu[:-1]
+    node = torch.arange(num_nodes, device=cu.device)
+    rows = cu[:-1, None] + torch.minimum(node[None], counts[:, None] - 1)
+    return rows, counts, node[None] < counts[:, None]
+
+
+class V2TreeRejectionSampler:
+    def __init__(self, sampler, state) -> None:
+        self.sampler = sampler  # vLLM's Sampler: sampling states, request states
+        self.state = state  # the tree model state; its `tree_slots` is bound at load
+
+    def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None,
+                 invalid_drafts=None) -> SamplerOutput:
+        del draft_logits  # trees are verified against the target alone
+        slots = self.state.tree_slots
+        num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
+        idx_np = input_batch.idx_mapping_np[:input_batch.num_reqs]
+        if needs_full_sampler(self.sampler, idx_np, invalid_drafts is not None):
+            return self._roots_only(logits, input_batch, slots, num_nans)
+        tree, rows = self._trees(input_batch, slots)
+        greedy = verify_tree_greedy(tree, logits.argmax(-1)[rows], backend="triton",
+                                    validate=False)
+        temperature = self.sampler.sampling_states.temperature
+        if (temperature.np[idx_np] != 0.0).any():
+            greedy = self._with_stochastic(greedy, logits, input_batch, tree, rows)
+        num_reqs = input_batch.num_reqs
+        slots.accepted_nodes[:num_reqs] = greedy.accepted_node_ids
+        compact_kv(slots, input_batch, greedy.accepted_node_ids, greedy.num_accepted)
+        return self._output(input_batch, greedy.output_token_ids,
+                            (greedy.num_accepted + 1).to(torch.int32), num_nans)
+
+    def _trees(self, input_batch, slots) -> tuple[DraftTree, torch.Tensor]:
+        """The batch's trees (token and parent ids; what the kernels read)."""
+        rows, _, live = _node_rows(input_batch, slots.num_nodes)
+        token_ids = input_batch.input_ids[input_batch.logits_indices[rows]].long()
+        parents = slots.parents[input_batch.idx_mapping[:input_batch.num_reqs]]
+        tree = DraftTree(token_ids=torch.where(live, token_ids, 0),
+                         parent_ids=torch.where(live, parents, NO_NODE), cand_ids=EMPTY,
+                         depths=EMPTY, positions=EMPTY, attn_mask=EMPTY, packed_mask=EMPTY,
+                         first_child_ids=EMPTY, next_sibling_ids=EMPTY)
+        return tree, rows
+
+    def _with_stochastic(self, greedy, logits, input_batch, tree, rows):
+        """Stochastic verification for the requests sampling at a temperature."""
+        sampled = verify_tree_stochastic(tree, self._node_probs(logits, input_batch, rows),
+                                         *self._noise(input_batch, tree, logits.shape[1]),
+                                         backend="triton", validate=False)
+        states, idx = self.sampler.sampling_states, input_batch.idx_mapping[:input_batch.num_reqs]
+        is_greedy = (states.temperature.gpu[idx] == 0.0)[:, None]
+        for name in ("output_token_ids", "accepted_node_ids"):
+            setattr(sampled, name, torch.where(is_greedy, getattr(greedy, name),
+                                               getattr(sampled, name)))
+        sampled.num_accepted = torch.where(is_greedy[:, 0], greedy.num_accepted,
+                                           sampled.num_accepted)
+        return sampled
+
+    def _node_probs(self, logits, input_batch, rows) -> torch.Tensor:
+        """[B, N, V] float32: each node's distribution after temperature,
+        min_p, top-k and top-p (vLLM's own functions, per request)."""
+        states, idx_np = self.sampler.sampling_states, input_batch.idx_mapping_np
+        idx_np = idx_np[:input_batch.num_reqs]
+        expanded = input_batch.expanded_idx_mapping
+        processed = logits.float()  # a copy for bf16/fp16 logits; never written in place below
+        processed = processed.clone() if processed is logits else processed
+        states.apply_temperature(processed, expanded, idx_np)
+        states.apply_min_p(processed, expanded, idx_np)
+        top_k, top_p = states.get_top_k_top_p(expanded, idx_np)
+        if top_k is not None or top_p is not None:
+            processed = apply_top_k_top_p(processed, top_k, top_p)
+        return processed.softmax(-1)[rows]
+
+    def _noise(self, input_batch, tree, vocab_size: int):
+        """Uniforms [B, N] for acceptances and Exp(1) [B, V] for the residual
+        sample, from each request's seed and root position."""
+        idx = input_batch.idx_mapping[:input_batch.num_reqs]
+        seeds = self.sampler.sampling_states.seeds.gpu[idx]
+        roots = input_batch.positions[input_batch.query_start_loc[:input_batch.num_reqs].long()]
+        uniform = seeded_uniform(seeds, 2 * roots, tree.token_ids.shape[1])
+        exp = -torch.log(seeded_uniform(seeds, 2 * roots + 1, vocab_size).clamp_(min=1e-20))
+        return uniform, exp
+
+    def _roots_only(self, logits, input_batch, slots, num_nans) -> SamplerOutput:
+        """vLLM's sampler at every request's root row; every draft rejected."""
+        num_reqs = input_batch.num_reqs
+        roots = input_batch.cu_num_logits[:num_reqs].long()
+        arange = np.arange(num_reqs + 1, dtype=np.int32)
+        root_batch = dataclasses.replace(
+            input_batch, expanded_idx_mapping=input_batch.idx_mapping,
+            expanded_local_pos=torch.zeros_like(input_batch.idx_mapping, dtype=torch.int32),
+            logits_indices=input_batch.logits_indices[roots], cu_num_logits_np=arange,
+            cu_num_logits=torch.from_numpy(arange).to(logits.device), num_draft_tokens=0,
+            num_draft_tokens_per_req=None)
+        out = self.sampler(logits[roots], root_batch)
+        tokens = torch.full((num_reqs, slots.num_nodes), NO_NODE, dtype=torch.int64,
+                            device=logits.device)
+        tokens[:, :1] = out.sampled_token_ids[:num_reqs]
+        slots.accepted_nodes[:num_reqs] = NO_NODE
+        slots.accepted_nodes[:num_reqs, 0] = 0
+        output = self._output(input_batch, tokens, torch.ones_like(roots, dtype=torch.int32),
+                              num_nans)
+        output.logprobs_tensors = out.logprobs_tensors
+        output.sampling_mask_tensors = out.sampling_mask_tensors
+        return output
+
+    def _output(self, input_batch, tokens, num_sampled, num_nans) -> SamplerOutput:
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
+            input_batch.idx_mapping, self.sampler.req_states.prefill_len.gpu)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None,
+                             num_nans=num_nans, num_sampled=num_sampled,
+                             num_rejected=num_rejected)
+
+
+def compaction_slots(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                     accepted_nodes: torch.Tensor, num_accepted: torch.Tensor,
+                     num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) KV slots [B * N] of every request's accepted
+    path: node n_j moves from its row (query start + n_j) to query start + j.
+    Entries that move nothing read and write the request's root slot (the
+    root never moves), so no two entries write one slot with different data."""
+    batch, width = accepted_nodes.shape
+    depth = torch.arange(width, device=accepted_nodes.device)
+    first = query_start_loc[:batch].long()[:, None]
+    moves = (depth[None] <= num_accepted[:, None]) & (depth[None] < num_nodes[:, None])
+    source = torch.where(moves, first + accepted_nodes.clamp(min=0), first)
+    destination = torch.where(moves, first + depth[None], first)
+    return slot_mapping[source.flatten()], slot_mapping[destination.flatten()]
+
+
+def compact_kv(slots, input_batch, accepted_nodes: torch.Tensor,
+               num_accepted: torch.Tensor) -> None:
+    """Move each accepted node's K/V to its path depth in every layer."""
+    if not slots.kv_caches or slots.slot_mapping is None:
+        raise RuntimeError("tree verification on Model Runner V2: the KV caches or this "
+                           "step's slot mapping were not bound to the tree slots")
+    cu = input_batch.cu_num_logits[:input_batch.num_reqs + 1].long()
+    source, destination = compaction_slots(slots.slot_mapping, input_batch.query_start_loc,
+                                           accepted_nodes, num_accepted, cu[1:] - cu[:-1])
+    for kv_cache in slots.kv_caches:
+        move_cached_tokens(kv_cache, source.long(), destination.long())

@@ -1,0 +1,63 @@
+"""Draft trees per state slot of Model Runner V2, and the step's verification.
+
+The head speculator drafts a tree for a request at the end of a step; the
+next step's model state lays it out (positions, tree-attention rows), the
+tree sampler verifies it and compacts the accepted path's KV, and the
+speculator ingests that path. All of it stays on the device: trees are kept
+per state slot (`idx_mapping[b]`), accepted paths per batch row. One object,
+made by the speculator and handed to the model state when the target is
+loaded (patches/gpu_v2_model_runner.py), carries it between them.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.verification.metadata import MASK_WORD_BITS, NO_NODE, DraftTree
+from vllm_specplug.verification.tree_attention import TreeAttentionMetadata
+from vllm_specplug.verification.tree_build import pack_mask
+
+
+class TreeSlots:
+    def __init__(self, max_num_reqs: int, num_nodes: int, device) -> None:
+        node = torch.arange(num_nodes, device=device)
+        chain = torch.tril(torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device))
+        self.num_nodes = num_nodes
+        # per state slot: the tree drafted last (a chain until one is drafted)
+        self.parents = (node - 1).repeat(max_num_reqs, 1)  # [S, N] int64
+        self.depths = node.to(torch.int32).repeat(max_num_reqs, 1)  # [S, N] int32
+        self.bits = pack_mask(chain[None]).repeat(max_num_reqs, 1, 1)  # [S, N, W] int32
+        self.is_tree = torch.zeros(max_num_reqs, dtype=torch.int8, device=device)  # [S]
+        # per batch row, written by the tree sampler: root .. last accepted node
+        self.accepted_nodes = torch.full((max_num_reqs, num_nodes), NO_NODE,
+                                         dtype=torch.int64, device=device)  # [S, N]
+        # the persistent rows our tree-attention kernel reads inside the forward
+        words = -(-num_nodes // MASK_WORD_BITS)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32,  # noqa: E731
+                                           device=device)
+        self.metadata = TreeAttentionMetadata(zeros(max_num_reqs), zeros(max_num_reqs),
+                                              zeros(max_num_reqs),
+                                              zeros(max_num_reqs, num_nodes, words))
+        self.num_masked = 0  # tree rows this step (host count: 0 skips the kernel)
+        self.masked_steps = 0  # steps with tree rows (tests, benchmarks)
+        self.compiled: set[tuple] = set()  # layer shapes the kernel has been launched for
+        # this step's slot mapping ([T] int64, group 0), kept for KV compaction
+        self.slot_mapping: torch.Tensor | None = None
+        self.kv_caches: list[torch.Tensor] = []  # every attention layer's cache
+
+    @property
+    def max_num_reqs(self) -> int:
+        return self.is_tree.shape[0]
+
+    def store(self, slots: torch.Tensor, tree: DraftTree, is_tree: bool) -> None:
+        """The trees just drafted for state `slots` [B] (no host sync)."""
+        self.parents.index_copy_(0, slots, tree.parent_ids)
+        self.depths.index_copy_(0, slots, tree.depths.to(torch.int32))
+        self.bits.index_copy_(0, slots, tree.packed_mask)
+        self.is_tree.index_fill_(0, slots, int(is_tree))
+
+    def forget(self, slots: torch.Tensor) -> None:
+        """No tree for these slots: their next drafts (if any) verify as chains."""
+        node = torch.arange(self.num_nodes, device=slots.device)
+        self.parents.index_copy_(0, slots, (node - 1).expand(slots.shape[0], -1))
+        self.depths.index_copy_(0, slots, node.to(torch.int32).expand(slots.shape[0], -1))
+        self.is_tree.index_fill_(0, slots, 0)

@@ -1,15 +1,17 @@
 """Unit tests of the Model Runner V2 tree step's pure pieces (no engine: Model
 Runner V2 needs CUDA; its engine tests are tests/gpu/test_tree_eagle_cuda.py).
 
-KV compaction's slot pairs move every accepted node to its depth and write
-no slot twice with different data; the tree slots keep what was drafted;
+KV compaction moves every accepted node to its depth on vLLM's CUDA cache
+layout and nothing else; the tree slots keep what was drafted;
 the head runtime's padded ingest equals its ragged ingest."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from vllm_specplug.integration.v2.tree_sampler import compaction_slots
+from vllm_specplug.integration.v2.tree_sampler import compact_kv
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
 
@@ -17,41 +19,50 @@ from tests.kernels.trees import random_tree, target_following_tree
 
 
 def test_compaction_moves_each_accepted_node_to_its_depth():
+    """On vLLM's CUDA cache layout (logical [blocks, kv_heads, block_size,
+    2 * head_size], token-major in memory), with Model Runner V2's batch
+    fields: each accepted node's K and V land at root + depth, and nothing
+    else changes. (A stand-in batch: Model Runner V2 needs CUDA.)"""
     *_, tree = random_tree(5, 3, 4, 10, 40, seed=4)
     _, argmax = target_following_tree(tree, 40, follow=0.9, seed=4)
     verified = verify_tree_greedy(tree, argmax, backend="torch")
-    num_nodes = torch.tensor([10, 10, 1, 10, 4])  # a request without drafts, a cut tree
-    accepted = verified.accepted_node_ids.clone()
-    num_accepted = verified.num_accepted.clone()
-    num_accepted[2] = 0
-    accepted[2, 1:] = -1
+    num_query = torch.tensor([10, 10, 1, 10, 4])  # a request without drafts, a cut tree
+    accepted, num_accepted = verified.accepted_node_ids.clone(), verified.num_accepted.clone()
+    accepted[2, 1:], num_accepted[2] = -1, 0
     cut = (accepted[4] >= 4).nonzero()
     if len(cut):  # the cut tree accepts only nodes it had
-        first_cut = int(cut[0])
-        accepted[4, first_cut:] = -1
-        num_accepted[4] = first_cut - 1
-    query_start = torch.tensor([0, 10, 20, 21, 31, 35], dtype=torch.int32)
-    slot_mapping = torch.randperm(200)[:40].long()  # rows -> cache slots, scattered
-    source, destination = compaction_slots(slot_mapping, query_start, accepted, num_accepted,
-                                           num_nodes)
-    cache = torch.arange(200.0)[:, None].repeat(1, 3)  # slot s holds s
-    before = cache.clone()
-    cache[destination] = cache[source]  # every read before any write, as the engine does
+        accepted[4, int(cut[0]):] = -1
+        num_accepted[4] = int(cut[0]) - 1
+    roots = torch.tensor([3, 17, 8, 0, 25])
+    block_size, heads, head_size = 4, 2, 3
+    block_table = torch.randperm(60)[:5 * 10].view(5, 10).int()
+    physical = torch.randn(60, block_size, heads, 2 * head_size)
+    logical = physical.transpose(1, 2)  # what vLLM hands the backends
+    before = physical.clone()
+    slots = TreeSlots(8, 10, "cpu")
+    slots.bind_kv_caches([logical])
+    slots.block_table = block_table
+    query_start = torch.cat([torch.zeros(1, dtype=torch.long), num_query.cumsum(0)]).int()
+    batch = SimpleNamespace(num_reqs=5, query_start_loc=query_start,
+                            seq_lens=(roots + num_query).int())
+    compact_kv(slots, batch, accepted, num_accepted)
+
+    def row(tensor, b, position):
+        block = int(block_table[b, position // block_size])
+        return tensor[block, position % block_size]
+
+    moved = set()
     for b in range(5):
-        first = int(query_start[b])
         for depth in range(int(num_accepted[b]) + 1):
             node = int(accepted[b, depth])
-            want = before[slot_mapping[first + node]]
-            assert torch.equal(cache[slot_mapping[first + depth]], want), (b, depth)
-    written: dict[int, set[int]] = {}
-    for s, d in zip(source.tolist(), destination.tolist()):
-        written.setdefault(d, set()).add(s)
-    assert all(len(sources) == 1 for sources in written.values()), \
-        "a slot written from two sources (a race on the GPU)"
-    moved = {d for s, d in zip(source.tolist(), destination.tolist()) if s != d}
-    untouched = torch.ones(200, dtype=torch.bool)
-    untouched[list(moved)] = False
-    assert torch.equal(cache[untouched], before[untouched])
+            assert torch.equal(row(physical, b, int(roots[b]) + depth),
+                               row(before, b, int(roots[b]) + node)), (b, depth)
+            moved.add((int(block_table[b, (int(roots[b]) + depth) // block_size]),
+                       (int(roots[b]) + depth) % block_size))
+    for block in range(60):
+        for offset in range(block_size):
+            if (block, offset) not in moved:
+                assert torch.equal(physical[block, offset], before[block, offset])
 
 
 def test_tree_slots_store_and_forget():

@@ -148,7 +148,10 @@ class SpecplugV2HeadSpeculator:
     def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
                         last_sampled, max_position: int) -> None:
         """Decoding requests' verified positions, padded, in one graphed pass."""
-        num_rows = next_power_of_2(int(input_batch.num_scheduled_tokens[rows].max()))
+        # a request verifies at most its root and one node per draft level
+        most = min(int(input_batch.num_scheduled_tokens[rows].max()),
+                   self.drafter.options.num_steps + 1)
+        num_rows = next_power_of_2(most)
         verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
         layout = verified_rows(
             torch.from_numpy(rows).to(self.device), input_batch.query_start_loc,

@@ -13,7 +13,8 @@ vLLM's layout ([B, N] tokens: the accepted path then the bonus token), so
 `post_update`, the scheduler and the metrics read it as they read chains.
 
 Accepted paths are kept for the drafter's ingest, and each path's K/V moves
-from the node's slot (`seq_len + node`) to `seq_len + depth` in every layer.
+from the node's slot (`seq_len + node`) to `seq_len + depth` in every layer,
+with the compaction kernel `kernels/kv_compaction.py`.
 
 Batches whose sampling needs vLLM's full sampler on every row (logprobs,
 logits processors: penalties, bad words, logit bias, min tokens, thinking
@@ -32,7 +33,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_specplug.integration.cuda_tree_attention import move_cached_tokens
+from vllm_specplug.verification.kv_compaction import compact_kv_cache
 from vllm_specplug.verification.metadata import NO_NODE, DraftTree
 from vllm_specplug.verification.seeded_random import seeded_uniform
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
@@ -72,6 +73,10 @@ def _node_rows(input_batch, num_nodes: int):
 
 
 class V2TreeRejectionSampler:
+    # vLLM's adaptive verification reallocates chain drafts; trees keep their
+    # shape (the runner's warm-up reads this flag of every rejection sampler)
+    enable_adaptive_verification = False
+
     def __init__(self, sampler, state) -> None:
         self.sampler = sampler  # vLLM's Sampler: sampling states, request states
         self.state = state  # the tree model state; its `tree_slots` is bound at load
@@ -178,30 +183,17 @@ class V2TreeRejectionSampler:
                              num_rejected=num_rejected)
 
 
-def compaction_slots(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                     accepted_nodes: torch.Tensor, num_accepted: torch.Tensor,
-                     num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, destination) KV slots [B * N] of every request's accepted
-    path: node n_j moves from its row (query start + n_j) to query start + j.
-    Entries that move nothing read and write the request's root slot (the
-    root never moves), so no two entries write one slot with different data."""
-    batch, width = accepted_nodes.shape
-    depth = torch.arange(width, device=accepted_nodes.device)
-    first = query_start_loc[:batch].long()[:, None]
-    moves = (depth[None] <= num_accepted[:, None]) & (depth[None] < num_nodes[:, None])
-    source = torch.where(moves, first + accepted_nodes.clamp(min=0), first)
-    destination = torch.where(moves, first + depth[None], first)
-    return slot_mapping[source.flatten()], slot_mapping[destination.flatten()]
-
-
 def compact_kv(slots, input_batch, accepted_nodes: torch.Tensor,
                num_accepted: torch.Tensor) -> None:
-    """Move each accepted node's K/V to its path depth in every layer."""
-    if not slots.kv_caches or slots.slot_mapping is None:
+    """Move each accepted node's K/V to its path depth in every layer:
+    `kernels/kv_compaction.py` per layer, on vLLM's per-slot cache rows (K
+    and V of every KV head), only the nodes that move."""
+    if not slots.kv_caches or slots.block_table is None:
         raise RuntimeError("tree verification on Model Runner V2: the KV caches or this "
-                           "step's slot mapping were not bound to the tree slots")
-    cu = input_batch.cu_num_logits[:input_batch.num_reqs + 1].long()
-    source, destination = compaction_slots(slots.slot_mapping, input_batch.query_start_loc,
-                                           accepted_nodes, num_accepted, cu[1:] - cu[:-1])
-    for kv_cache in slots.kv_caches:
-        move_cached_tokens(kv_cache, source.long(), destination.long())
+                           "step's block table were not bound to the tree slots")
+    num_reqs = input_batch.num_reqs
+    starts = input_batch.query_start_loc[:num_reqs + 1].long()
+    root_positions = input_batch.seq_lens[:num_reqs].long() - (starts[1:] - starts[:-1])
+    for cache in slots.kv_caches:
+        compact_kv_cache(cache, slots.block_table[:num_reqs], root_positions, accepted_nodes,
+                         num_accepted, validate=False)

@@ -40,9 +40,10 @@ class TreeSlots:
         self.num_masked = 0  # tree rows this step (host count: 0 skips the kernel)
         self.masked_steps = 0  # steps with tree rows (tests, benchmarks)
         self.compiled: set[tuple] = set()  # layer shapes the kernel has been launched for
-        # this step's slot mapping ([T] int64, group 0), kept for KV compaction
-        self.slot_mapping: torch.Tensor | None = None
-        self.kv_caches: list[torch.Tensor] = []  # every attention layer's cache
+        # this step's block table ([num_reqs, max_blocks] int32, group 0), for KV compaction
+        self.block_table: torch.Tensor | None = None
+        # every attention layer's cache as [num_blocks, block_size, kv_heads, 2 * head_size]
+        self.kv_caches: list[torch.Tensor] = []
 
     @property
     def max_num_reqs(self) -> int:
@@ -54,6 +55,18 @@ class TreeSlots:
         self.depths.index_copy_(0, slots, tree.depths.to(torch.int32))
         self.bits.index_copy_(0, slots, tree.packed_mask)
         self.is_tree.index_fill_(0, slots, int(is_tree))
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """The attention layers' caches, in the CUDA backends' logical layout
+        [num_blocks, kv_heads, block_size, 2 * head_size]; compaction moves
+        whole slot rows of the physical layout (token-major), which must be
+        contiguous."""
+        by_slot = [cache.transpose(1, 2) for cache in caches]
+        bad = [tuple(c.shape) for c in by_slot if not c.is_contiguous()]
+        if bad:
+            raise RuntimeError("tree verification needs KV caches laid out per token "
+                               f"(FlashAttention/Triton backends); got strides of {bad[0]}")
+        self.kv_caches = by_slot
 
     def forget(self, slots: torch.Tensor) -> None:
         """No tree for these slots: their next drafts (if any) verify as chains."""

@@ -9,7 +9,7 @@ method's target runs under `TreeModelState`, vLLM's `DefaultModelState` plus:
   from sequential positions), the step's tree rows are laid out on the
   device (`verification/tree_rows.prepare_tree_rows`): rope positions become
   `seq_len + depth`, and the rows our tree-attention kernel reads inside the
-  (captured) forward are written. The slot mapping is kept for KV compaction.
+  (captured) forward are written. The block table is kept for KV compaction.
 - `initialize_kv_cache`: every attention layer's cache, for KV compaction.
 - `custom_sampler`: the tree sampler (tree_sampler.py).
 
@@ -41,8 +41,8 @@ class TreeModelState(DefaultModelState):
             raise RuntimeError("TreeModelState: no tree slots bound before the KV cache "
                                "(the vllm-specplug speculator was not loaded)")
         layers = self.vllm_config.compilation_config.static_forward_context.values()
-        self.tree_slots.kv_caches = [layer.kv_cache for layer in layers
-                                     if hasattr(layer, "impl") and hasattr(layer, "kv_cache")]
+        self.tree_slots.bind_kv_caches([layer.kv_cache for layer in layers
+                                        if hasattr(layer, "impl") and hasattr(layer, "kv_cache")])
 
     def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
                      attn_groups, kv_cache_config, for_capture: bool = False,
@@ -51,12 +51,12 @@ class TreeModelState(DefaultModelState):
                                         slot_mappings, attn_groups, kv_cache_config,
                                         for_capture, ubatch_idx, **kwargs)
         if self.tree_slots is not None:
-            self._lay_out_trees(input_batch, slot_mappings)
+            self._lay_out_trees(input_batch, block_tables)
         return metadata
 
-    def _lay_out_trees(self, input_batch, slot_mappings) -> None:
+    def _lay_out_trees(self, input_batch, block_tables) -> None:
         slots = self.tree_slots
-        slots.slot_mapping = slot_mappings[0]
+        slots.block_table = block_tables[0]
         if input_batch.num_draft_tokens == 0:  # no tree this step: clear once, then skip
             if slots.num_masked:
                 slots.metadata.num_nodes.zero_()

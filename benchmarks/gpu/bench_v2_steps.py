@@ -1,0 +1,111 @@
+"""Step costs on Model Runner V2 (issue 26): what one decode step of each
+speculative method costs on a Llama-3-8B-shaped target (dummy bf16 weights,
+FlashAttention) with an 8B-shaped EAGLE-3 head of random weights, at batch
+1, 16 and 64. Acceptance is near zero with random weights, so a step's time
+is its cost alone; real acceptance comes from the tiny model and SmolLM2
+(`vllm-specplug bench offline`), and the two give the projected speed-up.
+
+On the staged GPU host (the 8B config and the 1.6 GB random head are
+written there, into the work folder, when missing):
+
+    python3 benchmarks/gpu/bench_v2_steps.py run --work .gpu/work --out $OUT
+
+One engine per method at a time (five 8B engines do not fit one GPU), each
+timing `REPEATS` times two generation lengths per batch size: the
+difference cancels prefill, and the decode steps come from vLLM's own
+counters (drafting steps), so step ms = (t_long - t_short) / (steps_long -
+steps_short). Writes v2_steps.json and v2_steps.txt (median and range).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tree_cuda import build_8b, prompts_8b  # noqa: E402
+
+BATCH_SIZES = (1, 16, 64)
+LENGTHS = (16, 80)
+REPEATS = 3
+
+
+def methods(head: str) -> dict[str, dict | None]:
+    ours = {"method": "specplug_eagle3", "model": head}
+    return {"none": None,
+            "vllm-eagle3-K5": {"method": "eagle3", "model": head, "num_speculative_tokens": 5},
+            "ours-chain-K5": {**ours, "topk": 1, "num_steps": 5},
+            "ours-tree16": {**ours, "topk": 4, "num_steps": 4, "num_draft_tokens": 16},
+            "ours-tree32": {**ours, "topk": 4, "num_steps": 8, "num_draft_tokens": 32}}
+
+
+def _timed(llm, prompts, max_tokens: int) -> tuple[float, int]:
+    """(seconds, decode steps summed over requests) of one batch."""
+    from vllm import SamplingParams
+
+    from vllm_specplug.metrics import read_spec_decode_counts
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = read_spec_decode_counts(llm)
+    started = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    drafts = (read_spec_decode_counts(llm) - before).num_drafts
+    return seconds, drafts or max_tokens * len(prompts)
+
+
+def step_ms(llm, prompts) -> float:
+    short, long_ = (_timed(llm, prompts, n) for n in LENGTHS)
+    steps = (long_[1] - short[1]) / len(prompts)
+    return 1000.0 * (long_[0] - short[0]) / steps
+
+
+def run(work: Path, out: Path, names: list[str] | None) -> None:
+    from vllm_specplug.engine import make_llm, shutdown_llm
+
+    target, head = build_8b(work)
+    chosen = {k: v for k, v in methods(str(head)).items() if not names or k in names}
+    rows = []
+    for name, spec in chosen.items():
+        llm = make_llm(target, spec, enforce_eager=False, load_format="dummy",
+                       gpu_memory_utilization=0.85, max_num_seqs=64, max_model_len=2048)
+        try:
+            llm.generate(prompts_8b(2), use_tqdm=False)  # warm-up
+            for batch in tqdm(BATCH_SIZES, desc=name):
+                prompts = prompts_8b(batch)
+                times = [step_ms(llm, prompts) for _ in range(REPEATS)]
+                rows.append({"method": name, "spec": spec, "batch": batch, "step_ms": times})
+        finally:
+            shutdown_llm(llm)
+        _write(out, rows)
+
+
+def _write(out: Path, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "v2_steps.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"{'method':16} {'batch':>5} {'step ms (median)':>17} {'range':>15}"]
+    for r in rows:
+        t = r["step_ms"]
+        lines.append(f"{r['method']:16} {r['batch']:5d} {statistics.median(t):17.2f} "
+                     f"{min(t):7.2f}-{max(t):<7.2f}")
+    (out / "v2_steps.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=["run"])
+    parser.add_argument("--work", type=Path, default=Path(".gpu/work"))
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--methods", nargs="*", help="a subset of the method names")
+    args = parser.parse_args()
+    run(args.work, args.out, args.methods)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 26's measured runs on the staged GPU host (docs/gpu.md), each started
+# detached (`start NAME`) and polled (`wait NAME`: returns when its table is
+# written or the run died, copies the results to $OUT):
+#   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
+#   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
+#   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
+# Every speculative engine of these runs is on Model Runner V2 (the bench
+# records runner and speculator per row).
+set -uo pipefail
+export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
+OUT=${OUT:-/tmp/out}
+RESULTS=$HOME/results
+W=$SPECPLUG_GPU_WORK
+
+specs() {  # NAME_PREFIX HEAD_DIR: the four speculative rows
+  local h=$2
+  printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
+  printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
+  printf '%s\n' --spec "ours-tree16={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25}"
+  [ "$1" = all ] && printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"
+}
+
+run() {
+  case "$1" in
+    tiny)
+      mapfile -t S < <(specs all "$W/tiny-eagle3")
+      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
+        --limit-prompts 1=16 --limit-prompts 16=64 --limit-prompts 64=128 --repeats 3 \
+        --max-tokens 128 --dtype float32 \
+        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 2048}}' \
+        --out "$RESULTS/tiny" ;;
+    smollm2)
+      mapfile -t S < <(specs three .gpu/heads/smollm2-eagle3)
+      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
+        --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
+        --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
+        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
+        --out "$RESULTS/smollm2" ;;
+    steps8b)
+      export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+      python3 benchmarks/gpu/bench_v2_steps.py run --work "$W" --out "$RESULTS/steps8b" ;;
+  esac
+}
+
+case "$1" in
+  start)
+    mkdir -p "$RESULTS"
+    setsid nohup bash "$0" run-now "$2" > "$HOME/$2.log" 2>&1 < /dev/null & disown
+    echo "started $2" ;;
+  run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "$2"; echo "DONE $2 rc=$?" ;;
+  wait)
+    for _ in $(seq "${3:-100}"); do
+      grep -q "^DONE $2" "$HOME/$2.log" 2>/dev/null && break
+      sleep 5
+    done
+    mkdir -p "$OUT/$2"
+    cp "$RESULTS/$2"/* "$OUT/$2/" 2>/dev/null
+    cp "$HOME/$2.log" "$OUT/$2/run.log"
+    grep -a "DONE\|Error\|error:" "$HOME/$2.log" | tail -5
+    tail -c 2500 "$HOME/$2.log" ;;
+esac

@@ -45,9 +45,13 @@ run() {
 
 case "$1" in
   start)
+    # the device tool replaces the working tree at every call: run from a copy
+    # (carry .gpu/work and .gpu/heads in the call that starts a run)
     mkdir -p "$RESULTS"
-    setsid nohup bash "$0" run-now "$2" > "$HOME/$2.log" 2>&1 < /dev/null & disown
-    echo "started $2" ;;
+    rm -rf "$HOME/repo-$2" && cp -r . "$HOME/repo-$2"
+    (cd "$HOME/repo-$2" && setsid nohup bash benchmarks/gpu/v2_tree_runs.sh run-now "$2" \
+      > "$HOME/$2.log" 2>&1 < /dev/null & disown)
+    echo "started $2 in $HOME/repo-$2" ;;
   run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "$2"; echo "DONE $2 rc=$?" ;;
   wait)
     for _ in $(seq "${3:-100}"); do

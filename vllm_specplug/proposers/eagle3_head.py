@@ -35,6 +35,7 @@ from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView
 from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, keys_bucket,
                                                   padded, padded_batch, run_draft_pass,
                                                   run_ingest_pass)
+from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, flatten_draft_steps,
                                                    next_beam)
@@ -160,7 +161,7 @@ class HeadRuntime:
         slot forgets what it held), `counts[r]` rows each, positions on the
         host ([T]). Eager: prefills, new requests. Rows as `ingest_many`."""
         hidden = self.layer.input_hidden(target_hidden)
-        positions = torch.from_numpy(host_positions).to(hidden.device)
+        positions = to_device(host_positions, hidden.device)
         q, k, v, base = self._qkv(self._embed(next_token_ids), hidden, positions)
         pool = self.pool
         starts = np.array([0, *itertools.accumulate(counts)])
@@ -174,7 +175,7 @@ class HeadRuntime:
                 host_positions[starts[r]:starts[r + 1]] for r in group])
         out = self.layer.finish(attn.reshape(attn.shape[0], -1), base)
         last = starts[1:] - 1
-        pool.set_last(torch.from_numpy(slots).to(pool.device), out[last],
+        pool.set_last(to_device(slots, pool.device), out[last],
                       self._logits(out[last]))
 
     @torch.inference_mode()
@@ -223,12 +224,12 @@ class HeadRuntime:
         [Tq, nh, hd]."""
         device = queries.device
         q_pos = _pad_host(query_positions, NO_QUERY)  # [G, Tmax]
-        rows = torch.from_numpy(np.flatnonzero(q_pos >= 0)).to(device)
+        rows = to_device(np.flatnonzero(q_pos >= 0), device)
         padded = queries.new_zeros(q_pos.size, *queries.shape[1:])
         padded[rows] = queries
         padded = padded.view(*q_pos.shape, -1, self.group, queries.shape[-1])
-        out = self._attend_slots(padded, torch.from_numpy(slots).to(device),
-                                 torch.from_numpy(q_pos).to(device), int(q_pos.max()) + 1)
+        out = self._attend_slots(padded, to_device(slots, device), to_device(q_pos, device),
+                                 int(q_pos.max()) + 1)
         return out.flatten(0, 1)[rows]
 
     def _attend_slots(self, queries: torch.Tensor, index: torch.Tensor,
@@ -282,7 +283,7 @@ class HeadRuntime:
         pool = self.pool
         slots = np.array([pool.slot_of[r] for r in req_ids], dtype=np.int64)
         num_keys = int(pool.last_positions[slots].max()) + 1
-        return self.draft_slots(torch.from_numpy(slots).to(pool.device), root_token_ids,
+        return self.draft_slots(to_device(slots, pool.device), root_token_ids,
                                 root_positions, num_keys, topk, num_steps, num_draft_tokens)
 
     @torch.inference_mode()

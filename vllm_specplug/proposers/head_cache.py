@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_specplug.verification.backend import to_device
+
 NO_POSITION = -1  # `last_positions` of a slot holding nothing
 MIN_CAPACITY = 256  # positions first allocated per slot; doubles as needed
 MIN_SLOTS = 8
@@ -115,7 +117,7 @@ class HeadCachePool:
         """Drop each slot's positions at or after `cuts[r]` ([R] host), then
         write rows ([T] host slot and position each; keys/values [T, kvh, hd])."""
         self.reserve(0, int(row_positions.max()) + 1)
-        on_device = [torch.from_numpy(a).to(self.device)
+        on_device = [to_device(a, self.device)
                      for a in (slots, cuts, row_slots, row_positions)]
         self.write(*on_device, keys, values)
         self.note_rows(slots, row_slots, row_positions)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vllm_specplug.verification.backend import next_power_of_2
+from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.metadata import DraftTree
 
 logger = logging.getLogger("vllm_specplug.head_graphs")
@@ -189,8 +189,8 @@ def run_ingest_pass(graphs: PassGraphs, ingest_pass: Callable[..., None], pool,
     needed = int(layout.positions.max()) + 1
     pool.reserve(0, needed)  # before the key: a reallocation voids the graphs
     num_keys = keys_bucket(needed, pool.capacity)
-    take = torch.from_numpy(layout.take).to(target_hidden.device)
-    device_array = lambda a: torch.from_numpy(a).to(pool.device)  # noqa: E731
+    take = to_device(layout.take, target_hidden.device)
+    device_array = lambda a: to_device(a, pool.device)  # noqa: E731
     inputs = [device_array(layout.slots), target_hidden[take],
               next_token_ids[take.to(next_token_ids.device)],
               device_array(layout.positions), device_array(layout.cuts)]

@@ -34,8 +34,9 @@ import torch
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2_speculator import SpeculatorStats
-from vllm_specplug.verification.backend import next_power_of_2
+from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.tree_rows import verified_rows
+
 
 
 class SpecplugV2HeadSpeculator:
@@ -154,7 +155,7 @@ class SpecplugV2HeadSpeculator:
         num_rows = next_power_of_2(most)
         verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
         layout = verified_rows(
-            torch.from_numpy(rows).to(self.device), input_batch.query_start_loc,
+            to_device(rows, self.device), input_batch.query_start_loc,
             input_batch.seq_lens, num_rejected, input_batch.cu_num_logits,
             input_batch.idx_mapping,
             self.tree_slots.accepted_nodes if verified_trees else None,
@@ -175,13 +176,13 @@ class SpecplugV2HeadSpeculator:
         positions = np.concatenate([f + np.arange(c) for f, c in zip(first, counts)])
         last = np.cumsum(counts) - 1
         done = first + counts >= input_batch.prefill_len_np[rows]  # the prompt's last chunk
-        device_rows = torch.from_numpy(token_rows).to(self.device)
+        device_rows = to_device(token_rows, self.device)
         next_ids = input_batch.input_ids[(device_rows + 1).clamp_(
             max=input_batch.input_ids.shape[0] - 1)].long()
-        slots = input_batch.idx_mapping[torch.from_numpy(rows).to(self.device)]
-        after = torch.where(torch.from_numpy(done).to(self.device), last_sampled[slots],
+        slots = input_batch.idx_mapping[to_device(rows, self.device)]
+        after = torch.where(to_device(done, self.device), last_sampled[slots],
                             next_prefill[0, slots].long())
-        next_ids[torch.from_numpy(last).to(self.device)] = after
+        next_ids[to_device(last, self.device)] = after
         target = self.drafter.target_hidden(hidden, aux, device_rows)
         self.runtime.ingest_slots(input_batch.idx_mapping_np[rows].astype(np.int64), new[rows],
                                   target, next_ids, positions, counts.tolist())

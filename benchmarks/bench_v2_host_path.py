@@ -29,7 +29,7 @@ def speculator(method: str, states, batch: int, max_len: int, k: int):
     import torch
 
     from vllm_specplug.integration.config import attach, translate
-    from vllm_specplug.integration.v2_speculator import SpecplugV2Speculator
+    from vllm_specplug.integration.v2.speculator import SpecplugV2Speculator
 
     _, selection = translate({"method": method, "num_speculative_tokens": k,
                               **OPTIONS.get(method, {})})

@@ -15,7 +15,7 @@ EXTENSION_POINTS = {
     "vllm_specplug/extraction/connector.py": "KV connector base class (kv_transfer_config)",
     "vllm_specplug/extraction/registrar.py": "KVConnectorFactory.register_connector",
     "vllm_specplug/integration/scheduler.py": "AsyncScheduler subclass (scheduler_cls)",
-    "vllm_specplug/integration/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
+    "vllm_specplug/integration/v1/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
     "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
     "vllm_specplug/integration/v2/tree_sampler.py":
         "the rejection sampler a ModelState supplies (custom_sampler)",
@@ -23,7 +23,7 @@ EXTENSION_POINTS = {
     "vllm_specplug/testing/worker_probe.py": "test harness: worker extension",
 }
 STILL_TO_MOVE = {  # issue 28: behind patches/ or an extension point
-    "vllm_specplug/integration/tree_sampler.py": "subclasses vLLM's RejectionSampler",
+    "vllm_specplug/integration/v1/tree_sampler.py": "subclasses vLLM's RejectionSampler",
 }
 
 

@@ -1,13 +1,13 @@
 """vLLM CPU's expand kernel never writes non-int64 outputs, which corrupts
 speculative verification whenever greedy and sampled requests share a batch;
-our override (vllm_specplug/integration/kernel_overrides.py) fixes it."""
+our override (vllm_specplug/integration/v1/kernel_overrides.py) fixes it."""
 from __future__ import annotations
 
 import pytest
 import torch
 from vllm import SamplingParams
 
-from vllm_specplug.integration.kernel_overrides import EXPAND_KERNEL, expand_kernel_impl
+from vllm_specplug.integration.v1.kernel_overrides import EXPAND_KERNEL, expand_kernel_impl
 from vllm_specplug.metrics import read_spec_decode_counts
 from vllm_specplug.testing.engine import greedy_params, make_llm, shutdown_llm
 from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
@@ -49,7 +49,11 @@ def test_vllm_cpu_expand_leaves_float_output_unwritten():
 
 
 @pytest.fixture(scope="module")
-def suffix_llm(tiny_model_dir):
+def suffix_llm(tiny_model_dir, baseline_llm):
+    """After the baseline engine: a new engine's Prometheus logger unregisters
+    the process's vLLM metrics, so an engine made later would zero this one's
+    speculation counters (`read_spec_decode_counts`)."""
+    del baseline_llm
     llm = make_llm(tiny_model_dir, {"method": "specplug_suffix", "num_speculative_tokens": 4},
                    worker_extension_cls=PROBE_QUALNAME)
     yield llm
@@ -58,7 +62,7 @@ def suffix_llm(tiny_model_dir):
 
 def test_worker_routes_expand_to_our_override(suffix_llm):
     assert suffix_llm.collective_rpc("specplug_kernel_override", args=(EXPAND_KERNEL,)) == [
-        "vllm_specplug.integration.kernel_overrides.expand_kernel_impl"]
+        "vllm_specplug.integration.v1.kernel_overrides.expand_kernel_impl"]
 
 
 def test_greedy_requests_beside_sampled_ones_stay_exact(suffix_llm, baseline_llm,

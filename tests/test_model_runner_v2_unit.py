@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.v2_helpers import K, Spy, States, make_speculator, step
-from vllm_specplug.integration.v2_speculator import gather_step_tokens
+from vllm_specplug.integration.v2.speculator import gather_step_tokens
 from vllm_specplug.proposers.base import StopReason
 
 
@@ -151,9 +151,27 @@ def test_explicit_choices_are_kept(tiny_model_dir, as_if_cuda_with_v2):
         "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
 
 
-def test_tree_eagle_stays_on_v1_runner(tiny_model_dir, tiny_eagle3_dir, as_if_cuda_with_v2):
-    config = _config(tiny_model_dir, {"method": "specplug_eagle3",
-                                      "model": str(tiny_eagle3_dir), "topk": 2,
-                                      "num_steps": 2, "num_draft_tokens": 4})
-    assert "speculative method 'custom_class'" in \
+@pytest.mark.parametrize("topk", [1, 2])
+def test_tree_eagle_on_cuda_gets_v2_runner_and_async_scheduling(
+        tiny_model_dir, tiny_eagle3_dir, as_if_cuda_with_v2, topk):
+    """Chains and trees run on Model Runner V2 (integration/v2/), with
+    vLLM's AsyncScheduler; the CPU platform keeps them on the V1 runner."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": topk,
+            "num_steps": 3, "num_draft_tokens": 4}
+    config = _config(tiny_model_dir, spec)
+    assert config.use_v2_model_runner
+    assert "speculative method 'custom_class'" not in \
         config._get_v2_model_runner_unsupported_features()
+    assert config.scheduler_config.async_scheduling
+    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+    assert config.speculative_config.num_speculative_tokens == 3  # nodes but the root
+
+
+def test_tree_eagle_on_cpu_keeps_v1_runner(tiny_model_dir, tiny_eagle3_dir):
+    spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": 2,
+            "num_steps": 2, "num_draft_tokens": 4}
+    config = _config(tiny_model_dir, spec)
+    assert not config.use_v2_model_runner
+    assert not config.scheduler_config.async_scheduling

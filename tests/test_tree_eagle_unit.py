@@ -95,7 +95,7 @@ def test_padded_trees_verify_like_each_tree_alone():
 def test_cpu_layout_probe_reads_and_writes_what_the_kernel_wrote(isa, block_size):
     from vllm import _custom_ops as ops
 
-    from vllm_specplug.integration.cpu_kv_layout import probe_layout
+    from vllm_specplug.integration.v1.cpu_kv_layout import probe_layout
 
     heads, size = 2, 32
     layout = probe_layout(isa, block_size, heads, size, torch.float32)

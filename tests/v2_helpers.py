@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.integration.config import attach, translate
-from vllm_specplug.integration.v2_speculator import SpecplugV2Speculator
+from vllm_specplug.integration.v2.speculator import SpecplugV2Speculator
 
 K = 3
 MAX_LEN = 64

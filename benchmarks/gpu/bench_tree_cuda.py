@@ -15,7 +15,7 @@ adds the built-in EAGLE-3 head (`tiny-eagle3`) to the work folder of
 chain K=5, ours as trees of 16 and 32 nodes), 60 held-out prompts in one batch
 and each alone, 64 greedy tokens, fp32 (vLLM picks its Triton attention
 backend); outputs compared token for token with no speculation, acceptance,
-tokens/s, and our per-phase times (integration/tree_profile.py).
+tokens/s, and our per-phase times (integration/v1/tree_profile.py).
 
 `costs`: a Llama-3-8B-shaped target (dummy bf16 weights, FlashAttention) and
 an EAGLE-3 head of the matching shape with random weights (only its cost

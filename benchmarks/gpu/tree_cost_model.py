@@ -8,7 +8,7 @@ Cost model: projected speed-up = L x T_plain / (T_forward(n) + T_verify(n) +
 T_draft + T_other(n)), with L the acceptance length (tokens per step per
 request) measured on our trained tiny head on the H100, T_plain the plain
 decode step, and the step phases of a B-request step verifying n nodes
-measured on the 8B shape (integration/tree_profile.py; T_other = step time -
+measured on the 8B shape (integration/v1/tree_profile.py; T_other = step time -
 the three phases: scheduling, input preparation, output processing). The
 drafting cost of a configuration comes from our head runtime measured alone
 on the 8B-shaped head: ingest + the drafting pass eager, and ingest + the

@@ -83,7 +83,7 @@ def ours(request, work, prompts):
     """specplug_ngram drafts on the device unless told to draft on the host
     (the path every host proposer, suffix here, takes)."""
     from vllm_specplug.engine import shutdown_llm
-    from vllm_specplug.integration.v2_speculator import HOST_DRAFTING_ENV
+    from vllm_specplug.integration.v2.speculator import HOST_DRAFTING_ENV
     from vllm_specplug.metrics import read_spec_decode_counts
 
     method, mode = request.param.split()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from vllm_specplug.integration import cuda_tree_attention as cta
-from vllm_specplug.integration.tree_attention import TreeAttentionUnsupported
-from vllm_specplug.integration.tree_step import TreeRequest, TreeStep, depths_of
+from vllm_specplug.integration.cuda_tree_attention import TreeAttentionUnsupported
+from vllm_specplug.integration.v1 import cuda_tree_buffers as ctb
+from vllm_specplug.integration.v1.tree_step import TreeRequest, TreeStep, depths_of
 from vllm_specplug.verification.tree_attention import (metadata_from_masks,
                                                        tree_attention_reference)
 
@@ -52,7 +53,7 @@ def setup(step: TreeStep, device, seed=0):
 
 def test_buffers_then_backend_hook_equal_the_reference(device):
     step = step_of(PARENTS, [9, 3, 5, 12])
-    buffers = cta.TreeAttentionBuffers(8, 6, device)
+    buffers = ctb.TreeAttentionBuffers(8, 6, device)
     buffers.update(step)
     assert buffers.num_masked == 2  # the chain is left to the backend
     kv_cache, block_table, query = setup(step, device)
@@ -81,7 +82,7 @@ def test_ancestor_words_equal_pack_mask():
     rng = np.random.default_rng(0)
     trees = [np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
              for n in (1, 2, 33, 40, 65)]
-    words = cta.ancestor_words(trees, 65, 3)
+    words = ctb.ancestor_words(trees, 65, 3)
     for t, parents in enumerate(trees):
         request = TreeRequest(0, "r", 0, 0, parents, depths_of(parents))
         want = pack_mask(request.ancestor_mask()[None])[0]
@@ -91,7 +92,7 @@ def test_ancestor_words_equal_pack_mask():
 
 
 def test_a_later_step_clears_stale_rows():
-    buffers = cta.TreeAttentionBuffers(8, 6, "cpu")
+    buffers = ctb.TreeAttentionBuffers(8, 6, "cpu")
     buffers.update(step_of(PARENTS, [9, 3, 5, 12]))
     buffers.update(step_of({0: PARENTS[0]}, [10]))
     assert buffers.metadata.num_nodes.tolist() == [6, 0, 0, 0, 0, 0, 0, 0]
@@ -101,7 +102,7 @@ def test_a_later_step_clears_stale_rows():
 
 def test_unsupported_layer_features_are_named(device):
     step = step_of(PARENTS, [9, 3, 5, 12])
-    buffers = cta.TreeAttentionBuffers(8, 6, device)
+    buffers = ctb.TreeAttentionBuffers(8, 6, device)
     buffers.update(step)
     kv_cache, block_table, query = setup(step, device)
     with pytest.raises(TreeAttentionUnsupported, match="sliding window"):

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from vllm_specplug.integration.config import attach, translate
-from vllm_specplug.integration.drafter import SpecplugDrafter
+from vllm_specplug.integration.v1.drafter import SpecplugDrafter
 from vllm_specplug.integration.guard import DEFAULT_MAX_PROPOSER_FAILURES
 from vllm_specplug.proposers.base import require
 from vllm_specplug.proposers.ngram import NgramOptions, NgramProposer

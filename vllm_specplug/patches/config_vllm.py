@@ -3,7 +3,7 @@
 
 Why: our methods reach vLLM as `method="custom_class"`, which vLLM sends to
 the V1 model runner and runs without async scheduling. On CUDA our model-free
-proposers run under Model Runner V2 (`integration/v2_speculator.py`), with
+proposers run under Model Runner V2 (`integration/v2/speculator.py`), with
 async scheduling (vLLM's `AsyncScheduler` by default; `SpecplugAsyncScheduler`,
 whose placeholders follow each request's draft length, on request). Both decisions are made inside VllmConfig with
 no hook: here they are made for our selection only, and only on CUDA with

@@ -18,9 +18,9 @@ MODULE = "vllm.v1.attention.backends.cpu_attn"
 def _tree_rows(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     from vllm.v1.attention.backend import AttentionType
 
-    from vllm_specplug.integration import tree_step
-    from vllm_specplug.integration.cpu_kv_layout import layout_of
-    from vllm_specplug.integration.tree_attention import apply_tree_attention
+    from vllm_specplug.integration.v1 import tree_step
+    from vllm_specplug.integration.v1.cpu_kv_layout import layout_of
+    from vllm_specplug.integration.v1.tree_attention import apply_tree_attention
 
     step = tree_step.current()
     if (step is not None and step.masked() and attn_metadata is not None

@@ -13,9 +13,9 @@ from vllm_specplug.patches.registry import patch_registry
 
 
 def _propose_draft_token_ids(original):
-    from vllm_specplug.integration.drafter import SpecplugDrafter
-    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
-    from vllm_specplug.integration.tree_profile import PROFILER
+    from vllm_specplug.integration.v1.drafter import SpecplugDrafter
+    from vllm_specplug.integration.v1.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.v1.tree_profile import PROFILER
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                 sampling_metadata, hidden_states, sample_hidden_states,
@@ -41,8 +41,8 @@ def _propose_draft_token_ids(original):
 
 
 def _on_request_state_removed(original):
-    from vllm_specplug.integration.drafter import SpecplugDrafter
-    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.v1.drafter import SpecplugDrafter
+    from vllm_specplug.integration.v1.tree_drafter import TreeEagleDrafter
 
     def on_request_state_removed(self, req_id, req_state):
         drafter = getattr(self, "drafter", None)
@@ -54,9 +54,10 @@ def _on_request_state_removed(original):
 
 
 def _prepare_inputs(original):
-    from vllm_specplug.integration import cuda_tree_attention, tree_step
-    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
-    from vllm_specplug.integration.tree_profile import PROFILER
+    from vllm_specplug.integration import cuda_tree_attention
+    from vllm_specplug.integration.v1 import tree_step
+    from vllm_specplug.integration.v1.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.v1.tree_profile import PROFILER
 
     def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
@@ -77,9 +78,9 @@ def _setup_aux_hidden_states(original):
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     from vllm_specplug.integration import cuda_tree_attention
-
-    from vllm_specplug.integration.tree_drafter import TreeEagleDrafter
-    from vllm_specplug.integration.tree_sampler import TreeRejectionSampler
+    from vllm_specplug.integration.v1 import cuda_tree_buffers
+    from vllm_specplug.integration.v1.tree_drafter import TreeEagleDrafter
+    from vllm_specplug.integration.v1.tree_sampler import TreeRejectionSampler
 
     def setup(self):
         drafter = getattr(self, "drafter", None)
@@ -95,7 +96,7 @@ def _setup_aux_hidden_states(original):
         self.rejection_sampler = TreeRejectionSampler(
             self.sampler, self.speculative_config, self.device, self)
         if self.device.type == "cuda" and drafter.options.topk > 1:
-            drafter.tree_buffers = cuda_tree_attention.TreeAttentionBuffers(
+            drafter.tree_buffers = cuda_tree_buffers.TreeAttentionBuffers(
                 self.max_num_reqs, drafter.options.num_draft_tokens, self.device)
             cuda_tree_attention.attach(
                 self.vllm_config.compilation_config.static_forward_context,

@@ -23,7 +23,7 @@ MODULE = "vllm.v1.worker.gpu.model_runner"
 
 
 def _ours(runner):
-    from vllm_specplug.integration.v2_speculator import SpecplugV2Speculator
+    from vllm_specplug.integration.v2.speculator import SpecplugV2Speculator
 
     speculator = getattr(runner, "speculator", None)
     return speculator if isinstance(speculator, SpecplugV2Speculator) else None
@@ -33,7 +33,7 @@ def _init_speculator(original):
     def init_speculator(vllm_config, device, req_states):
         from vllm_specplug.integration.config import selection_of
         from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
-        from vllm_specplug.integration.v2_speculator import SpecplugV2Speculator
+        from vllm_specplug.integration.v2.speculator import SpecplugV2Speculator
         from vllm_specplug.proposers.eagle3 import TreeProposer
         from vllm_specplug.registry import get_proposer_class
 

@@ -3,7 +3,7 @@ vLLM module it patches to be imported) and reports the registered proposer
 names. It lives here, not in `proposers/`: proposers never touch vLLM."""
 from __future__ import annotations
 
-from vllm_specplug.integration import kernel_overrides
+from vllm_specplug.integration.v1 import kernel_overrides
 from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, flash_attn,
                                    gpu_model_runner, gpu_v2_model_runner, gpu_v2_model_states,
                                    triton_attn)

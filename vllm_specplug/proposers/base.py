@@ -152,11 +152,11 @@ class Proposer(ABC):
     """
     options_cls: ClassVar[type[ProposerOptions]] = ProposerOptions
     uses_hidden_states: ClassVar[bool] = False
-    # Runs under vLLM's Model Runner V2 on CUDA (integration/v2_speculator.py);
+    # Runs under vLLM's Model Runner V2 on CUDA (integration/v2/speculator.py);
     # False keeps the method on the V1 runner, whose patches it needs.
     runs_on_model_runner_v2: ClassVar[bool] = True
     # The object vLLM's `custom_class` instantiates in the worker for this method.
-    drafter_qualname: ClassVar[str] = "vllm_specplug.integration.drafter.SpecplugDrafter"
+    drafter_qualname: ClassVar[str] = "vllm_specplug.integration.v1.drafter.SpecplugDrafter"
 
     @classmethod
     def vllm_num_speculative_tokens(cls, options: ProposerOptions,

@@ -25,7 +25,7 @@ import numpy as np
 from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerConfigError,
                                           ProposerOptions, require)
 
-TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.tree_drafter.TreeEagleDrafter"
+TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.v1.tree_drafter.TreeEagleDrafter"
 DEFAULT_NUM_STEPS = 5
 METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -143,7 +143,7 @@ def check_tree_attention_fits(name: str, options: TreeOptions, target_hf) -> Non
 
 class TreeProposer(Proposer):
     """A drafter of EAGLE-2 trees from the target's hidden states, driven by
-    a worker-side drafter (`integration/tree_drafter.py`), not through the
+    a worker-side drafter (`integration/v1/tree_drafter.py`), not through the
     token-history `propose` of model-free methods."""
     options_cls: ClassVar[type[ProposerOptions]] = TreeOptions
     uses_hidden_states: ClassVar[bool] = True

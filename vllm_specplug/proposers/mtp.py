@@ -19,7 +19,7 @@ from vllm_specplug.proposers.eagle3 import TreeOptions, TreeProposer, check_tree
 from vllm_specplug.draft_models.mtp_checkpoint import MTP_ARCHITECTURE, NUM_MTP_LAYERS_KEY
 
 METHOD = "specplug_mtp"
-TREE_MTP_DRAFTER_QUALNAME = "vllm_specplug.integration.tree_drafter.TreeMtpDrafter"
+TREE_MTP_DRAFTER_QUALNAME = "vllm_specplug.integration.v1.tree_drafter.TreeMtpDrafter"
 
 
 @dataclass(frozen=True)

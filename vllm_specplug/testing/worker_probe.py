@@ -39,8 +39,8 @@ class SpecplugProbe:
 
     def specplug_tree_profile(self, enable: bool | None = None) -> list[dict]:
         """Per-step phase times of tree steps so far (cleared); `enable`
-        turns the profiler on or off (integration/tree_profile.py)."""
-        from vllm_specplug.integration.tree_profile import PROFILER
+        turns the profiler on or off (integration/v1/tree_profile.py)."""
+        from vllm_specplug.integration.v1.tree_profile import PROFILER
 
         taken = PROFILER.take()
         if enable is not None:
@@ -105,7 +105,7 @@ class SpecplugProbe:
         """Swap this worker's tree sampler for one that accepts every first
         child (a deliberately wrong verifier: the distribution tests must
         catch it). Returns the class now in place."""
-        from vllm_specplug.integration.tree_sampler import TreeRejectionSampler
+        from vllm_specplug.integration.v1.tree_sampler import TreeRejectionSampler
 
         runner = self.model_runner
         if not isinstance(runner.rejection_sampler, TreeRejectionSampler):
@@ -116,7 +116,7 @@ class SpecplugProbe:
 
 
 def _always_accept_class():
-    from vllm_specplug.integration.tree_sampler import TreeRejectionSampler
+    from vllm_specplug.integration.v1.tree_sampler import TreeRejectionSampler
 
     class AlwaysAcceptFirstChild(TreeRejectionSampler):
         @staticmethod

@@ -33,7 +33,7 @@ import torch
 
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
-from vllm_specplug.integration.v2_speculator import SpeculatorStats
+from vllm_specplug.integration.v2.speculator import SpeculatorStats
 from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.tree_rows import verified_rows
 

@@ -24,10 +24,10 @@ from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
                                                      MinTokensLogitsProcessor)
 from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_constraints
 
-from vllm_specplug.integration import tree_step
-from vllm_specplug.integration.cpu_kv_layout import known_layout
+from vllm_specplug.integration.v1 import tree_step
+from vllm_specplug.integration.v1.cpu_kv_layout import known_layout
 from vllm_specplug.integration.cuda_tree_attention import move_cached_tokens
-from vllm_specplug.integration.tree_profile import PROFILER
+from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.verification.metadata import PLACEHOLDER_TOKEN_ID
 from vllm_specplug.verification.tree_build import tree_from_parents
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_specplug.integration import tree_step
+from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime

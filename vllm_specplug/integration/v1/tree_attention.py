@@ -16,29 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specplug.integration.cpu_kv_layout import BlockLayout
-from vllm_specplug.integration.tree_step import TreeRequest, TreeStep
-
-
-NO_WINDOW = (None, -1, (-1, -1))  # how the CPU and CUDA backends say "no sliding window"
-
-
-class TreeAttentionUnsupported(RuntimeError):
-    """A layer feature tree attention does not implement."""
-
-
-def check_supported(impl) -> None:
-    problems = [name for name, bad in (
-        ("logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
-        ("sliding window", getattr(impl, "sliding_window", None) not in NO_WINDOW),
-        ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
-        ("attention sinks", getattr(impl, "sinks", None) is not None),
-        ("quantized KV cache", getattr(impl, "kv_cache_dtype", "auto") != "auto"))
-        if bad]
-    if problems:
-        raise TreeAttentionUnsupported(
-            f"specplug_eagle3 trees (topk > 1) do not support {', '.join(problems)} "
-            "yet; use topk=1 (a chain needs no tree attention)")
+from vllm_specplug.integration.cuda_tree_attention import check_supported
+from vllm_specplug.integration.v1.cpu_kv_layout import BlockLayout
+from vllm_specplug.integration.v1.tree_step import TreeRequest, TreeStep
 
 
 def request_slots(block_ids: torch.Tensor, num_positions: int, block_size: int):

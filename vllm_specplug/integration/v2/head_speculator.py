@@ -33,18 +33,13 @@ import torch
 
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
-from vllm_specplug.integration.v2.speculator import SpeculatorStats
+from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.tree_rows import verified_rows
 
 
 
-class SpecplugV2HeadSpeculator:
-    supports_mm_inputs = False
-    draft_logits = None  # verification uses the target alone
-    num_query_per_req = 1
-    num_extra_query_per_req = 0
-
+class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
         self.drafter = HeadDrafter(vllm_config)
         self.method = self.drafter.method
@@ -91,16 +86,6 @@ class SpecplugV2HeadSpeculator:
                                "state; use topk=1 (a chain) for this model")
         model_state.bind(self.tree_slots)
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
-
-    # -- BaseSpeculator's cudagraph hooks: the head captures its own passes lazily.
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        del cudagraph_mode
-
-    def capture(self) -> None:
-        return None
-
-    def prepare_watermarking(self, *args, **kwargs) -> None:
-        raise RuntimeError("vllm-specplug drafters do not support watermarking")
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,

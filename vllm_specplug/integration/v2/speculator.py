@@ -90,15 +90,31 @@ def gather_step_tokens(all_token_ids: torch.Tensor, total_len: torch.Tensor,
     return packed.cpu().numpy()
 
 
-class SpecplugV2Speculator:
-    """`BaseSpeculator` (duck-typed: vLLM's ABC needs no registration) that
-    drafts with a vllm-specplug proposer. Built by the patched
-    `init_speculator` when the speculative config selects one of ours."""
+class V2SpeculatorHooks:
+    """What Model Runner V2 asks of every speculator (`BaseSpeculator`,
+    duck-typed: vLLM's ABC needs no registration) besides `propose`, as our
+    speculators answer it: no multimodal inputs, no draft probabilities
+    (verification uses the target alone), one query row per request, and no
+    CUDA graphs for vLLM to capture (ours capture their own, lazily)."""
 
     supports_mm_inputs = False
-    draft_logits = None  # no draft probabilities: vLLM verifies drafts as greedy tokens
+    draft_logits = None
     num_query_per_req = 1
     num_extra_query_per_req = 0
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        del cudagraph_mode
+
+    def capture(self) -> None:
+        return None
+
+    def prepare_watermarking(self, *args, **kwargs) -> None:
+        raise RuntimeError("vllm-specplug speculators do not support watermarking")
+
+
+class SpecplugV2Speculator(V2SpeculatorHooks):
+    """Drafts with a vllm-specplug proposer. Built by the patched
+    `init_speculator` when the speculative config selects one of ours."""
 
     def __init__(self, vllm_config, device: torch.device, req_states,
                  use_device_drafter: bool | None = None) -> None:
@@ -125,16 +141,6 @@ class SpecplugV2Speculator:
         self.last_req_ids: list[str] = []
         self.last_drafts: list[list[int]] = []
         self.pending_lengths: dict[str, int] | None = None
-
-    # -- BaseSpeculator's cudagraph hooks: nothing of ours runs on the GPU.
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        del cudagraph_mode
-
-    def capture(self) -> None:
-        return None
-
-    def prepare_watermarking(self, *args, **kwargs) -> None:
-        raise RuntimeError("vllm-specplug proposers do not support watermarking")
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,

@@ -40,7 +40,7 @@ def main() -> None:
     from vllm_specplug.models.build import build_model
     from vllm_specplug.bench.offline import side_by_side
     from vllm_specplug.bench.report import format_offline_table
-    from vllm_specplug.training import end_to_end as e2e
+    from vllm_specplug.models import end_to_end as e2e
     from vllm_specplug.training.plots import plot_agreement
 
     work = Path(args.work or tempfile.mkdtemp(prefix="specplug-eagle3-"))

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
 from vllm_specplug.testing.metrics import read_spec_decode_counts
-from vllm_specplug.training import end_to_end as e2e
+from vllm_specplug.models import end_to_end as e2e
 
 K = 3
 NUM_EVAL, NUM_ALONE, MAX_NEW_TOKENS = 24, 4, 48

@@ -69,7 +69,7 @@ def run(args) -> int:
 def run_trainer(args, trainer_cls, describe, **config_fields) -> int:
     """Check, train (resuming unless --no-resume), plot; exit codes as above."""
     from vllm_specplug.models.named import resolve_model
-    from vllm_specplug.extraction.errors import OutputWriteError
+    from vllm_specplug.files import OutputWriteError
     from vllm_specplug.training.trainer import TrainConfig, run_training
 
     problem = _check(args)
@@ -101,7 +101,7 @@ def run_trainer(args, trainer_cls, describe, **config_fields) -> int:
 
 
 def _plot(trainer, path: Path) -> Path:
-    from vllm_specplug.extraction.errors import OutputWriteError
+    from vllm_specplug.files import OutputWriteError
     from vllm_specplug.training.plots import plot_agreement
 
     try:

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from vllm_specplug.extraction.storage import save_safetensors_atomic, write_text_atomic
+from vllm_specplug.files import save_safetensors_atomic, write_text_atomic
 from vllm_specplug.draft_models.layers import (MLP, RMSNorm, init_draft_parameters,
                                            rope_cos_sin, rope_inv_freq, shift_rows,
                                            split_heads, ttt_attend)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from vllm_specplug.extraction.storage import save_safetensors_atomic, write_text_atomic
+from vllm_specplug.files import save_safetensors_atomic, write_text_atomic
 
 MTP_ARCHITECTURE = "MiMoForCausalLM"
 NUM_MTP_LAYERS_KEY = "num_nextn_predict_layers"

@@ -86,7 +86,7 @@ def build_training_data(spec: HeadSpec, target_dir: Path, root: Path) -> Path:
     """The extracted dataset a head of `spec` trains on (cached). Magpie data
     is built in a folder kept across runs: an interrupted build resumes (the
     prompts file, then the extraction's manifest, keep what was done)."""
-    from vllm_specplug.training import end_to_end as e2e
+    from vllm_specplug.models import end_to_end as e2e
 
     fields = {"target": target_dir.name, "num_prompts": spec.num_prompts,
               "max_new_tokens": spec.max_new_tokens, "builder": DATA_BUILDER_VERSION}
@@ -111,7 +111,7 @@ def build_training_data(spec: HeadSpec, target_dir: Path, root: Path) -> Path:
 
 
 def _train(spec: HeadSpec, target_dir: Path, data_root: Path, out: Path) -> None:
-    from vllm_specplug.training import end_to_end as e2e
+    from vllm_specplug.models import end_to_end as e2e
 
     info = json.loads((data_root / BUILD_INFO_FILE).read_text())
     data_dir = str(data_root / info["data_dir"])

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_specplug.extraction.errors import OutputWriteError
-from vllm_specplug.extraction.storage import save_safetensors_atomic, write_json_atomic
+from vllm_specplug.files import OutputWriteError
+from vllm_specplug.files import save_safetensors_atomic, write_json_atomic
 from vllm_specplug.draft_models.eagle3_model import load_tensors, tensor_problems
 
 KEEP = 2

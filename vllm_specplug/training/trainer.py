@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_specplug.extraction.dataset import HiddenStatesDataset
-from vllm_specplug.extraction.storage import check_writable_dir, write_text_atomic
+from vllm_specplug.files import check_writable_dir, write_text_atomic
 from vllm_specplug.training import checkpoint as ckpt
 from vllm_specplug.training.batches import Batch, collate, split_ids
 from vllm_specplug.draft_models.eagle3_model import Eagle3Head, HeadConfig

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_specplug.extraction.errors import DatasetError
-from vllm_specplug.extraction.storage import write_text_atomic
+from vllm_specplug.files import write_text_atomic
 
 
 @dataclass

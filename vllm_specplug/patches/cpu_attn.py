@@ -18,11 +18,10 @@ MODULE = "vllm.v1.attention.backends.cpu_attn"
 def _tree_rows(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     from vllm.v1.attention.backend import AttentionType
 
-    from vllm_specplug.integration.v1 import tree_step
     from vllm_specplug.integration.v1.cpu_kv_layout import layout_of
-    from vllm_specplug.integration.v1.tree_attention import apply_tree_attention
+    from vllm_specplug.integration.v1.tree_attention import apply_tree_attention, current_step
 
-    step = tree_step.current()
+    step = current_step(impl)
     if (step is not None and step.masked() and attn_metadata is not None
             and impl.attn_type == AttentionType.DECODER):
         apply_tree_attention(impl, query, kv_cache, layout_of(kv_cache, layer.isa),

@@ -64,7 +64,7 @@ def _prepare_inputs(original):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, TreeEagleDrafter):
             step = tree_step.build_step(self, scheduler_output, drafter.trees)
-            tree_step.set_current(step)
+            drafter.current_step = step
             buffers = drafter.tree_buffers
             if buffers is not None:
                 buffers.update(step)
@@ -78,7 +78,7 @@ def _setup_aux_hidden_states(original):
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     from vllm_specplug.integration import cuda_tree_attention
-    from vllm_specplug.integration.v1 import cuda_tree_buffers
+    from vllm_specplug.integration.v1 import cuda_tree_buffers, tree_attention
     from vllm_specplug.integration.v1.tree_drafter import TreeEagleDrafter
     from vllm_specplug.integration.v1.tree_sampler import TreeRejectionSampler
 
@@ -95,12 +95,12 @@ def _setup_aux_hidden_states(original):
             self.model.set_aux_hidden_state_layers(drafter.aux_layer_ids)
         self.rejection_sampler = TreeRejectionSampler(
             self.sampler, self.speculative_config, self.device, self)
+        layers = self.vllm_config.compilation_config.static_forward_context
+        tree_attention.attach_step_source(layers, drafter)  # CPU tree attention
         if self.device.type == "cuda" and drafter.options.topk > 1:
             drafter.tree_buffers = cuda_tree_buffers.TreeAttentionBuffers(
                 self.max_num_reqs, drafter.options.num_draft_tokens, self.device)
-            cuda_tree_attention.attach(
-                self.vllm_config.compilation_config.static_forward_context,
-                drafter.tree_buffers)
+            cuda_tree_attention.attach(layers, drafter.tree_buffers)
 
     return setup
 

@@ -21,6 +21,23 @@ from vllm_specplug.integration.v1.cpu_kv_layout import BlockLayout
 from vllm_specplug.integration.v1.tree_step import TreeRequest, TreeStep
 
 
+STEP_SOURCE_ATTR = "specplug_tree_step_source"  # set on each attention impl
+
+
+def attach_step_source(layers: dict, source) -> None:
+    """The attention layers (vLLM's static forward context) read this step's
+    tree layout from `source.current_step` (the tree drafter)."""
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if impl is not None:
+            setattr(impl, STEP_SOURCE_ATTR, source)
+
+
+def current_step(impl) -> TreeStep | None:
+    source = getattr(impl, STEP_SOURCE_ATTR, None)
+    return None if source is None else source.current_step
+
+
 def request_slots(block_ids: torch.Tensor, num_positions: int, block_size: int):
     positions = torch.arange(num_positions, device=block_ids.device)
     return block_ids[positions // block_size].long() * block_size + positions % block_size

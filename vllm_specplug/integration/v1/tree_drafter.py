@@ -43,6 +43,9 @@ class TreeEagleDrafter:
         self.draft_shape: tuple[int, bool] | None = None
         # CUDA tree attention's buffers (set up by the runner patch, trees only)
         self.tree_buffers = None
+        # this step's tree layout: set by the runner patch before the forward,
+        # read by attention and verification, taken by `propose_for_runner`
+        self.current_step: tree_step.TreeStep | None = None
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -70,8 +73,7 @@ class TreeEagleDrafter:
                            hidden_states, aux_hidden_states) -> list[list[int]]:
         batch = runner.input_batch
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        step = tree_step.current()
-        tree_step.set_current(None)
+        step, self.current_step = self.current_step, None
         for req_id in scheduler_output.preempted_req_ids or ():
             self.on_request_removed(req_id)
         aux = None if step is None else self.target_hidden(hidden_states, aux_hidden_states,

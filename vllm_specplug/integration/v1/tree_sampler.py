@@ -24,7 +24,6 @@ from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
                                                      MinTokensLogitsProcessor)
 from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_constraints
 
-from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.cpu_kv_layout import known_layout
 from vllm_specplug.integration.cuda_tree_attention import move_cached_tokens
 from vllm_specplug.integration.v1.tree_profile import PROFILER
@@ -61,7 +60,7 @@ class TreeRejectionSampler(RejectionSampler):
         self.runner = runner
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        step = tree_step.current()
+        step = self.runner.drafter.current_step
         if step is None:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         PROFILER.mark("verify_start")

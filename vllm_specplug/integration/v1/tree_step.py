@@ -74,18 +74,6 @@ class TreeStep:
         return [r for r in self.requests if not r.is_chain]
 
 
-_CURRENT: TreeStep | None = None
-
-
-def current() -> TreeStep | None:
-    return _CURRENT
-
-
-def set_current(step: TreeStep | None) -> None:
-    global _CURRENT
-    _CURRENT = step
-
-
 def depths_of(parent_ids: np.ndarray) -> np.ndarray:
     depths = np.zeros(len(parent_ids), dtype=np.int64)
     for i in range(1, len(parent_ids)):

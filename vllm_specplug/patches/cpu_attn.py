@@ -19,7 +19,7 @@ def _tree_rows(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     from vllm.v1.attention.backend import AttentionType
 
     from vllm_specplug.integration.v1.cpu_kv_layout import layout_of
-    from vllm_specplug.integration.v1.tree_attention import apply_tree_attention, current_step
+    from vllm_specplug.integration.v1.cpu_tree_attention import apply_tree_attention, current_step
 
     step = current_step(impl)
     if (step is not None and step.masked() and attn_metadata is not None

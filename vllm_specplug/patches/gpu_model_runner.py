@@ -78,7 +78,7 @@ def _setup_aux_hidden_states(original):
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     from vllm_specplug.integration import cuda_tree_attention
-    from vllm_specplug.integration.v1 import cuda_tree_buffers, tree_attention
+    from vllm_specplug.integration.v1 import cpu_tree_attention, cuda_tree_buffers
     from vllm_specplug.integration.v1.tree_drafter import TreeEagleDrafter
     from vllm_specplug.integration.v1.tree_sampler import TreeRejectionSampler
 
@@ -96,7 +96,7 @@ def _setup_aux_hidden_states(original):
         self.rejection_sampler = TreeRejectionSampler(
             self.sampler, self.speculative_config, self.device, self)
         layers = self.vllm_config.compilation_config.static_forward_context
-        tree_attention.attach_step_source(layers, drafter)  # CPU tree attention
+        cpu_tree_attention.attach_step_source(layers, drafter)
         if self.device.type == "cuda" and drafter.options.topk > 1:
             drafter.tree_buffers = cuda_tree_buffers.TreeAttentionBuffers(
                 self.max_num_reqs, drafter.options.num_draft_tokens, self.device)

@@ -174,9 +174,10 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
                  str(prompts), "--batch-sizes", "1", "4", "--limit-prompts", "1=2",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
-                 *[f"--spec={s}" for s in specs], "--out", str(out)])
+                 *[f"--spec={s}" for s in specs], "--phases", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "offline.json").read_text())
+    _check_phases(result["rows"])
     assert result["settings"]["order"] == "interleaved"
     assert result["settings"]["num_turns"] == 5
     assert result["settings"]["prompt_limits"] == {"1": 2}
@@ -199,3 +200,22 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     table = (out / "offline.txt").read_text()
     assert "specplug_ngram" in table and "vllm-ngram" in table
     assert "cpu_model_runner/" in table
+
+
+def _check_phases(rows) -> None:
+    """`--phases`: each row's probe counted its steps and timed the runner's
+    phases, twice (the probe unwraps the runner between passes); the draft
+    phase runs once a step, only where something drafts."""
+    for row in rows:
+        assert set(row["phases"]) == {"timed", "profiled"}, row["phases"]
+        for measured in row["phases"].values():
+            phases = measured["phases"]
+            assert measured["num_steps"] > 0 and measured["wall_ms"] > 0
+            # execute_model + sample_tokens a step; execute_model also runs for a
+            # schedule with nothing to sample, so at least two calls a step
+            assert phases["step"]["calls"] >= 2
+            assert phases["forward"]["host_ms"] > 0 and phases["verify"]["calls"] == 1
+            assert ("draft" in phases) == (row["name"] != "none")
+            if row["name"] != "none":
+                assert phases["draft"]["calls"] == 1
+        assert "gpu_ms" in row["phases"]["profiled"]["phases"]["forward"]

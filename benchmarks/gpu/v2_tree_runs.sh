@@ -27,14 +27,14 @@ run() {
       mapfile -t S < <(specs all "$W/tiny-eagle3")
       bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
         --limit-prompts 1=16 --limit-prompts 16=64 --limit-prompts 64=128 --repeats 3 \
-        --max-tokens 128 --dtype float32 \
+        --max-tokens 128 --dtype float32 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 2048}}' \
         --out "$RESULTS/tiny" ;;
     smollm2)
       mapfile -t S < <(specs three .gpu/heads/smollm2-eagle3)
       bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
-        --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
+        --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
         --out "$RESULTS/smollm2" ;;
     steps8b)

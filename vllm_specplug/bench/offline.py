@@ -48,6 +48,7 @@ class OfflineRow:
     speedup: float = float("nan")      # median of `ratios`
     error: str | None = None
     engine: dict = field(default_factory=dict)  # arguments, runner, speculator
+    phases: dict = field(default_factory=dict)  # bench/phases.py, with --phases
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -105,6 +106,24 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool) -> None:
         row.token_ids = token_ids
 
 
+def _probe_phases(llm, row: OfflineRow, prompts, params) -> None:
+    """One more pass over one batch with the phase probe (bench/phases.py):
+    host times without the profiler, then GPU times and launches under it
+    (the profiler slows the host)."""
+    prompts = prompts[:max(row.batch_size, 4)]
+    try:
+        for profile_gpu in (False, True):
+            llm.collective_rpc("specplug_phases_start", args=(profile_gpu,))
+            try:
+                run_conversations(llm, prompts, row.batch_size, params)
+            finally:
+                measured = llm.collective_rpc("specplug_phases_stop")[0]
+            key = "profiled" if profile_gpu else "timed"
+            row.phases[key] = measured
+    except Exception as error:  # the probe informs; the measured rows stand
+        row.phases["error"] = f"{type(error).__name__}: {error}"
+
+
 def _schedule(specs: list[NamedSpec], repeats: int, order: str) -> list[tuple[int, int]]:
     """(repeat, spec index) in the order they run."""
     if order not in ORDERS:
@@ -137,12 +156,13 @@ def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, p
 
 def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
-                prompt_limits: dict[int, int] | None = None, **engine_kwargs
-                ) -> list[OfflineRow]:
+                prompt_limits: dict[int, int] | None = None, phases: bool = False,
+                **engine_kwargs) -> list[OfflineRow]:
     """One row per (spec, batch size). The first spec is the baseline; a spec
     whose engine fails gets rows with `error` set and the others go on.
     `prompt_limits` {batch size: N} runs only the first N prompts at that
-    batch size (batch 1 of a whole set takes long)."""
+    batch size (batch 1 of a whole set takes long). With `phases`, each row
+    also gets where its steps' time went, after its last repeat."""
     limits = prompt_limits or {}
     schedule = _schedule(specs, repeats, order)
     engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
@@ -162,6 +182,8 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 if engines[s] is not None:
                     _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,
                              keep_tokens=repeat == 0)
+                    if phases and repeat == repeats - 1:
+                        _probe_phases(engines[s], row, prompts, params)
                 progress.update(1)
             if last_use[s] == step:
                 stacks[s].close()  # sequential order: free the engine now

@@ -68,6 +68,44 @@ def format_offline_table(rows) -> str:
     return "\n".join(lines)
 
 
+PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "ingest", "draft_tree")
+
+
+def format_phases_table(rows) -> str:
+    """Per decode step, for each row probed (bench/phases.py): wall ms, then
+    per phase host ms (unprofiled run) / GPU ms / launches (profiled run)."""
+    names = [p for p in PHASE_ORDER if any(p in _phase(r, "timed") or p in _phase(r, "profiled")
+                                           for r in rows)]
+    w = max([18] + [len(row.name) + 1 for row in rows])
+    header = f"{'method':<{w}}{'batch':>6}{'steps':>7}{'wall ms':>9}" + "".join(
+        f"{name + ' host/gpu ms (launches)':>34}" for name in names)
+    lines = ["Where a decode step's time goes (per step; host ms without the profiler, "
+             "GPU ms and launches under it)", header, "-" * len(header)]
+    for row in rows:
+        if "error" in row.phases or not row.phases:
+            lines.append(f"{row.name:<{w}}{row.batch_size:>6}  "
+                         f"{row.phases.get('error', 'not probed')[:90]}")
+            continue
+        timed, profiled = row.phases["timed"], _phase(row, "profiled")
+        cells = []
+        for name in names:
+            host = timed["phases"].get(name, {}).get("host_ms")
+            gpu = profiled.get(name, {})
+            cells.append(f"{_ms(host)}/{_ms(gpu.get('gpu_ms'))} "
+                         f"({gpu.get('launches', float('nan')):.0f})")
+        lines.append(f"{row.name:<{w}}{row.batch_size:>6}{timed['num_steps']:>7}"
+                     f"{timed['wall_ms']:>9.2f}" + "".join(f"{c:>34}" for c in cells))
+    return "\n".join(lines)
+
+
+def _phase(row, key: str) -> dict:
+    return (row.phases.get(key) or {}).get("phases", {})
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def format_online_table(rows) -> str:
     header = (f"{'server':<14}{'conc':>5}{'done':>6}{'fail':>5}{'req/s':>7}{'tok/s':>8}"
               f"{'x first':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}"

@@ -12,6 +12,16 @@ class WorkerInfo:
     def specplug_runner_state(self) -> dict:
         return runner_state(self)
 
+    def specplug_phases_start(self, profile_gpu: bool) -> None:
+        from vllm_specplug.bench.phases import start_probe
+
+        start_probe(self, profile_gpu)
+
+    def specplug_phases_stop(self) -> dict:
+        from vllm_specplug.bench.phases import stop_probe
+
+        return stop_probe(self)
+
 
 def runner_state(worker) -> dict:
     """Which model runner and speculator a worker runs, and its capture sizes."""

@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
     offline.add_argument("--limit-prompts", action="append", default=[], metavar="BATCH=N",
                          help="at batch size BATCH run only the first N prompts "
                          "(e.g. 1=12: batch 1 over a whole set takes long); repeatable")
+    offline.add_argument("--phases", action="store_true",
+                         help="after the last repeat, one more pass per row with a probe "
+                         "in the worker: host ms, GPU ms and launches per step for the "
+                         "forward, verify and draft phases (a second table)")
     offline.add_argument("--max-model-len", type=int, default=2048)
     offline.add_argument("--dtype", default="auto", help="default: the model's own")
     offline.add_argument("--engine-args", default="{}",
@@ -168,8 +172,8 @@ def run_offline_command(args) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0)
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
-                       order=args.order, prompt_limits=limits, max_model_len=args.max_model_len, dtype=args.dtype,
-                       **engine_kwargs)
+                       order=args.order, prompt_limits=limits, phases=args.phases,
+                       max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
     settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
                 "num_turns": sum(p.num_turns for p in prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -179,7 +183,12 @@ def run_offline_command(args) -> int:
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "
           f"{args.repeats} repeat(s) {args.order}; tok/s = median, x none = median "
           "of per-repeat ratios [min-max]")
-    return _finish(rows, format_offline_table(rows), args.out, "offline", settings)
+    table = format_offline_table(rows)
+    if args.phases:
+        from vllm_specplug.bench.report import format_phases_table
+
+        table += "\n\n" + format_phases_table(rows)
+    return _finish(rows, table, args.out, "offline", settings)
 
 
 def _servers(urls: list[str], model_name: str | None):

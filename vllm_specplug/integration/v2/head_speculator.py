@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
@@ -123,13 +124,15 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         max_position = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
         self.runtime.pool.reserve(self.max_num_reqs, max_position + 1)
         prefill = input_batch.is_prefilling_np[:num_reqs] | new
-        if (~prefill).any():
-            self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
-                                 num_rejected, last_sampled, max_position)
-        if prefill.any():
-            self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
-                                  last_sampled, next_prefill)
-        self._draft(input_batch, last_sampled, max_position + 1, drafts)
+        with record_function("specplug::ingest"):  # ranges for `bench offline --phases`
+            if (~prefill).any():
+                self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
+                                     num_rejected, last_sampled, max_position)
+            if prefill.any():
+                self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
+                                      last_sampled, next_prefill)
+        with record_function("specplug::draft_tree"):
+            self._draft(input_batch, last_sampled, max_position + 1, drafts)
 
     def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
                         last_sampled, max_position: int) -> None:

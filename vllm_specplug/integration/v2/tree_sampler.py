@@ -97,7 +97,8 @@ class V2TreeRejectionSampler:
             greedy = self._with_stochastic(greedy, logits, input_batch, tree, rows)
         num_reqs = input_batch.num_reqs
         slots.accepted_nodes[:num_reqs] = greedy.accepted_node_ids
-        compact_kv(slots, input_batch, greedy.accepted_node_ids, greedy.num_accepted)
+        with torch.profiler.record_function("specplug::compact_kv"):  # bench --phases
+            compact_kv(slots, input_batch, greedy.accepted_node_ids, greedy.num_accepted)
         return self._output(input_batch, greedy.output_token_ids,
                             (greedy.num_accepted + 1).to(torch.int32), num_nans)
 

@@ -1,0 +1,160 @@
+"""Where a decode step's time goes, measured inside the worker: host time of
+each phase (wall time of the runner's call), and, under the PyTorch profiler,
+GPU time and launches per phase. Issue 26 asks for it side by side for our
+speculators and vLLM's.
+
+Phases, by the model runner's own methods (wrapped on the instance while a
+probe runs, so nothing of vLLM's code changes):
+
+| phase | Model Runner V2 (CUDA) | V1 runner (CPU) |
+| --- | --- | --- |
+| step | `execute_model` + `sample_tokens` | the same |
+| forward | `execute_model` (inputs, target forward) | `_model_forward` |
+| verify | `sample` (sampler / rejection sampler) | `_sample` |
+| draft | `speculator.propose` | `propose_draft_token_ids` |
+
+Our own code marks finer ranges (`specplug::compact_kv`, `specplug::ingest`,
+`specplug::draft`) with `torch.profiler.record_function`; the profiler
+reports them too. Under async scheduling the host runs ahead of the GPU, so
+a phase's host time and its GPU time are different things: both are given.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+
+V2_PHASES = {"forward": ("", "execute_model"), "verify": ("", "sample"),
+             "draft": ("speculator", "propose")}
+V1_PHASES = {"forward": ("", "_model_forward"), "verify": ("", "_sample"),
+             "draft": ("", "propose_draft_token_ids")}
+STEP_METHODS = ("execute_model", "sample_tokens")
+MARK_PREFIX = "specplug::"
+LAUNCH_NAMES = ("LaunchKernel", "GraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+@dataclass
+class PhaseProbe:
+    """Wrapped methods of one worker's model runner, and what they measured."""
+    runner: object
+    profile_gpu: bool
+    host_seconds: dict = field(default_factory=lambda: defaultdict(float))
+    num_calls: dict = field(default_factory=lambda: defaultdict(int))
+    wrapped: list = field(default_factory=list)  # (object, method name)
+    profiler: object = None
+    started: float = 0.0
+
+    def start(self) -> None:
+        for (target, method), phases in _phase_methods(self.runner).items():
+            self._wrap(target, method, phases)
+        if self.profile_gpu:
+            self.profiler = torch.profiler.profile(activities=_activities())
+            self.profiler.__enter__()
+        self.started = time.perf_counter()
+
+    def stop(self) -> dict:
+        """Per decode step: host ms and calls per phase; with the profiler,
+        GPU ms and launches per phase (and per `specplug::` range)."""
+        wall = time.perf_counter() - self.started
+        if self.profiler is not None:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            self.profiler.__exit__(None, None, None)
+        for target, method in self.wrapped:
+            del target.__dict__[method]  # the class's method again
+        num_steps = max(self.num_calls["sample_tokens"], 1)
+        result = {"num_steps": self.num_calls["sample_tokens"],
+                  "wall_ms": 1e3 * wall / num_steps, "phases": {}}
+        for phase, seconds in self.host_seconds.items():
+            result["phases"][phase] = {"host_ms": 1e3 * seconds / num_steps,
+                                       "calls": self.num_calls[phase] / num_steps}
+        if self.profiler is not None:
+            for phase, (gpu_us, launches) in _profiled(self.profiler).items():
+                entry = result["phases"].setdefault(phase, {})
+                entry["gpu_ms"] = gpu_us / 1e3 / num_steps
+                entry["launches"] = launches / num_steps
+        return result
+
+    def _wrap(self, target, method: str, phases: list[str]) -> None:
+        original = getattr(target, method)
+        probe = self
+        labels = [MARK_PREFIX + phase for phase in phases]
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            with ExitStack() as ranges:
+                for label in labels:
+                    ranges.enter_context(torch.profiler.record_function(label))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    seconds = time.perf_counter() - started
+                    for phase in phases:
+                        probe.host_seconds[phase] += seconds
+                        probe.num_calls[phase] += 1
+                    probe.num_calls[method] += 1
+
+        setattr(target, method, timed)  # on the instance: shadows the class's
+        self.wrapped.append((target, method))
+
+
+def _phase_methods(runner) -> dict[tuple, list[str]]:
+    """{(object, method name): the phases its calls count for}."""
+    v2 = type(runner).__module__.startswith("vllm.v1.worker.gpu.")
+    methods: dict[tuple, list[str]] = {}
+    owners: dict[tuple, object] = {}
+    for phase, (owner, method) in [("step", ("", m)) for m in STEP_METHODS] + list(
+            (V2_PHASES if v2 else V1_PHASES).items()):
+        target = getattr(runner, owner, None) if owner else runner
+        if target is None or not hasattr(target, method):
+            continue
+        key = (id(target), method)
+        owners[key] = target
+        methods.setdefault(key, []).append(phase)
+    return {(owners[key], key[1]): phases for key, phases in methods.items()}
+
+
+def _activities():
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
+def _profiled(profiler) -> dict[str, tuple[float, int]]:
+    """{phase: (GPU microseconds of the kernels launched inside it, launches)}
+    over every `specplug::` range, nested ones included."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for event in profiler.events():
+        if not event.name.startswith(MARK_PREFIX):
+            continue
+        total = totals[event.name[len(MARK_PREFIX):]]
+        total[0] += event.device_time_total
+        total[1] += _num_launches(event)
+    return {phase: (gpu, launches) for phase, (gpu, launches) in totals.items()}
+
+
+def _num_launches(event) -> int:
+    stack, count = list(event.cpu_children), 0
+    while stack:
+        child = stack.pop()
+        count += any(name in child.name for name in LAUNCH_NAMES)
+        stack.extend(child.cpu_children)
+    return count
+
+
+def start_probe(worker, profile_gpu: bool) -> None:
+    if getattr(worker, "specplug_probe", None) is not None:
+        raise RuntimeError("a phase probe is already running on this worker")
+    worker.specplug_probe = PhaseProbe(worker.model_runner, profile_gpu)
+    worker.specplug_probe.start()
+
+
+def stop_probe(worker) -> dict:
+    probe = getattr(worker, "specplug_probe", None)
+    if probe is None:
+        raise RuntimeError("no phase probe is running on this worker (start it first)")
+    worker.specplug_probe = None
+    return probe.stop()

@@ -37,3 +37,36 @@ def test_only_the_boundary_imports_vllm_internals():
 def test_the_boundary_rule_catches_an_internal_import():
     assert INTERNAL.search("x = 1\n    from vllm.v1.worker.gpu_model_runner import X\n")
     assert not INTERNAL.search("from vllm import LLM\nfrom vllm.config import VllmConfig\n")
+
+
+def import_cycles(package: str = "vllm_specplug") -> list[list[str]]:
+    """Every import circle between the package's modules, function-level
+    imports included (grimp: the graph import-linter checks), as the shortest
+    chain from a module back to one it imports."""
+    import grimp
+
+    graph = grimp.build_graph(package, cache_dir=None)
+    cycles = []
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back is not None:
+                cycles.append([importer, *back])
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    """Issue 28: dataset <-> repair and tree_greedy <-> tree_verify_triton
+    were circles; nothing may close one again."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_finds_a_circle(tmp_path, monkeypatch):
+    pkg = tmp_path / "circled"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from circled import b\n")
+    (pkg / "b.py").write_text("from circled import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("circled") == [["circled.a", "circled.b", "circled.a"],
+                                        ["circled.b", "circled.a", "circled.b"]]

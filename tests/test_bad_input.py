@@ -19,6 +19,7 @@ from tests.bad_input_helpers import (DAMAGED, DAMAGES, TINY, disk_bytes, sample,
 from tests.test_training_unit import synthetic_dataset, tiny_head
 from vllm_specplug.cli.main import main
 from vllm_specplug.extraction import dataset as ds
+from vllm_specplug.extraction.repair import recover
 from vllm_specplug.extraction import errors
 from vllm_specplug.extraction.repair import QUARANTINE_DIR, ensure_info
 from vllm_specplug.training.checkpoint import CheckpointError
@@ -50,7 +51,7 @@ def test_extract_sets_the_damage_aside_and_keeps_every_intact_sample(tmp_path, k
               if p.name not in DAMAGED}
     DAMAGES[kind][0](tmp_path)
     notes = []
-    assert [r.sample_id for r in ds.recover(tmp_path, notes)] == ["s0", "s1", "s3", "s4"]
+    assert [r.sample_id for r in recover(tmp_path, notes)] == ["s0", "s1", "s3", "s4"]
     assert notes and all(DAMAGED in n or "manifest" in n for n in notes), notes
     for name, data in intact.items():
         assert (tmp_path / ds.SHARD_DIR / name).read_bytes() == data
@@ -60,7 +61,7 @@ def test_extract_sets_the_damage_aside_and_keeps_every_intact_sample(tmp_path, k
     # the next run writes the lost sample again; a second repair finds nothing
     ds.write_shard(tmp_path, ds.next_shard_index(tmp_path), [samples["s2"]])
     again = []
-    assert len(ds.recover(tmp_path, again)) == 5 and again == []
+    assert len(recover(tmp_path, again)) == 5 and again == []
     assert same_samples(ds.HiddenStatesDataset(tmp_path), samples)
 
 
@@ -88,7 +89,7 @@ def test_shards_of_other_layers_are_refused_and_never_moved(tmp_path):
         ensure_info(tmp_path, other, [])
     assert not (tmp_path / ds.INFO_FILE).exists()
     other.save(tmp_path)
-    for call in (ds.HiddenStatesDataset, lambda root: ds.recover(root, [])):
+    for call in (ds.HiddenStatesDataset, lambda root: recover(root, [])):
         with pytest.raises(errors.ShardMismatchError, match="another model or --layers"):
             call(tmp_path)
     assert len(os.listdir(tmp_path / ds.SHARD_DIR)) == 3
@@ -261,7 +262,7 @@ def test_disk_full_while_writing_shards_keeps_the_dataset_valid(tmpfs):
     failed = samples.pop(f"s{number}")
     assert not [p for p in root.rglob("*") if ".tmp-" in p.name]
     notes = []
-    assert len(ds.recover(root, notes)) == len(samples) and notes == []
+    assert len(recover(root, notes)) == len(samples) and notes == []
     assert same_samples(ds.HiddenStatesDataset(root), samples)
     tmpfs.resize(1 << 20)
     ds.write_shard(root, ds.next_shard_index(root), [failed])

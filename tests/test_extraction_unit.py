@@ -7,6 +7,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from vllm_specplug.extraction import dataset as ds
+from vllm_specplug.extraction.repair import recover
 from vllm_specplug.extraction.connector import check_layer_ids
 from vllm_specplug.extraction.pipeline import default_layer_ids, eagle3_layer_ids
 from vllm_specplug.extraction.prompts import (LineFormatError, read_prompt_file,
@@ -141,7 +142,7 @@ def test_recover_drops_unlisted_shards_partial_lines_and_temp_files(tmp_path):
     (tmp_path / ds.SHARD_DIR / f"shard-00002.safetensors{TMP_INFIX}99").write_text("x")
     with open(tmp_path / ds.MANIFEST_FILE, "a") as handle:
         handle.write('{"sample_id": "cut sh')
-    records = ds.recover(tmp_path)
+    records = recover(tmp_path)
     assert [r.sample_id for r in records] == ["s0", "s1"]
     assert sorted(p.name for p in (tmp_path / ds.SHARD_DIR).iterdir()) == \
         ["shard-00000.safetensors"]
@@ -184,7 +185,7 @@ def test_staging_copies_of_packed_samples_are_dropped(tmp_path):
     for name in ("s0", "s1", "s7"):   # s0, s1 are packed; s7 is not yet
         ds.save_safetensors_atomic({"token_ids": torch.arange(3)},
                                    staging / f"{name}.safetensors")
-    _drop_packed_staging(tmp_path, {r.sample_id for r in ds.recover(tmp_path)})
+    _drop_packed_staging(tmp_path, {r.sample_id for r in recover(tmp_path)})
     assert [p.name for p in staging.iterdir()] == ["s7.safetensors"]
 
 

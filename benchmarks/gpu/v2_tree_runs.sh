@@ -3,6 +3,8 @@
 # detached (`start NAME`) and polled (`wait NAME`: returns when its table is
 # written or the run died, copies the results to $OUT):
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
+#   tiny3    the same without tree 32, on fewer prompts, in one call:
+#            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
@@ -30,6 +32,13 @@ run() {
         --max-tokens 128 --dtype float32 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 2048}}' \
         --out "$RESULTS/tiny" ;;
+    tiny3)  # the same minus tree 32, fewer prompts: fits one 10-minute call
+      mapfile -t S < <(specs three "$W/tiny-eagle3")
+      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
+        --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 --repeats 3 \
+        --max-tokens 96 --dtype float32 --phases \
+        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1100}}' \
+        --out "$RESULTS/tiny3" ;;
     smollm2)
       mapfile -t S < <(specs three .gpu/heads/smollm2-eagle3)
       bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
@@ -53,6 +62,7 @@ case "$1" in
       > "$HOME/$2.log" 2>&1 < /dev/null & disown)
     echo "started $2 in $HOME/repo-$2" ;;
   run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "$2"; echo "DONE $2 rc=$?" ;;
+  run) mkdir -p "$RESULTS" "$OUT"; run "$2"; cp -r "$RESULTS/$2" "$OUT/" ;;
   wait)
     for _ in $(seq "${3:-100}"); do
       grep -q "^DONE $2" "$HOME/$2.log" 2>/dev/null && break

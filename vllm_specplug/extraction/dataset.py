@@ -12,8 +12,8 @@ Layout of a dataset directory (docs/extraction.md):
 
 A sample is rows [offset, offset + num_tokens) of its shard. Shards are written
 atomically and listed in the manifest only after they are on disk, so a killed
-writer leaves at worst an unlisted shard, which `recover()` deletes. Damaged
-input gives the named errors of `errors.py`; `recover()` (run by `extract`)
+writer leaves at worst an unlisted shard, which `repair.recover()` deletes. Damaged
+input gives the named errors of `errors.py`; `repair.recover()` (run by `extract`)
 sets damaged shards and manifest lines aside (repair.py).
 """
 from __future__ import annotations
@@ -171,15 +171,6 @@ def read_manifest_lines(root: str | os.PathLike) -> list[tuple[int, SampleRecord
 
 def read_manifest(root: str | os.PathLike) -> list[SampleRecord]:
     return [record for _, record in read_manifest_lines(root)]
-
-
-def recover(root: str | os.PathLike, notes: list[str] | None = None
-            ) -> list[SampleRecord]:
-    """Make a directory left by a killed writer, a full disk or damage
-    consistent; return its records (repair.py). Repairs are appended to `notes`."""
-    from vllm_specplug.extraction.repair import recover_dataset
-
-    return recover_dataset(Path(root), notes if notes is not None else [])
 
 
 def next_shard_index(root: str | os.PathLike) -> int:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_specplug.extraction import dataset as ds
+from vllm_specplug.extraction import repair
 from vllm_specplug.extraction.connector import (CONNECTOR_NAME, ERROR_SUFFIX,
                                                 HIDDEN_STATES_KEY, TOKEN_IDS_KEY,
                                                 check_layer_ids, error_marker_path)
@@ -143,7 +144,7 @@ def run_extract(options: ExtractOptions, report_to=sys.stderr,
     start = time.perf_counter()
     report = ExtractReport()
     info = prepare_output(options, report.repairs)
-    done = {r.sample_id for r in ds.recover(options.out, report.repairs)}
+    done = {r.sample_id for r in repair.recover(options.out, report.repairs)}
     for note in report.repairs:
         print(f"repaired: {note}", file=report_to)
     _drop_packed_staging(options.out, done)

@@ -48,6 +48,13 @@ def quarantine(root: Path, path: Path) -> Path:
     return target
 
 
+def recover(root: str | os.PathLike, notes: list[str] | None = None
+            ) -> list[ds.SampleRecord]:
+    """Make a directory left by a killed writer, a full disk or damage
+    consistent; return its records. Repairs are appended to `notes`."""
+    return recover_dataset(Path(root), notes if notes is not None else [])
+
+
 def recover_dataset(root: Path, notes: list[str]) -> list[ds.SampleRecord]:
     remove_partial_files(root)
     info = _info_or_none(root)

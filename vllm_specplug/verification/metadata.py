@@ -58,3 +58,12 @@ class VerifyOutput:
     @property
     def num_output_tokens(self) -> torch.Tensor:
         return self.num_accepted + 1
+
+
+def empty_verify_output(batch: int, num_nodes: int, device) -> VerifyOutput:
+    return VerifyOutput(
+        output_token_ids=torch.full((batch, num_nodes), PLACEHOLDER_TOKEN_ID,
+                                    dtype=torch.long, device=device),
+        num_accepted=torch.zeros(batch, dtype=torch.long, device=device),
+        accepted_node_ids=torch.full((batch, num_nodes), NO_NODE,
+                                     dtype=torch.long, device=device))

@@ -8,7 +8,7 @@ from vllm_specplug.kernels.rejection import (rejection_sample_chain_kernel,
                                              verify_tree_stochastic_kernel)
 from vllm_specplug.verification.backend import next_power_of_2
 from vllm_specplug.verification.metadata import DraftTree, VerifyOutput
-from vllm_specplug.verification.tree_greedy import empty_verify_output
+from vllm_specplug.verification.metadata import empty_verify_output
 
 BLOCK_V = 2048
 NUM_WARPS = 8

@@ -12,16 +12,8 @@ import torch
 from vllm_specplug.verification import checks
 from vllm_specplug.verification.backend import Backend, resolve_backend
 from vllm_specplug.verification.metadata import (NO_NODE, PLACEHOLDER_TOKEN_ID,
-                                                 DraftTree, VerifyOutput)
-
-
-def empty_verify_output(batch: int, num_nodes: int, device) -> VerifyOutput:
-    return VerifyOutput(
-        output_token_ids=torch.full((batch, num_nodes), PLACEHOLDER_TOKEN_ID,
-                                    dtype=torch.long, device=device),
-        num_accepted=torch.zeros(batch, dtype=torch.long, device=device),
-        accepted_node_ids=torch.full((batch, num_nodes), NO_NODE,
-                                     dtype=torch.long, device=device))
+                                                 DraftTree, VerifyOutput,
+                                                 empty_verify_output)
 
 
 def _greedy_path(tokens, first_child, next_sibling, argmax) -> list[int]:

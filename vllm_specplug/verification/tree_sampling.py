@@ -24,7 +24,8 @@ import torch
 from vllm_specplug.verification import checks
 from vllm_specplug.verification.backend import Backend, resolve_backend
 from vllm_specplug.verification.metadata import DraftTree, VerifyOutput
-from vllm_specplug.verification.tree_greedy import check_tree, empty_verify_output
+from vllm_specplug.verification.metadata import empty_verify_output
+from vllm_specplug.verification.tree_greedy import check_tree
 
 
 def _record_acceptance(out: VerifyOutput, accept, node, token) -> None:

@@ -6,7 +6,7 @@ import torch
 from vllm_specplug.kernels.tree_verify import verify_tree_greedy_kernel
 from vllm_specplug.verification.backend import next_power_of_2
 from vllm_specplug.verification.metadata import DraftTree, VerifyOutput
-from vllm_specplug.verification.tree_greedy import empty_verify_output
+from vllm_specplug.verification.metadata import empty_verify_output
 
 
 def verify_tree_greedy_triton(tree: DraftTree, target_argmax: torch.Tensor) -> VerifyOutput:

@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tree_cuda import build_8b, prompts_8b  # noqa: E402
+from bench_tree_cuda import ENGINE_8B, build_8b, prompts_8b  # noqa: E402
 
 BATCH_SIZES = (1, 16, 64)
 LENGTHS = (16, 80)
@@ -65,21 +65,35 @@ def step_ms(llm, prompts) -> float:
     return 1000.0 * (long_[0] - short[0]) / steps
 
 
+def phases(llm, prompts) -> dict:
+    """Per-phase host/GPU ms and launches of one generation (bench/phases.py)."""
+    from vllm import SamplingParams
+
+    from vllm_specplug.bench.phases import probe
+
+    params = SamplingParams(max_tokens=LENGTHS[-1], temperature=0.0, ignore_eos=True)
+    return probe(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
+
+
 def run(work: Path, out: Path, names: list[str] | None) -> None:
+    from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME
     from vllm_specplug.engine import make_llm, shutdown_llm
 
     target, head = build_8b(work)
     chosen = {k: v for k, v in methods(str(head)).items() if not names or k in names}
-    rows = []
+    done = out / "v2_steps.json"  # a run split over calls: keep the other methods' rows
+    rows = [r for r in (json.loads(done.read_text()) if done.exists() else [])
+            if r["method"] not in chosen]
     for name, spec in chosen.items():
-        llm = make_llm(target, spec, enforce_eager=False, load_format="dummy",
-                       gpu_memory_utilization=0.85, max_num_seqs=64, max_model_len=2048)
+        llm = make_llm(target, spec, **ENGINE_8B, enforce_eager=False, max_num_seqs=64,
+                       worker_extension_cls=WORKER_INFO_QUALNAME)
         try:
             llm.generate(prompts_8b(2), use_tqdm=False)  # warm-up
             for batch in tqdm(BATCH_SIZES, desc=name):
                 prompts = prompts_8b(batch)
                 times = [step_ms(llm, prompts) for _ in range(REPEATS)]
-                rows.append({"method": name, "spec": spec, "batch": batch, "step_ms": times})
+                rows.append({"method": name, "spec": spec, "batch": batch, "step_ms": times,
+                             "phases": phases(llm, prompts)})
         finally:
             shutdown_llm(llm)
         _write(out, rows)
@@ -93,8 +107,18 @@ def _write(out: Path, rows: list[dict]) -> None:
         t = r["step_ms"]
         lines.append(f"{r['method']:16} {r['batch']:5d} {statistics.median(t):17.2f} "
                      f"{min(t):7.2f}-{max(t):<7.2f}")
+    lines += ["", _phases_table(rows)]
     (out / "v2_steps.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _phases_table(rows: list[dict]) -> str:
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.report import format_phases_table
+
+    return format_phases_table([SimpleNamespace(name=r["method"], batch_size=r["batch"],
+                                                phases=r["phases"]) for r in rows])
 
 
 def main() -> None:

@@ -47,8 +47,10 @@ run() {
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
         --out "$RESULTS/smollm2" ;;
     steps8b)
+      # spawn: a forked engine after CUDA is up hung at model loading (2026-11-25)
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-      python3 benchmarks/gpu/bench_v2_steps.py run --work "$W" --out "$RESULTS/steps8b" ;;
+      export VLLM_WORKER_MULTIPROC_METHOD=spawn
+      python3 benchmarks/gpu/bench_v2_steps.py run --work "$W" --out "$RESULTS/steps8b" "${@:2}" ;;
   esac
 }
 
@@ -62,7 +64,7 @@ case "$1" in
       > "$HOME/$2.log" 2>&1 < /dev/null & disown)
     echo "started $2 in $HOME/repo-$2" ;;
   run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "$2"; echo "DONE $2 rc=$?" ;;
-  run) mkdir -p "$RESULTS" "$OUT"; run "$2"; cp -r "$RESULTS/$2" "$OUT/" ;;
+  run) mkdir -p "$RESULTS" "$OUT"; run "${@:2}"; cp -r "$RESULTS/$2" "$OUT/" ;;
   wait)
     for _ in $(seq "${3:-100}"); do
       grep -q "^DONE $2" "$HOME/$2.log" 2>/dev/null && break

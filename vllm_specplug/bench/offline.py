@@ -107,21 +107,15 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool) -> None:
 
 
 def _probe_phases(llm, row: OfflineRow, prompts, params) -> None:
-    """One more pass over one batch with the phase probe (bench/phases.py):
-    host times without the profiler, then GPU times and launches under it
-    (the profiler slows the host)."""
+    """One more pass over one batch with the phase probe (bench/phases.py)."""
+    from vllm_specplug.bench.phases import probe
+
     prompts = prompts[:max(row.batch_size, 4)]
     try:
-        for profile_gpu in (False, True):
-            llm.collective_rpc("specplug_phases_start", args=(profile_gpu,))
-            try:
-                run_conversations(llm, prompts, row.batch_size, params)
-            finally:
-                measured = llm.collective_rpc("specplug_phases_stop")[0]
-            key = "profiled" if profile_gpu else "timed"
-            row.phases[key] = measured
+        row.phases = probe(llm, lambda: run_conversations(llm, prompts, row.batch_size,
+                                                          params))
     except Exception as error:  # the probe informs; the measured rows stand
-        row.phases["error"] = f"{type(error).__name__}: {error}"
+        row.phases = {"error": f"{type(error).__name__}: {error}"}
 
 
 def _schedule(specs: list[NamedSpec], repeats: int, order: str) -> list[tuple[int, int]]:

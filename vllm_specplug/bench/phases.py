@@ -158,3 +158,18 @@ def stop_probe(worker) -> dict:
         raise RuntimeError("no phase probe is running on this worker (start it first)")
     worker.specplug_probe = None
     return probe.stop()
+
+
+def probe(llm, generate_once) -> dict:
+    """`generate_once()` twice under the phase probe of `llm`'s worker
+    (`WorkerInfo` extension): {"timed": host times without the profiler,
+    "profiled": GPU times and launches under it (it slows the host)}."""
+    measured = {}
+    for profile_gpu in (False, True):
+        llm.collective_rpc("specplug_phases_start", args=(profile_gpu,))
+        try:
+            generate_once()
+        finally:
+            measured["profiled" if profile_gpu else "timed"] = llm.collective_rpc(
+                "specplug_phases_stop")[0]
+    return measured

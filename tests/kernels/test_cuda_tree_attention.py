@@ -75,14 +75,15 @@ def test_buffers_then_backend_hook_equal_the_reference(device):
     assert torch.equal(output[chain_rows], torch.full_like(output[chain_rows], 5.0))
 
 
-def test_ancestor_words_equal_pack_mask():
-    """The vectorised packing equals the reference packing of each tree."""
+def test_packed_ancestor_masks_equal_pack_mask():
+    """Trees of different sizes packed at once equal `pack_mask` of each."""
     from vllm_specplug.verification.tree_build import pack_mask
+    from vllm_specplug.verification.tree_masks import pack_ancestor_mask
 
     rng = np.random.default_rng(0)
     trees = [np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
              for n in (1, 2, 33, 40, 65)]
-    words = ctb.ancestor_words(trees, 65, 3)
+    words = pack_ancestor_mask(trees, 65, 3)
     for t, parents in enumerate(trees):
         request = TreeRequest(0, "r", 0, 0, parents, depths_of(parents))
         want = pack_mask(request.ancestor_mask()[None])[0]

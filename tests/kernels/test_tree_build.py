@@ -113,3 +113,23 @@ def test_vectorized_tree_layout_equals_the_node_loop(num_nodes):
                            (tree_build._links_vectorized, tree_build._links)):
             for got, want in zip(fast(parents), loop(parents)):
                 assert torch.equal(got, want)
+
+
+def test_ancestor_mask_is_the_root_path():
+    """The shared specification (tree_masks.ancestor_mask) against the
+    definition: j is allowed for i when walking parents from i reaches j."""
+    import numpy as np
+
+    from vllm_specplug.verification.tree_masks import ancestor_mask
+
+    rng = np.random.default_rng(1)
+    trees = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, 40)]
+                      for _ in range(6)])
+    mask = ancestor_mask(trees)
+    for t, parents in enumerate(trees):
+        for i in range(len(parents)):
+            path, node = set(), i
+            while node >= 0:
+                path.add(node)
+                node = parents[node]
+            assert set(np.flatnonzero(mask[t, i])) == path

@@ -179,7 +179,7 @@ class FakeRunner:
         before = self.token_ids.copy()
         drafts = drafter.propose_for_runner(
             self, SimpleNamespace(preempted_req_ids=set(), num_spec_tokens_to_schedule=k),
-            sampled, None, None)
+            sampled, {"sample_hidden_states": None, "spec_decode_metadata": None})
         assert np.array_equal(before, self.token_ids), "the runner's buffer changed"
         assert len(drafts) == len(batch.req_ids)
         for draft in drafts:

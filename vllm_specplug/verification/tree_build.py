@@ -11,6 +11,7 @@ import torch
 
 from vllm_specplug.verification import checks
 from vllm_specplug.verification.backend import Backend, resolve_backend
+from vllm_specplug.verification.tree_masks import ancestor_mask
 from vllm_specplug.verification.metadata import (MASK_WORD_BITS, NO_NODE,
                                                  ROOT_PARENT, DraftCandidates,
                                                  DraftTree)
@@ -48,18 +49,11 @@ def next_beam(step_scores: torch.Tensor, step_offset: int, topk: int) -> torch.T
 
 
 def _ancestry(parent_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, num_nodes = parent_ids.shape
-    rows = torch.arange(batch, device=parent_ids.device)
-    depths = torch.zeros_like(parent_ids)
-    mask = torch.zeros(batch, num_nodes, num_nodes, dtype=torch.bool,
-                       device=parent_ids.device)
-    mask[:, 0, 0] = True
-    for i in range(1, num_nodes):  # parents precede children
-        parent = parent_ids[:, i]
-        depths[:, i] = depths[rows, parent] + 1
-        mask[:, i] = mask[rows, parent]
-        mask[:, i, i] = True
-    return depths, mask
+    """(depths [B, N], ancestor mask [B, N, N]) by the specification
+    (tree_masks.ancestor_mask); a node's depth is its number of proper
+    ancestors."""
+    mask = torch.from_numpy(ancestor_mask(parent_ids.cpu().numpy())).to(parent_ids.device)
+    return mask.sum(-1) - 1, mask
 
 
 def _links(parent_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

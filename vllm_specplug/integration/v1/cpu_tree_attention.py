@@ -10,9 +10,12 @@ attention is the tree mask there, bit for bit.
 
 Tokens are read through a `BlockLayout` (where the backend's kernel keeps a
 token's K/V inside a block: probed for vLLM's CPU kernel, cpu_kv_layout.py).
-Math in float32; GQA by repeating K/V heads.
+Math in float32; GQA by repeating K/V heads. All masked requests of a step
+run as one padded batch per layer (`TreeRows`, built once a step).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -43,21 +46,53 @@ def request_slots(block_ids: torch.Tensor, num_positions: int, block_size: int):
     return block_ids[positions // block_size].long() * block_size + positions % block_size
 
 
-def _request_attention(impl, query, kv_cache, layout: BlockLayout, block_ids,
-                       request: TreeRequest) -> torch.Tensor:
-    """[N, num_heads, head_size] outputs of one request's nodes."""
-    num_nodes, seq_len = request.num_nodes, request.seq_len
-    slots = request_slots(block_ids, seq_len + num_nodes, layout.block_size)
-    keys, values = layout.read(kv_cache, slots)
+@dataclass
+class TreeRows:
+    """The masked requests of one step as one padded batch (R requests, up to
+    N nodes, up to L key positions), built once per step and block table and
+    read by every layer."""
+    query_rows: torch.Tensor  # [R, N] int64, each node's token row (padding: the root's)
+    slots: torch.Tensor  # [R, L] int64, cache slot of each key position (padding: 0)
+    allowed: torch.Tensor  # [R, N, L] bool, prefix + the node's root path
+    is_node: torch.Tensor  # [R, N] bool, False on padding rows
+
+
+def tree_rows(masked: list[TreeRequest], block_table: torch.Tensor,
+              block_size: int) -> TreeRows:
+    num_nodes = max(r.num_nodes for r in masked)
+    num_keys = max(r.seq_len + r.num_nodes for r in masked)
+    query_rows = torch.zeros(len(masked), num_nodes, dtype=torch.long)
+    slots = torch.zeros(len(masked), num_keys, dtype=torch.long)
+    allowed = torch.zeros(len(masked), num_nodes, num_keys, dtype=torch.bool)
+    is_node = torch.zeros(len(masked), num_nodes, dtype=torch.bool)
+    for i, request in enumerate(masked):
+        n, seq_len = request.num_nodes, request.seq_len
+        query_rows[i] = request.first_token
+        query_rows[i, :n] += torch.arange(n)
+        slots[i, :seq_len + n] = request_slots(block_table[request.row].cpu(), seq_len + n,
+                                               block_size)
+        allowed[i, :n, :seq_len] = True
+        allowed[i, :n, seq_len:seq_len + n] = request.ancestor_mask()
+        is_node[i, :n] = True
+    return TreeRows(query_rows, slots, allowed, is_node)
+
+
+def _batch_attention(impl, query, kv_cache, layout: BlockLayout, rows: TreeRows
+                     ) -> torch.Tensor:
+    """[R, N, num_heads, head_size] outputs of the masked requests' nodes
+    (padding rows and keys are masked out: they add exact zeros)."""
+    batch, num_keys = rows.slots.shape
+    keys, values = layout.read(kv_cache, rows.slots.flatten().to(query.device))
     repeat = impl.num_heads // impl.num_kv_heads
-    keys = keys.float().repeat_interleave(repeat, dim=1)
-    values = values.float().repeat_interleave(repeat, dim=1)
-    allowed = torch.cat([torch.ones(num_nodes, seq_len, dtype=torch.bool),
-                         request.ancestor_mask()], dim=1).to(query.device)
-    q = query[request.first_token:request.first_token + num_nodes].float()
-    scores = torch.einsum("nhd,lhd->hnl", q, keys) * impl.scale
-    probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
-    return torch.einsum("hnl,lhd->nhd", probs, values)
+    keys = keys.float().view(batch, num_keys, impl.num_kv_heads, -1)
+    values = values.float().view(batch, num_keys, impl.num_kv_heads, -1)
+    keys = keys.repeat_interleave(repeat, dim=2)
+    values = values.repeat_interleave(repeat, dim=2)
+    q = query[rows.query_rows.to(query.device)].float()  # [R, N, h, d]
+    scores = torch.einsum("rnhd,rlhd->rhnl", q, keys) * impl.scale
+    allowed = rows.allowed.to(query.device)[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("rhnl,rlhd->rnhd", probs, values)
 
 
 def apply_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -68,8 +103,11 @@ def apply_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
     if not masked:
         return
     check_supported(impl)
+    key = (block_table.data_ptr(), layout.block_size)
+    if step.cpu_rows is None or step.cpu_rows[0] != key:  # once a step, not once a layer
+        step.cpu_rows = (key, tree_rows(masked, block_table, layout.block_size))
+    rows = step.cpu_rows[1]
     out = output.view(-1, impl.num_heads, impl.head_size)
-    for request in masked:
-        rows = slice(request.first_token, request.first_token + request.num_nodes)
-        out[rows] = _request_attention(impl, query, kv_cache, layout,
-                                       block_table[request.row], request).to(out.dtype)
+    attended = _batch_attention(impl, query, kv_cache, layout, rows)
+    is_node = rows.is_node.to(out.device)
+    out[rows.query_rows.to(out.device)[is_node]] = attended[is_node].to(out.dtype)

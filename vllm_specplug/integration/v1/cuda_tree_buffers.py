@@ -12,6 +12,7 @@ import torch
 from vllm_specplug.integration.v1.tree_step import TreeStep
 from vllm_specplug.verification.metadata import MASK_WORD_BITS
 from vllm_specplug.verification.tree_attention import TreeAttentionMetadata
+from vllm_specplug.verification.tree_masks import pack_ancestor_mask
 
 
 class TreeAttentionBuffers:
@@ -51,8 +52,8 @@ class TreeAttentionBuffers:
             host.seq_lens[index] = torch.tensor([r.seq_len for r in masked], dtype=torch.int32)
             host.num_nodes[index] = torch.tensor([r.num_nodes for r in masked],
                                                  dtype=torch.int32)
-            words = ancestor_words([r.parent_ids for r in masked], host.max_nodes,
-                                   host.ancestor_bits.shape[2])
+            words = pack_ancestor_mask([r.parent_ids for r in masked], host.max_nodes,
+                                       host.ancestor_bits.shape[2])
             host.ancestor_bits[index] = torch.from_numpy(words)
         if rows:
             for name, tensor in vars(self.metadata).items():
@@ -62,18 +63,3 @@ class TreeAttentionBuffers:
         self.masked_steps += bool(masked)
 
 
-def ancestor_words(parent_ids: list[np.ndarray], max_nodes: int, num_words: int) -> np.ndarray:
-    """Packed ancestor masks of several trees at once: [T, max_nodes,
-    num_words] int32, bit j%32 of word j//32 of row i set when node j is i or
-    an ancestor of i (the layout of `pack_mask`). One vectorised pass per
-    depth-ordered node index instead of a Python loop per request."""
-    parents = np.full((len(parent_ids), max_nodes), -1, dtype=np.int64)
-    for t, p in enumerate(parent_ids):
-        parents[t, :len(p)] = p
-    mask = np.zeros((len(parent_ids), max_nodes, num_words * MASK_WORD_BITS), dtype=bool)
-    trees = np.arange(len(parent_ids))
-    for i in range(max_nodes):
-        has_parent = parents[:, i] >= 0
-        mask[has_parent, i] = mask[trees[has_parent], parents[has_parent, i]]
-        mask[:, i, i] = True
-    return np.packbits(mask, axis=-1, bitorder="little").view("<i4").astype(np.int32)

@@ -14,16 +14,13 @@ import numpy as np
 import torch
 
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
+from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.proposers.base import ProposeBatch, StopReason
 
 
-class SpecplugDrafter(ProposerSession):
+class SpecplugDrafter(ProposerSession, V1DrafterHooks):
     def load_model(self, *args, **kwargs) -> None:
         """Model-free proposers load nothing (the CPU runner calls this)."""
-
-    def propose(self, *args, **kwargs):
-        raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
-                           "worker; the plugin did not register here")
 
     def on_request_removed(self, req_id: str) -> None:
         """The runner dropped a finished or aborted request (called from
@@ -52,7 +49,9 @@ class SpecplugDrafter(ProposerSession):
                        int(input_batch.num_prompt_tokens[i]))
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
-                           sample_hidden_states, spec_decode_metadata) -> list[list[int]]:
+                           outputs: dict) -> list[list[int]]:
+        runner._draft_probs = None  # drafts without probabilities
+        runner._draft_prob_req_ids = None
         input_batch = runner.input_batch
         num_reqs = len(input_batch.req_ids)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
@@ -70,8 +69,8 @@ class SpecplugDrafter(ProposerSession):
             return drafts
         hidden = None
         if self.uses_hidden_states:
-            hidden = last_accepted_hidden(sample_hidden_states, sampled_token_ids,
-                                          spec_decode_metadata)[np.asarray(rows)]
+            hidden = last_accepted_hidden(outputs["sample_hidden_states"], sampled_token_ids,
+                                          outputs["spec_decode_metadata"])[np.asarray(rows)]
         batch = ProposeBatch([input_batch.req_ids[i] for i in rows],
                              read_only_rows(input_batch.token_ids_cpu, rows, num_tokens[rows]),
                              read_only(num_tokens[rows]), k, hidden)

@@ -18,13 +18,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.v1 import tree_step
+from vllm_specplug.integration.v1.hooks import V1DrafterHooks
+from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
 
-class TreeEagleDrafter:
+class TreeEagleDrafter(V1DrafterHooks):
     """The V1 runner's adapter over `HeadDrafter` (head_drafter.py)."""
 
     def __init__(self, vllm_config) -> None:
@@ -55,10 +57,6 @@ class TreeEagleDrafter:
         """The head shares the target's token embedding (as vLLM's eagle3)."""
         self.head = self.drafter.load_model(target_model, self.max_num_seqs)
 
-    def propose(self, *args, **kwargs):
-        raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
-                           "worker; the plugin did not register here")
-
     def on_request_removed(self, req_id: str) -> None:
         self.trees.pop(req_id, None)
         if self.head is not None:
@@ -69,8 +67,49 @@ class TreeEagleDrafter:
         return self.drafter.target_hidden(hidden_states, aux_hidden_states,
                                           slice(0, num_tokens))
 
+    def setup_runner(self, runner, vllm_setup, target_has_aux_hidden_states: bool) -> None:
+        """Aux hidden states for EAGLE-3 heads (an MTP layer reads the model
+        output itself), tree verification and, on CUDA, the persistent
+        buffers of tree attention (before graph capture)."""
+        from vllm_specplug.integration import cuda_tree_attention
+        from vllm_specplug.integration.v1 import cpu_tree_attention, cuda_tree_buffers
+        from vllm_specplug.integration.v1.tree_sampler import TreeRejectionSampler
+
+        if self.aux_layer_ids is not None:
+            if not target_has_aux_hidden_states:
+                raise RuntimeError(
+                    f"{self.method}: the target {type(runner.get_model()).__name__} does "
+                    "not expose auxiliary hidden states (vLLM's SupportsEagle3 interface)")
+            runner.use_aux_hidden_state_outputs = True
+            runner.model.set_aux_hidden_state_layers(self.aux_layer_ids)
+        runner.rejection_sampler = TreeRejectionSampler(
+            runner.sampler, runner.speculative_config, runner.device, runner)
+        layers = runner.vllm_config.compilation_config.static_forward_context
+        cpu_tree_attention.attach_step_source(layers, self)
+        if runner.device.type == "cuda" and self.options.topk > 1:
+            self.tree_buffers = cuda_tree_buffers.TreeAttentionBuffers(
+                runner.max_num_reqs, self.options.num_draft_tokens, runner.device)
+            cuda_tree_attention.attach(layers, self.tree_buffers)
+
+    def after_prepare_inputs(self, runner, scheduler_output) -> None:
+        """This step's tree layout (rope positions seq_len + depth, tree rows),
+        read by attention and verification during the forward."""
+        step = tree_step.build_step(runner, scheduler_output, self.trees)
+        self.current_step = step
+        if self.tree_buffers is not None:
+            self.tree_buffers.update(step)
+        PROFILER.mark("inputs_ready", len(step.num_computed), step.num_tokens)
+
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
-                           hidden_states, aux_hidden_states) -> list[list[int]]:
+                           outputs: dict) -> list[list[int]]:
+        PROFILER.mark("draft_start")
+        drafts = self._propose(runner, scheduler_output, sampled_token_ids,
+                               outputs["hidden_states"], outputs["aux_hidden_states"])
+        PROFILER.mark("draft_end")
+        return drafts
+
+    def _propose(self, runner, scheduler_output, sampled_token_ids,
+                 hidden_states, aux_hidden_states) -> list[list[int]]:
         batch = runner.input_batch
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         step, self.current_step = self.current_step, None

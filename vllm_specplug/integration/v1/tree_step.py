@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_specplug.verification.tree_masks import ancestor_mask
+
 from vllm_specplug.proposers.eagle3 import chain_parents, is_chain
 
 
@@ -39,12 +41,7 @@ class TreeRequest:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: [i, j] when node j is node i or one of its ancestors."""
-        mask = np.zeros((self.num_nodes, self.num_nodes), dtype=bool)
-        for i, parent in enumerate(self.parent_ids):
-            if parent >= 0:
-                mask[i] = mask[parent]
-            mask[i, i] = True
-        return torch.from_numpy(mask)
+        return torch.from_numpy(ancestor_mask(np.asarray(self.parent_ids)[None])[0])
 
 
 @dataclass
@@ -57,6 +54,9 @@ class TreeStep:
     requests: list[TreeRequest] = field(default_factory=list)
     # Filled by verification: per request, accepted node ids (root first).
     accepted: dict[str, list[int]] = field(default_factory=dict)
+    # CPU tree attention's padded batch, built by the first layer that needs
+    # it: ((block table pointer, block size), cpu_tree_attention.TreeRows)
+    cpu_rows: tuple | None = None
 
     def verified_rows(self, row: int, request: TreeRequest | None):
         """(token rows of this step, positions) whose K/V is now verified and

@@ -1,0 +1,36 @@
+"""The V1 runner's drafter protocol: what `patches/gpu_model_runner.py` asks
+of a vllm-specplug drafter, in one base class, so the patches make one
+decision (is the runner's drafter ours?) and every drafter answers each hook
+for itself: `SpecplugDrafter` (model-free, drafter.py) and `TreeEagleDrafter`
+(heads, tree_drafter.py). Model Runner V2's counterpart is
+`v2/speculator.V2SpeculatorHooks`.
+"""
+from __future__ import annotations
+
+
+class V1DrafterHooks:
+    """Runner hooks; the defaults are what a drafter that needs none does."""
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
+                           "worker; the plugin did not register here")
+
+    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
+                           outputs: dict) -> list[list[int]]:
+        """Drafts per row of `runner.input_batch`. `outputs` holds the
+        step's `hidden_states`, `aux_hidden_states`, `sample_hidden_states`
+        and `spec_decode_metadata` (each drafter reads what it needs)."""
+        raise NotImplementedError
+
+    def on_request_removed(self, req_id: str) -> None:
+        """The runner dropped a finished or aborted request."""
+
+    def after_prepare_inputs(self, runner, scheduler_output) -> None:
+        """The step's inputs are laid out (before the forward)."""
+
+    def setup_runner(self, runner, vllm_setup, target_has_aux_hidden_states: bool) -> None:
+        """Where vLLM sets up its own eagle3's runner state
+        (`_setup_eagle3_aux_hidden_state_outputs`); `vllm_setup()` runs
+        vLLM's own; the target exposes auxiliary hidden states when vLLM's
+        `SupportsEagle3` interface says so."""
+        vllm_setup()

@@ -74,3 +74,60 @@ def test_every_command_help_runs(command, capsys):
             main([*argv, "--help"])
         assert done.value.code == 0, argv
         assert "usage:" in capsys.readouterr().out
+
+
+SPEC_START = re.compile(r"speculative_config=|--speculative-config '")
+NAME_VALUE = re.compile(r'(:\s*)([A-Za-z_][A-Za-z0-9_]*)(\s*[,}])')  # "model": HEAD_DIR
+VLLM_METHODS = {"ngram", "eagle3", "mtp", "suffix", "extract_hidden_states", "eagle",
+                "medusa", "draft_model", "ngram_gpu"}
+
+
+def _balanced(text: str, start: int) -> str:
+    depth = 0
+    for end in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end + 1]
+    raise AssertionError(f"unclosed speculative config at {text[start:start + 60]!r}")
+
+
+def doc_spec_configs(text: str) -> list[dict]:
+    """Every speculative config a doc's code writes (`speculative_config={...}`
+    or `--speculative-config '{...}'`), placeholders (HEAD_DIR) as strings."""
+    import ast
+
+    configs = []
+    for block in re.findall(r"```.*?```", text, re.S):
+        for match in SPEC_START.finditer(block):
+            start = block.index("{", match.end() - 1)
+            literal = NAME_VALUE.sub(r'\1"\2"\3', _balanced(block, start))
+            literal = re.sub(r"\btrue\b", "True", re.sub(r"\bfalse\b", "False", literal))
+            configs.append(ast.literal_eval(literal))
+    return configs
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_ids())
+def test_every_speculative_config_in_the_docs_is_accepted(doc):
+    """The configs the docs tell users to pass are ones our front end accepts
+    (options, types, ranges), or one of vLLM's own methods: the part of a code
+    block that can run without a model runs."""
+    from vllm_specplug import registry
+    from vllm_specplug.integration.config import translate
+
+    for config in doc_spec_configs(doc.read_text()):
+        method = config["method"]
+        if method in VLLM_METHODS or method in ("my_method",):  # the guide's example plugin
+            continue
+        assert registry.is_registered(method), f"{doc.name}: unknown method {method!r}"
+        assert translate(config) is not None, config
+
+
+def test_the_config_reader_finds_a_bad_option():
+    text = "```python\nLLM(m, speculative_config={\"method\": \"specplug_ngram\", " \
+           "\"num_speculative_tokens\": 4, \"prompt_lookup_maxx\": 3})\n```"
+    from vllm_specplug.integration.config import translate
+    from vllm_specplug.proposers.base import ProposerConfigError
+
+    (config,) = doc_spec_configs(text)
+    with pytest.raises(ProposerConfigError, match="prompt_lookup_maxx"):
+        translate(config)

@@ -90,3 +90,22 @@ def smollm2_fp32_llm(smollm2_fp32_dir):
     llm = make_llm(smollm2_fp32_dir, max_model_len=2048)
     yield llm
     shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def faulty_entry_point(tmp_path_factory):
+    """Register `test_faulty` (tests/proposer_plugins/faulty.py) like a
+    third-party package would; engine processes inherit sys.path. Modules
+    that use it: `pytestmark = pytest.mark.usefixtures("faulty_entry_point")`."""
+    import sys
+
+    from vllm_specplug import registry
+
+    from tests.proposer_plugins.faulty import install_entry_point
+
+    site = str(install_entry_point(tmp_path_factory.mktemp("faulty_site")))
+    sys.path.insert(0, site)
+    registry.refresh()
+    yield
+    sys.path.remove(site)
+    registry.refresh()

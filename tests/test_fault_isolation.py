@@ -10,30 +10,19 @@ runner: `test_fault_isolation_unit.py`.
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from vllm_specplug import registry
 from vllm_specplug.testing.engine import generate, greedy_params, running_llm
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
 from tests.conftest import MAX_NEW_TOKENS
-from tests.proposer_plugins.faulty import OUT_OF_VOCAB, PROBE_QUALNAME, install_entry_point
+from tests.proposer_plugins.faulty import OUT_OF_VOCAB, PROBE_QUALNAME
 
 K = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def faulty_entry_point(tmp_path_factory):
-    """Register `test_faulty` like a third-party package would (engine
-    processes inherit sys.path)."""
-    site = str(install_entry_point(tmp_path_factory.mktemp("faulty_site")))
-    sys.path.insert(0, site)
-    registry.refresh()
-    yield
-    sys.path.remove(site)
-    registry.refresh()
+pytestmark = pytest.mark.usefixtures("faulty_entry_point")
 
 
 # ------------------------------------------------------------- real engines

@@ -7,14 +7,12 @@ quickly; `test_fault_isolation.py` runs the same faults in real engines.
 from __future__ import annotations
 
 import logging
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from vllm_specplug import registry
 from vllm_specplug.integration.config import translate
 from vllm_specplug.integration.guard import (DEFAULT_MAX_PROPOSER_FAILURES,
                                              InvalidDraftError, ProposerGuard, check_draft,
@@ -24,23 +22,13 @@ from vllm_specplug.proposers.hybrid import HybridOptions, HybridProposer
 from vllm_specplug.proposers.ngram import NgramOptions, NgramProposer
 from vllm_specplug.proposers.suffix import SuffixOptions, SuffixProposer
 
-from tests.proposer_plugins.faulty import (OUT_OF_VOCAB, FakeRunner, install_entry_point,
-                                           make_drafter)
+from tests.proposer_plugins.faulty import OUT_OF_VOCAB, FakeRunner, make_drafter
 
 VOCAB = 32  # the fake runner's
 K = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def faulty_entry_point(tmp_path_factory):
-    """Register `test_faulty` like a third-party package would (engine
-    processes inherit sys.path)."""
-    site = str(install_entry_point(tmp_path_factory.mktemp("faulty_site")))
-    sys.path.insert(0, site)
-    registry.refresh()
-    yield
-    sys.path.remove(site)
-    registry.refresh()
+pytestmark = pytest.mark.usefixtures("faulty_entry_point")
 
 
 # ---------------------------------------------------------------- draft checks

@@ -23,22 +23,20 @@ specs() {  # NAME_PREFIX HEAD_DIR: the four speculative rows
   [ "$1" = all ] && printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"
 }
 
+tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE: the tiny model's run
+  mapfile -t S < <(specs "$2" "$W/tiny-eagle3")
+  bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
+    --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
+    --max-tokens "$6" --dtype float32 --phases \
+    --engine-args "{\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
+    --out "$RESULTS/$1"
+}
+
 run() {
   case "$1" in
-    tiny)
-      mapfile -t S < <(specs all "$W/tiny-eagle3")
-      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
-        --limit-prompts 1=16 --limit-prompts 16=64 --limit-prompts 64=128 --repeats 3 \
-        --max-tokens 128 --dtype float32 --phases \
-        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 2048}}' \
-        --out "$RESULTS/tiny" ;;
-    tiny3)  # the same minus tree 32, fewer prompts: fits one 10-minute call
-      mapfile -t S < <(specs three "$W/tiny-eagle3")
-      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
-        --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 --repeats 3 \
-        --max-tokens 96 --dtype float32 --phases \
-        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1100}}' \
-        --out "$RESULTS/tiny3" ;;
+    tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
+    # the same minus tree 32, fewer prompts: fits one 10-minute call
+    tiny3) tiny_bench tiny3 three 8 32 64 96 1100 ;;
     smollm2)
       mapfile -t S < <(specs three .gpu/heads/smollm2-eagle3)
       bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \

@@ -14,7 +14,7 @@ probe runs, so nothing of vLLM's code changes):
 | draft | `speculator.propose` | `propose_draft_token_ids` |
 
 Our own code marks finer ranges (`specplug::compact_kv`, `specplug::ingest`,
-`specplug::draft`) with `torch.profiler.record_function`; the profiler
+`specplug::draft_tree`) with `torch.profiler.record_function`; the profiler
 reports them too. Under async scheduling the host runs ahead of the GPU, so
 a phase's host time and its GPU time are different things: both are given.
 """
@@ -60,7 +60,8 @@ class PhaseProbe:
         GPU ms and launches per phase (and per `specplug::` range)."""
         wall = time.perf_counter() - self.started
         if self.profiler is not None:
-            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.profiler.__exit__(None, None, None)
         for target, method in self.wrapped:
             del target.__dict__[method]  # the class's method again
@@ -104,16 +105,12 @@ def _phase_methods(runner) -> dict[tuple, list[str]]:
     """{(object, method name): the phases its calls count for}."""
     v2 = type(runner).__module__.startswith("vllm.v1.worker.gpu.")
     methods: dict[tuple, list[str]] = {}
-    owners: dict[tuple, object] = {}
     for phase, (owner, method) in [("step", ("", m)) for m in STEP_METHODS] + list(
             (V2_PHASES if v2 else V1_PHASES).items()):
         target = getattr(runner, owner, None) if owner else runner
-        if target is None or not hasattr(target, method):
-            continue
-        key = (id(target), method)
-        owners[key] = target
-        methods.setdefault(key, []).append(phase)
-    return {(owners[key], key[1]): phases for key, phases in methods.items()}
+        if target is not None and hasattr(target, method):
+            methods.setdefault((target, method), []).append(phase)
+    return methods
 
 
 def _activities():
@@ -133,7 +130,7 @@ def _profiled(profiler) -> dict[str, tuple[float, int]]:
         total = totals[event.name[len(MARK_PREFIX):]]
         total[0] += event.device_time_total
         total[1] += _num_launches(event)
-    return {phase: (gpu, launches) for phase, (gpu, launches) in totals.items()}
+    return {phase: tuple(total) for phase, total in totals.items()}
 
 
 def _num_launches(event) -> int:

@@ -18,6 +18,23 @@ def _slot(block_table_ptr, position, live, BLOCK_SIZE):
 
 
 @triton.jit
+def _move_path(plane, table, root, accepted_node_ptr, num, offs, in_row, BLOCK_SIZE, ROW,
+               GROUP: tl.constexpr):
+    """Rows of nodes accepted_node[1..num] to root + 1..num, in one plane."""
+    for j0 in range(1, num + 1, GROUP):
+        j = j0 + tl.arange(0, GROUP)
+        live = j <= num
+        node = tl.load(accepted_node_ptr + j, mask=live, other=0)
+        move = live & (node != j)
+        src = _slot(table, root + node, move, BLOCK_SIZE)
+        dst = _slot(table, root + j, move, BLOCK_SIZE)
+        tile = move[:, None] & in_row[None, :]
+        rows = tl.load(plane + src[:, None] * ROW + offs[None, :], mask=tile)
+        tl.debug_barrier()
+        tl.store(plane + dst[:, None] * ROW + offs[None, :], rows, mask=tile)
+
+
+@triton.jit
 def compact_kv_cache_kernel(cache_ptr, block_table_ptr, seq_len_ptr,
                             accepted_node_ptr, num_accepted_ptr, plane_stride,
                             max_blocks, N, BLOCK_SIZE, ROW, BLOCK: tl.constexpr,
@@ -25,18 +42,24 @@ def compact_kv_cache_kernel(cache_ptr, block_table_ptr, seq_len_ptr,
     b = tl.program_id(0).to(tl.int64)
     plane = cache_ptr + tl.program_id(1).to(tl.int64) * plane_stride
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    in_row = offs < ROW
-    table = block_table_ptr + b * max_blocks
-    seq_len = tl.load(seq_len_ptr + b)
-    num = tl.load(num_accepted_ptr + b)
-    for j0 in range(1, num + 1, GROUP):
-        j = j0 + tl.arange(0, GROUP)
-        live = j <= num
-        node = tl.load(accepted_node_ptr + b * N + j, mask=live, other=0)
-        move = live & (node != j)
-        src = _slot(table, seq_len + node, move, BLOCK_SIZE)
-        dst = _slot(table, seq_len + j, move, BLOCK_SIZE)
-        tile = move[:, None] & in_row[None, :]
-        rows = tl.load(plane + src[:, None] * ROW + offs[None, :], mask=tile)
-        tl.debug_barrier()
-        tl.store(plane + dst[:, None] * ROW + offs[None, :], rows, mask=tile)
+    _move_path(plane, block_table_ptr + b * max_blocks, tl.load(seq_len_ptr + b),
+               accepted_node_ptr + b * N, tl.load(num_accepted_ptr + b), offs, offs < ROW,
+               BLOCK_SIZE, ROW, GROUP)
+
+
+@triton.jit
+def compact_kv_layers_kernel(cache_ptr, layer_offset_ptr, block_table_ptr, seq_len_ptr,
+                             query_start_ptr, accepted_node_ptr, num_accepted_ptr,
+                             max_blocks, N, BLOCK_SIZE, ROW, BLOCK: tl.constexpr,
+                             GROUP: tl.constexpr):
+    """Every layer in one launch, grid (B, layers, row chunks): layer l's
+    cache starts layer_offset[l] elements from cache_ptr (one dtype and
+    layout for all). The root sits at seq_len - query length, read from the
+    runner's own rows rather than computed by the caller."""
+    b = tl.program_id(0).to(tl.int64)
+    plane = cache_ptr + tl.load(layer_offset_ptr + tl.program_id(1))
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    query_len = tl.load(query_start_ptr + b + 1) - tl.load(query_start_ptr + b)
+    root = (tl.load(seq_len_ptr + b) - query_len).to(tl.int64)
+    _move_path(plane, block_table_ptr + b * max_blocks, root, accepted_node_ptr + b * N,
+               tl.load(num_accepted_ptr + b), offs, offs < ROW, BLOCK_SIZE, ROW, GROUP)

@@ -77,3 +77,16 @@ def test_tree_sizes_are_multiples_of_the_node_count(tiny_model_dir, tiny_eagle3_
     for n in (1, 2, 4, 8):
         if n * num_draft_tokens <= 128:
             assert n * num_draft_tokens in sizes, (n, sizes)
+
+
+def test_every_tree_decode_batch_gets_a_graph_by_default(tiny_model_dir, tiny_eagle3_dir):
+    """vLLM's default keeps decode sizes under 512 tokens: a 16-node tree
+    would verify eagerly from 33 requests on. Ours covers every request
+    count of vLLM's grid up to max_num_seqs, and only adds sizes."""
+    spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": 4,
+            "num_steps": 4, "num_draft_tokens": 16}
+    sizes = _sizes(tiny_model_dir, spec, max_size=None, max_num_seqs=64)
+    assert all(n * 16 in sizes for n in request_counts(64)), sizes
+    assert sizes[-1] == 64 * 16
+    plain = _sizes(tiny_model_dir, None, max_size=None, max_num_seqs=64)
+    assert set(plain) <= set(sizes) and plain[-1] < 64 * 16

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vllm_specplug.verification.checks import VerificationInputError
-from vllm_specplug.verification.kv_compaction import compact_kv_cache
+from vllm_specplug.verification.kv_compaction import (compact_kv_cache, compact_kv_layers,
+                                                      kv_layers)
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
 
 from tests.kernels.trees import random_tree, target_following_tree
@@ -103,3 +104,36 @@ def test_destination_that_is_an_earlier_source(dtype, device):
     compact_kv_cache(ours, table, seq_lens, nodes.contiguous(), num_accepted, backend="triton")
     compact_kv_cache(ref, table, seq_lens, nodes.contiguous(), num_accepted, backend="torch")
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_layers_in_one_launch_equal_each_layer(batch, dtype, device):
+    """Separately allocated layers (as vLLM allocates them), one launch:
+    equal to compacting each layer with the reference, with the roots read
+    from the runner's query_start_loc and seq_lens."""
+    cache, block_table, roots, nodes, num_accepted = paged_setup(
+        batch, 16, 4, 2, 8, dtype, batch, device, layers=3)
+    layers = [cache[i].clone() for i in range(3)]  # three allocations
+    expected = [layer.clone() for layer in layers]
+    for layer in expected:
+        compact_kv_cache(layer, block_table, roots, nodes, num_accepted, backend="torch")
+    query_lens = torch.randint(1, 17, (batch,))
+    query_start = torch.zeros(batch + 2, dtype=torch.int32)  # longer, as the runner's are
+    query_start[1:batch + 1] = query_lens.cumsum(0)
+    seq_lens = torch.zeros(batch + 2, dtype=torch.int32)
+    seq_lens[:batch] = (roots.cpu() + query_lens).int()
+    table = kv_layers(layers)
+    assert table is not None and table.plane_offsets.shape == (6,)
+    compact_kv_layers(table, block_table, query_start.to(device), seq_lens.to(device),
+                      nodes, num_accepted, backend="triton")
+    for ours, ref in zip(layers, expected):
+        assert torch.equal(ours, ref)
+    assert not torch.equal(layers[0], cache[0])  # something moved
+
+
+def test_layers_of_different_shapes_are_compacted_one_by_one(device):
+    a = torch.zeros(2, 5, 4, 2, 8, device=device)
+    assert kv_layers([a, torch.zeros(2, 5, 4, 2, 4, device=device)]) is None
+    assert kv_layers([a, a.half()]) is None
+    assert kv_layers([a, a.transpose(2, 3)]) is None

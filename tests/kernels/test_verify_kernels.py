@@ -9,6 +9,7 @@ import torch
 
 from vllm_specplug.verification.checks import VerificationInputError
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
+from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
 from vllm_specplug.verification.tree_sampling import (rejection_sample_chain,
                                                       verify_tree_stochastic)
 
@@ -110,3 +111,48 @@ def test_bad_verification_input_is_named(device):
     inputs[1] = torch.tensor([1, 5, 0], device=device)
     with pytest.raises(VerificationInputError, match=r"num_draft_tokens holds 5"):
         rejection_sample_chain(*inputs)
+
+
+def flat_rows(tree, argmax, counts, seed):
+    """A runner's view of `tree`: trees in shuffled state slots, one logits
+    row per scheduled node (`counts[b]` of them, the rest cut), tokens in
+    the input ids at shuffled logits indices."""
+    batch, num_nodes = tree.token_ids.shape
+    generator = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(batch + 3, generator=generator)[:batch]
+    parents = torch.full((batch + 3, num_nodes), 5, dtype=torch.int64)  # junk in free slots
+    parents[slots] = tree.parent_ids.cpu()
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(counts).cumsum(0)
+    live = [(b, n) for b in range(batch) for n in range(counts[b])]
+    token_rows = torch.randperm(len(live) + 4, generator=generator)[:len(live)]
+    input_ids = torch.randint(0, 111, (len(live) + 4,), generator=generator, dtype=torch.int32)
+    input_ids[token_rows] = torch.tensor([int(tree.token_ids[b, n]) for b, n in live],
+                                         dtype=torch.int32)
+    target = torch.tensor([int(argmax[b, n]) for b, n in live], dtype=torch.int64)
+    return target, input_ids, token_rows, cu, parents, slots.int()
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("topk,depth,num_nodes", TREES)
+def test_greedy_rows_kernel_equals_reference(batch, topk, depth, num_nodes, device):
+    """From the runner's flat rows, with cut trees and requests without
+    drafts: the kernel equals the gather-then-verify reference, and that
+    equals verifying the cut trees directly."""
+    *_, tree = random_tree(batch, topk, depth, num_nodes, 111, seed=batch, device="cpu")
+    _, argmax = target_following_tree(tree, 111, follow=0.8, seed=batch)
+    counts = [num_nodes - (b % 3) * (b % num_nodes) // 2 if b % 4 else 1 for b in range(batch)]
+    args = [t.to(device) for t in flat_rows(tree, argmax, counts, batch)]
+    ref = verify_tree_greedy_rows(*args, backend="torch")
+    buffer = torch.full((batch, num_nodes), 7, dtype=torch.int64, device=device)
+    ours = verify_tree_greedy_rows(*args, accepted_node_ids=buffer, backend="triton")
+    assert_outputs_equal(ours, ref)
+    assert ours.accepted_node_ids.data_ptr() == buffer.data_ptr()
+    full = [b for b in range(batch) if counts[b] == num_nodes]
+    direct = verify_tree_greedy(tree, argmax, backend="torch")
+    for name in ("output_token_ids", "num_accepted", "accepted_node_ids"):
+        assert torch.equal(getattr(ref, name)[full].cpu(), getattr(direct, name)[full])
+    assert (ref.num_accepted[[b for b in range(batch) if counts[b] == 1]] == 0).all()
+    assert (ref.accepted_node_ids.cpu() < torch.tensor(counts)[:, None]).all()  # cut: never
+    if batch > 1:
+        assert ref.num_accepted.max() > 0

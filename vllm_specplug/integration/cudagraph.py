@@ -39,3 +39,16 @@ def with_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int) -> li
     if not sizes:
         return sizes
     return sorted(set(sizes) | set(decode_capture_sizes(query_len, max_num_reqs, sizes[-1])))
+
+
+def with_all_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int,
+                          max_num_tokens: int) -> list[int]:
+    """`sizes` plus the decode sizes of every request count of vLLM's grid up
+    to `max_num_reqs`, within `max_num_tokens`: vLLM's default keeps decode
+    graphs under 512 tokens, which a 17-node tree passes at 31 requests (at
+    64 requests our tree's verification ran eagerly, 428 launches a step, on
+    the H100: docs/results/v2_tree_h100)."""
+    if not sizes or query_len <= 1:
+        return sizes
+    return sorted(set(sizes) | set(decode_capture_sizes(query_len, max_num_reqs,
+                                                        max_num_tokens)))

@@ -14,7 +14,10 @@ is kept.
 `_set_cudagraph_sizes`: with a user's `max_cudagraph_capture_size` vLLM drops
 the n * (K + 1) decode sizes it adds otherwise (vllm#54933), so speculative
 decode steps of our methods would run eagerly; we add them back
-(integration/cudagraph.py). Explicit `cudagraph_capture_sizes` are kept as given.
+(integration/cudagraph.py). Without one, vLLM adds decode sizes only under
+512 tokens, which a 17-node tree passes at 31 requests; we add them up to
+max_num_seqs requests (within max_num_batched_tokens). Explicit
+`cudagraph_capture_sizes` are kept as given.
 """
 from __future__ import annotations
 
@@ -90,24 +93,34 @@ def _decide_async(config, wanted) -> None:
 def _set_cudagraph_sizes(original):
     def set_cudagraph_sizes(self):
         from vllm_specplug.integration.config import selection_of
-        from vllm_specplug.integration.cudagraph import with_decode_sizes
 
         compilation = self.compilation_config
-        only_max_given = (compilation.max_cudagraph_capture_size is not None
-                          and compilation.cudagraph_capture_sizes is None)
+        given = (compilation.max_cudagraph_capture_size, compilation.cudagraph_capture_sizes)
         original(self)
-        if not only_max_given or selection_of(self.speculative_config) is None:
+        if given[1] is not None or selection_of(self.speculative_config) is None:
             return
         sizes = list(compilation.cudagraph_capture_sizes or [])
-        wanted = with_decode_sizes(sizes, self.uniform_decode_query_len,
-                                   self.scheduler_config.max_num_seqs)
+        wanted = _decode_sizes(self, sizes, user_max=given[0])
         if wanted != sizes:
             compilation.cudagraph_capture_sizes = wanted
-            logger.info("vllm-specplug: added %d decode capture sizes (multiples of %d) "
-                        "under max_cudagraph_capture_size=%d", len(wanted) - len(sizes),
+            compilation.max_cudagraph_capture_size = wanted[-1]
+            logger.info("vllm-specplug: added %d decode capture sizes (multiples of %d), "
+                        "up to %d tokens", len(wanted) - len(sizes),
                         self.uniform_decode_query_len, wanted[-1])
 
     return set_cudagraph_sizes
+
+
+def _decode_sizes(config, sizes: list[int], user_max: int | None) -> list[int]:
+    """Under a user's maximum: the decode sizes under it. Otherwise: every
+    decode size up to max_num_seqs requests, within max_num_batched_tokens."""
+    from vllm_specplug.integration.cudagraph import with_all_decode_sizes, with_decode_sizes
+
+    scheduler = config.scheduler_config
+    if user_max is not None:
+        return with_decode_sizes(sizes, config.uniform_decode_query_len, scheduler.max_num_seqs)
+    return with_all_decode_sizes(sizes, config.uniform_decode_query_len,
+                                 scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
 
 
 def install() -> list[str]:
@@ -122,7 +135,7 @@ def install() -> list[str]:
                                 "Runner V2")
     patch_registry.apply(VllmConfig, "_set_cudagraph_sizes",
                          _set_cudagraph_sizes(VllmConfig._set_cudagraph_sizes),
-                         reason="decode capture sizes n*(K+1) under a user's "
-                                "max_cudagraph_capture_size (vllm#54933)")
+                         reason="decode capture sizes n*(K+1) for every decode batch "
+                                "(vllm#54933; trees pass vLLM's 512-token default)")
     return ["patch:VllmConfig._get_v2_model_runner_unsupported_features",
             "patch:VllmConfig.__post_init__", "patch:VllmConfig._set_cudagraph_sizes"]

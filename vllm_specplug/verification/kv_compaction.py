@@ -9,6 +9,8 @@ untouched. Slots follow vLLM's block-table layout:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vllm_specplug.verification import checks
@@ -115,3 +117,59 @@ def compact_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
         planes.stride(0), block_table.shape[1], accepted_node_ids.shape[1],
         block_size, row, BLOCK=min(ROW_BLOCK, 1 << (row - 1).bit_length()),
         GROUP=MOVE_GROUP)
+
+
+@dataclass
+class KVLayers:
+    """Every attention layer's cache, of one shape and dtype, addressed from
+    the first: the compaction of all layers is one launch, not one a layer."""
+    caches: list[torch.Tensor]  # each [..., num_blocks, block_size, H, D], contiguous
+    plane_offsets: torch.Tensor  # [layers * planes] int64, elements from caches[0]
+
+
+def kv_layers(caches: list[torch.Tensor]) -> KVLayers | None:
+    """The caches as one `KVLayers`, or None where they differ in shape or
+    dtype, or are not contiguous (compact them one by one then)."""
+    if not caches or any(c.shape != caches[0].shape or c.dtype != caches[0].dtype
+                         or not c.is_contiguous() for c in caches):
+        return None
+    base, size = caches[0].data_ptr(), caches[0].element_size()
+    planes = _planes(caches[0], caches[0].shape[-3])
+    offsets = [(c.data_ptr() - base) // size + p * planes.stride(0)
+               for c in caches for p in range(planes.shape[0])]
+    if any((c.data_ptr() - base) % size for c in caches):
+        return None
+    return KVLayers(caches, torch.tensor(offsets, dtype=torch.int64, device=caches[0].device))
+
+
+def compact_kv_layers(layers: KVLayers, block_table: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      accepted_node_ids: torch.Tensor, num_accepted: torch.Tensor,
+                      backend: Backend = "auto") -> None:
+    """`compact_kv_cache` on every layer, in place, in one launch; the roots
+    are the runner's: seq_lens[b] - query length (query_start_loc [B + 1]).
+
+    Args:
+        block_table: [B, max_blocks] int32/int64.
+        query_start_loc: [>= B + 1] int32, seq_lens: [>= B] int32, of the step.
+        accepted_node_ids: [B, N] int64 and num_accepted [B] int64, as
+            verification returns them.
+    """
+    batch = accepted_node_ids.shape[0]
+    if resolve_backend(backend, accepted_node_ids) == "torch":
+        starts = query_start_loc[:batch + 1].long()
+        roots = seq_lens[:batch].long() - (starts[1:] - starts[:-1])
+        for cache in layers.caches:
+            compact_kv_cache_reference(cache, block_table, roots, accepted_node_ids,
+                                       num_accepted)
+        return
+    from vllm_specplug.kernels.kv_compaction import compact_kv_layers_kernel
+
+    planes = _planes(layers.caches[0], layers.caches[0].shape[-3])
+    row = planes.shape[2]
+    grid = (batch, layers.plane_offsets.shape[0], -(-row // ROW_BLOCK))
+    compact_kv_layers_kernel[grid](
+        planes, layers.plane_offsets, block_table.contiguous(), seq_lens, query_start_loc,
+        accepted_node_ids.contiguous(), num_accepted.contiguous(), block_table.shape[1],
+        accepted_node_ids.shape[1], layers.caches[0].shape[-3], row,
+        BLOCK=min(ROW_BLOCK, 1 << (row - 1).bit_length()), GROUP=MOVE_GROUP)

@@ -33,10 +33,10 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_specplug.verification.kv_compaction import compact_kv_cache
+from vllm_specplug.verification.kv_compaction import compact_kv_cache, compact_kv_layers
 from vllm_specplug.verification.metadata import NO_NODE, DraftTree
 from vllm_specplug.verification.seeded_random import seeded_uniform
-from vllm_specplug.verification.tree_greedy import verify_tree_greedy
+from vllm_specplug.verification.tree_greedy_rows import node_rows, verify_tree_greedy_rows
 from vllm_specplug.verification.tree_sampling import verify_tree_stochastic
 
 EMPTY = torch.empty(0, dtype=torch.int64)
@@ -62,16 +62,6 @@ def needs_full_sampler(sampler, idx_mapping_np: np.ndarray, has_grammar: bool) -
                 or sampler.return_sampling_mask or sampler.trace_replay_state is not None)
 
 
-def _node_rows(input_batch, num_nodes: int):
-    """Each request's logits row per node [B, N] (past its own nodes: its
-    last), its node count [B] and which nodes are real [B, N]."""
-    cu = input_batch.cu_num_logits[:input_batch.num_reqs + 1].long()
-    counts = cu[1:] - cu[:-1]
-    node = torch.arange(num_nodes, device=cu.device)
-    rows = cu[:-1, None] + torch.minimum(node[None], counts[:, None] - 1)
-    return rows, counts, node[None] < counts[:, None]
-
-
 class V2TreeRejectionSampler:
     # vLLM's adaptive verification reallocates chain drafts; trees keep their
     # shape (the runner's warm-up reads this flag of every rejection sampler)
@@ -89,22 +79,25 @@ class V2TreeRejectionSampler:
         idx_np = input_batch.idx_mapping_np[:input_batch.num_reqs]
         if needs_full_sampler(self.sampler, idx_np, invalid_drafts is not None):
             return self._roots_only(logits, input_batch, slots, num_nans)
-        tree, rows = self._trees(input_batch, slots)
-        greedy = verify_tree_greedy(tree, logits.argmax(-1)[rows], backend="triton",
-                                    validate=False)
+        num_reqs = input_batch.num_reqs
+        verified = verify_tree_greedy_rows(
+            logits.argmax(-1), input_batch.input_ids, input_batch.logits_indices,
+            input_batch.cu_num_logits, slots.parents, input_batch.idx_mapping[:num_reqs],
+            slots.accepted_nodes[:num_reqs], backend="triton")
         temperature = self.sampler.sampling_states.temperature
         if (temperature.np[idx_np] != 0.0).any():
-            greedy = self._with_stochastic(greedy, logits, input_batch, tree, rows)
-        num_reqs = input_batch.num_reqs
-        slots.accepted_nodes[:num_reqs] = greedy.accepted_node_ids
+            verified = self._with_stochastic(verified, logits, input_batch, slots)
+            slots.accepted_nodes[:num_reqs] = verified.accepted_node_ids
         with torch.profiler.record_function("specplug::compact_kv"):  # bench --phases
-            compact_kv(slots, input_batch, greedy.accepted_node_ids, greedy.num_accepted)
-        return self._output(input_batch, greedy.output_token_ids,
-                            (greedy.num_accepted + 1).to(torch.int32), num_nans)
+            compact_kv(slots, input_batch, verified.accepted_node_ids, verified.num_accepted)
+        return self._output(input_batch, verified.output_token_ids,
+                            (verified.num_accepted + 1).to(torch.int32), num_nans)
 
     def _trees(self, input_batch, slots) -> tuple[DraftTree, torch.Tensor]:
         """The batch's trees (token and parent ids; what the kernels read)."""
-        rows, _, live = _node_rows(input_batch, slots.num_nodes)
+        rows, counts = node_rows(input_batch.cu_num_logits, input_batch.num_reqs,
+                                 slots.num_nodes)
+        live = torch.arange(slots.num_nodes, device=rows.device)[None] < counts[:, None]
         token_ids = input_batch.input_ids[input_batch.logits_indices[rows]].long()
         parents = slots.parents[input_batch.idx_mapping[:input_batch.num_reqs]]
         tree = DraftTree(token_ids=torch.where(live, token_ids, 0),
@@ -113,8 +106,9 @@ class V2TreeRejectionSampler:
                          first_child_ids=EMPTY, next_sibling_ids=EMPTY)
         return tree, rows
 
-    def _with_stochastic(self, greedy, logits, input_batch, tree, rows):
+    def _with_stochastic(self, greedy, logits, input_batch, slots):
         """Stochastic verification for the requests sampling at a temperature."""
+        tree, rows = self._trees(input_batch, slots)
         sampled = verify_tree_stochastic(tree, self._node_probs(logits, input_batch, rows),
                                          *self._noise(input_batch, tree, logits.shape[1]),
                                          backend="triton", validate=False)
@@ -193,6 +187,11 @@ def compact_kv(slots, input_batch, accepted_nodes: torch.Tensor,
         raise RuntimeError("tree verification on Model Runner V2: the KV caches or this "
                            "step's block table were not bound to the tree slots")
     num_reqs = input_batch.num_reqs
+    if slots.kv_layers is not None:  # one launch for all layers
+        compact_kv_layers(slots.kv_layers, slots.block_table[:num_reqs],
+                          input_batch.query_start_loc, input_batch.seq_lens, accepted_nodes,
+                          num_accepted)
+        return
     starts = input_batch.query_start_loc[:num_reqs + 1].long()
     root_positions = input_batch.seq_lens[:num_reqs].long() - (starts[1:] - starts[:-1])
     for cache in slots.kv_caches:

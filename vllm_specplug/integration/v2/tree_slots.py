@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_specplug.verification.kv_compaction import KVLayers, kv_layers
 from vllm_specplug.verification.metadata import MASK_WORD_BITS, NO_NODE, DraftTree
 from vllm_specplug.verification.tree_attention import TreeAttentionMetadata
 from vllm_specplug.verification.tree_build import pack_mask
@@ -44,6 +45,7 @@ class TreeSlots:
         self.block_table: torch.Tensor | None = None
         # every attention layer's cache as [num_blocks, block_size, kv_heads, 2 * head_size]
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_layers: KVLayers | None = None  # the same, for one-launch compaction
 
     @property
     def max_num_reqs(self) -> int:
@@ -67,6 +69,7 @@ class TreeSlots:
             raise RuntimeError("tree verification needs KV caches laid out per token "
                                f"(FlashAttention/Triton backends); got strides of {bad[0]}")
         self.kv_caches = by_slot
+        self.kv_layers = kv_layers(by_slot)
 
     def forget(self, slots: torch.Tensor) -> None:
         """No tree for these slots: their next drafts (if any) verify as chains."""

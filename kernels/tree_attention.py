@@ -40,14 +40,24 @@ def tree_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_
                           GROUP: tl.constexpr, HEAD_PAD: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          UPCAST: tl.constexpr):
+                          UPCAST: tl.constexpr, partial_out_ptr, partial_lse_ptr, NUM_HEADS,
+                          NUM_SPLITS: tl.constexpr):
+    """NUM_SPLITS > 1 (flash-decoding, split-K): program_id(2) is row tile x
+    split; each split attends to its share of the keys and writes its
+    normalised output and log-sum-exp per (row, head, split) for
+    `tree_attention_merge_kernel`. At batch 1 a 16-node tree with GQA 4 is
+    one row tile per KV head: 8 programs for the whole prefix otherwise."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     num_nodes = tl.load(num_nodes_ptr + b)
     seq_len = tl.load(seq_len_ptr + b)
     first = tl.load(first_token_ptr + b).to(tl.int64)
     kv_len = tl.where(num_nodes > 0, seq_len + num_nodes, 0)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2) % NUM_SPLITS
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_start + chunk, kv_len)
+    m = (tl.program_id(2) // NUM_SPLITS) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_live = m < num_nodes * GROUP
     node = m // GROUP
     head = kv_head * GROUP + m % GROUP
@@ -62,9 +72,9 @@ def tree_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_
     m_i = tl.full([BLOCK_M], NEG_START, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for start in range(0, kv_len, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        in_kv = pos < kv_len
+        in_kv = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=in_kv, other=0).to(tl.int64)
         offset = (pos % BLOCK_SIZE).to(tl.int64)
         tile = in_kv[:, None] & d_live[None, :]
@@ -87,6 +97,47 @@ def tree_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # dead rows: 0, never stored
+    live = row_live[:, None] & d_live[None, :]
+    if NUM_SPLITS == 1:
+        out_rows = out_ptr + (first + node)[:, None] * out_stride_t + head[:, None] * out_stride_h
+        tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        slot = ((first + node) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + slot[:, None] * HEAD_PAD + d[None, :], out, mask=live)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + slot, lse, mask=row_live)
+
+
+@triton.jit
+def tree_attention_merge_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, first_token_ptr,
+                                num_nodes_ptr, out_stride_t, out_stride_h, HEAD_SIZE, NUM_HEADS,
+                                GROUP: tl.constexpr, HEAD_PAD: tl.constexpr,
+                                BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The splits of each tree row merged by their log-sum-exp (grid as the
+    attention kernel's, without the split axis)."""
+    b = tl.program_id(0).to(tl.int64)
+    num_nodes = tl.load(num_nodes_ptr + b)
+    first = tl.load(first_token_ptr + b).to(tl.int64)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_live = m < num_nodes * GROUP
+    node = m // GROUP
+    head = tl.program_id(1) * GROUP + m % GROUP
+    d = tl.arange(0, HEAD_PAD)
+    live = row_live[:, None] & (d < HEAD_SIZE)[None, :]
+    slot = ((first + node) * NUM_HEADS + head) * NUM_SPLITS
+    top = tl.full([BLOCK_M], NEG_START, tl.float32)
+    for s in range(NUM_SPLITS):
+        top = tl.maximum(top, tl.load(partial_lse_ptr + slot + s, mask=row_live,
+                                      other=float("-inf")))
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for s in range(NUM_SPLITS):
+        weight = tl.exp(tl.load(partial_lse_ptr + slot + s, mask=row_live,
+                                other=float("-inf")) - top)
+        part = tl.load(partial_out_ptr + (slot + s)[:, None] * HEAD_PAD + d[None, :],
+                       mask=live, other=0.0)
+        acc += weight[:, None] * part
+        total += weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_rows = out_ptr + (first + node)[:, None] * out_stride_t + head[:, None] * out_stride_h
-    tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_live[:, None] & d_live[None, :])
+    tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live)

@@ -6,6 +6,9 @@ our tree mask (the alternative), on a CUDA GPU:
 
     python3 benchmarks/gpu/bench_tree_attention.py --out $OUT
 
+`--splits-only` times the default tile without key splits (`nosplit`) and
+with the splits `num_key_splits` picks (`default`: split-K at small batches).
+
 Times are CUDA-event means over 50 launches (GPU time, no host overhead), per
 layer; a 32-layer model pays 32 of them per step. Tile configurations are
 tried so the default can be chosen from data.
@@ -145,6 +148,8 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--flex-dense", action="store_true",
                         help="also time flex with a create_block_mask-built mask")
+    parser.add_argument("--splits-only", action="store_true",
+                        help="only the default tile, without and with key splits")
     args = parser.parse_args()
     # Every case is a new shape for Inductor; past the default limit dynamo
     # would fall back to eager flex, which materializes all T x cache scores.
@@ -160,7 +165,15 @@ def main() -> None:
             row = {"batch_size": batch, "nodes": nodes,
                    "flash_causal_ms": flash_ms(query, key_cache, value_cache, table, batch,
                                                nodes)}
-            for block_m, block_n, warps in TILES:
+            for name, splits in (("nosplit", 1), ("default", None)):
+                out = torch.zeros_like(query)
+                run = lambda: tree_attention_triton(  # noqa: E731
+                    query, key_cache, value_cache, table, meta, HEAD_SIZE ** -0.5, out,
+                    num_splits=splits)
+                run()
+                row[f"ours_{name}_max_error"] = float((out.float() - want.float()).abs().max())
+                row[f"ours_{name}_ms"] = gpu_ms(run)
+            for block_m, block_n, warps in ([] if args.splits_only else TILES):
                 out = torch.zeros_like(query)
                 run = lambda: tree_attention_triton(  # noqa: E731
                     query, key_cache, value_cache, table, meta, HEAD_SIZE ** -0.5, out,
@@ -170,7 +183,7 @@ def main() -> None:
                 row[f"ours_{block_m}x{block_n}_w{warps}_ms"] = gpu_ms(run)
                 row[f"ours_{block_m}x{block_n}_w{warps}_max_error"] = error
             flex_args = (query, key_cache, value_cache, table, meta, want)
-            if not args.no_flex:
+            if not (args.no_flex or args.splits_only):
                 row.update(flex_row("flex", *flex_args))
             if args.flex_dense:
                 row.update(flex_row("flex_dense", *flex_args, direct=False, compile=True))

@@ -16,12 +16,12 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def paged_case(batch, num_nodes, heads, kv_heads, head_size, block_size, dtype, device,
-               seed=0, idle=()):
+               seed=0, idle=(), extra_prefix=0):
     """Trees + a shuffled paged cache in vLLM's logical layout [blocks, kv_heads,
     block_size, 2 * head_size], split the way vLLM's CUDA backends split it."""
     *_, tree = random_tree(batch, 3, 4, num_nodes, 97, seed=seed)
     num_nodes = tree.token_ids.shape[1]
-    seq_lens = tree.positions[:, 0].clone()
+    seq_lens = tree.positions[:, 0].clone() + extra_prefix
     generator = torch.Generator().manual_seed(seed)
     blocks_per_req = (int(seq_lens.max()) + num_nodes) // block_size + 1
     num_blocks = batch * blocks_per_req + 2
@@ -79,6 +79,36 @@ def test_each_node_sees_its_root_path_causally():
             probs = (torch.einsum("hd,lhd->hl", q, keys[seen]) * 0.25).softmax(-1)
             want = torch.einsum("hl,lhd->hd", probs, values[seen])
             torch.testing.assert_close(out[first + i], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_split_keys_merge_to_the_reference(device, dtype, num_splits):
+    """Flash-decoding: the keys split over programs (some splits empty,
+    others holding only tree keys), merged by log-sum-exp, equal the
+    reference; rows outside the trees stay untouched."""
+    from vllm_specplug.verification.tree_attention import tree_attention_triton
+
+    case = paged_case(3, 13, 8, 2, 32, 16, dtype, device, seed=num_splits, idle=[1],
+                      extra_prefix=150)
+    query, key_cache, value_cache, block_table, meta, _ = case
+    ours = torch.full_like(query, 7.0)
+    tree_attention_triton(query, key_cache, value_cache, block_table, meta, 0.3, ours,
+                          block_n=16, num_splits=num_splits)
+    reference = run(case, "torch")
+    torch.testing.assert_close(ours.float(), reference.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    idle = slice(int(meta.first_token[1]), int(meta.first_token[1]) + 13)
+    assert (ours[idle] == 7.0).all()
+
+
+def test_key_splits_only_where_the_grid_is_small():
+    from vllm_specplug.verification.tree_attention import num_key_splits
+
+    assert num_key_splits(8, torch.device("cpu")) == 1  # no SMs to fill off the GPU
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert num_key_splits(8, cuda) == 16 and num_key_splits(10_000, cuda) == 1
 
 
 def test_rows_outside_trees_are_untouched(device):

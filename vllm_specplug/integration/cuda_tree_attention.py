@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specplug.verification.tree_attention import tree_attention_triton
+from vllm_specplug.verification.tree_attention import KEY_SPLIT_CHOICES, tree_attention_triton
 
 NO_WINDOW = (None, -1, (-1, -1))  # how the CPU and CUDA backends say "no sliding window"
 
@@ -81,17 +81,21 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
     # vLLM's warm-up runs, never inside a stream capture.
     key = (query.dtype, kv_cache.dtype, impl.num_heads, impl.num_kv_heads, impl.head_size,
            kv_cache.shape[2])
-    if (buffers.num_masked == 0 and key in buffers.compiled
-            and not torch.cuda.is_current_stream_capturing()):
+    first = key not in buffers.compiled
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    if buffers.num_masked == 0 and not first and not capturing:
         return
     buffers.compiled.add(key)
     check_supported(impl)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
     num_reqs = min(attn_metadata.block_table.shape[0], buffers.max_num_reqs)
-    tree_attention_triton(query.view(-1, impl.num_heads, impl.head_size), key_cache,
-                          value_cache, attn_metadata.block_table, buffers.metadata,
-                          impl.scale, output.view(-1, impl.num_heads, impl.head_size),
-                          num_requests=num_reqs)
+    # a capture may pick any key-split count (it follows the batch size):
+    # compile them all now, outside any capture (each launch writes the same rows)
+    for num_splits in (KEY_SPLIT_CHOICES if first and not capturing else (None,)):
+        tree_attention_triton(query.view(-1, impl.num_heads, impl.head_size), key_cache,
+                              value_cache, attn_metadata.block_table, buffers.metadata,
+                              impl.scale, output.view(-1, impl.num_heads, impl.head_size),
+                              num_requests=num_reqs, num_splits=num_splits)
 
 
 def move_cached_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor,

@@ -27,6 +27,9 @@ from vllm_specplug.verification.tree_build import pack_mask
 BLOCK_M = 64  # most query rows (nodes x heads of one KV group) per program
 BLOCK_N = 64  # key positions per tile
 MIN_DOT = 16  # tl.dot's smallest tile side
+MAX_SPLITS = 16  # key splits per row tile (flash-decoding) when programs are few
+PROGRAMS_PER_SM = 2  # split until the grid has about this many programs per SM
+KEY_SPLIT_CHOICES = (1, 2, 4, 8, 16)  # every value `num_key_splits` returns
 
 
 @dataclass
@@ -80,17 +83,34 @@ def tree_attention_reference(query, key_cache, value_cache, block_table,
         output[first:first + n] = torch.einsum("hnl,lhd->nhd", probs, values).to(output.dtype)
 
 
+def num_key_splits(num_programs: int, device: torch.device) -> int:
+    """Key splits per row tile: 1 unless the grid leaves SMs idle. At batch 1
+    a 16-node tree with GQA 4 is 8 programs (one per KV head), each reading
+    the whole prefix: 39 us a layer against FlashAttention's 11 us on the
+    H100 (docs/tree-cuda.md). Splitting the keys, as flash-decoding does,
+    fills the GPU; the merge costs one more launch."""
+    if device.type != "cuda" or num_programs <= 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-PROGRAMS_PER_SM * sms // num_programs)
+    return 1 if wanted < 2 else min(MAX_SPLITS, next_power_of_2(wanted))
+
+
 def tree_attention_triton(query, key_cache, value_cache, block_table,
                           meta: TreeAttentionMetadata, scale: float, output,
                           num_requests: int | None = None, block_m: int | None = None,
-                          block_n: int = BLOCK_N, num_warps: int = 4) -> None:
+                          block_n: int = BLOCK_N, num_warps: int = 4,
+                          num_splits: int | None = None) -> None:
     """Launch over the first `num_requests` rows of `meta` (all by default);
-    the tile sizes and warps are for benchmarks (bench_tree_attention.py).
-    By default a program's row tile just covers a tree's rows (nodes x
-    group), at most BLOCK_M: a half-empty tile still reads the whole prefix
-    (on an H100, 8-node trees with GQA 4: 0.11 vs 0.16 ms per layer at batch
-    64 with 32-row tiles instead of 64; tree_attention_kernel.json)."""
-    from vllm_specplug.kernels.tree_attention import tree_attention_kernel
+    the tile sizes, warps and key splits are for benchmarks and tests
+    (bench_tree_attention.py). By default a program's row tile just covers a
+    tree's rows (nodes x group), at most BLOCK_M: a half-empty tile still
+    reads the whole prefix (on an H100, 8-node trees with GQA 4: 0.11 vs
+    0.16 ms per layer at batch 64 with 32-row tiles instead of 64;
+    tree_attention_kernel.json), and the keys are split when the grid is
+    small (`num_key_splits`)."""
+    from vllm_specplug.kernels.tree_attention import (tree_attention_kernel,
+                                                      tree_attention_merge_kernel)
 
     num_requests = meta.num_nodes.shape[0] if num_requests is None else num_requests
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -99,18 +119,30 @@ def tree_attention_triton(query, key_cache, value_cache, block_table,
     if block_m is None:
         block_m = min(BLOCK_M, max(MIN_DOT, next_power_of_2(meta.max_nodes * group)))
     row_tiles = -(-meta.max_nodes * group // block_m)
+    if num_splits is None:
+        num_splits = num_key_splits(num_requests * num_kv_heads * row_tiles, query.device)
+    head_pad = max(MIN_DOT, next_power_of_2(head_size))
+    partial_out = query.new_empty((query.shape[0], num_heads, num_splits, head_pad)
+                                  if num_splits > 1 else (1,), dtype=torch.float32)
+    partial_lse = query.new_empty(partial_out.shape[:-1] if num_splits > 1 else (1,),
+                                  dtype=torch.float32)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    grid = (num_requests, num_kv_heads, row_tiles)
-    tree_attention_kernel[grid](
+    tree_attention_kernel[(num_requests, num_kv_heads, row_tiles * num_splits)](
         query, key_cache, value_cache, output, block_table, meta.first_token,
         meta.seq_lens, meta.num_nodes, meta.ancestor_bits, scale,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), meta.max_nodes, meta.ancestor_bits.shape[2], head_size,
-        GROUP=group, HEAD_PAD=max(MIN_DOT, next_power_of_2(head_size)),
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=precision, UPCAST=triton_interpreted(), num_warps=num_warps)
+        GROUP=group, HEAD_PAD=head_pad, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_N=block_n, PRECISION=precision, UPCAST=triton_interpreted(),
+        partial_out_ptr=partial_out, partial_lse_ptr=partial_lse, NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits, num_warps=num_warps)
+    if num_splits > 1:
+        tree_attention_merge_kernel[(num_requests, num_kv_heads, row_tiles)](
+            output, partial_out, partial_lse, meta.first_token, meta.num_nodes,
+            output.stride(0), output.stride(1), head_size, num_heads, GROUP=group,
+            HEAD_PAD=head_pad, BLOCK_M=block_m, NUM_SPLITS=num_splits)
 
 
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

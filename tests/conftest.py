@@ -5,6 +5,8 @@ by the whole session and speculative engines are module-scoped.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_specplug.models import build_model, held_out_prompts
@@ -14,6 +16,21 @@ from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
 NUM_EVAL_PROMPTS = 24
 MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_run_what_cpu_users_run():
+    """tests/kernels/conftest.py turns the Triton interpreter on while tests
+    are collected (kernels are decorated at import). Engines, servers and
+    CLIs that other tests start inherit the environment, and would run our
+    kernels interpreted (`backend="auto"`), not the PyTorch paths a CPU user
+    runs: one distribution test took 172 s instead of 15. Outside
+    tests/kernels the interpreter stays off unless the caller set it."""
+    from tests.kernels import conftest as kernels
+
+    if kernels.SETS_INTERPRETER:
+        os.environ.pop("TRITON_INTERPRET", None)
+    yield
 
 
 @pytest.fixture(scope="session")

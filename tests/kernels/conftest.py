@@ -8,8 +8,11 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# whether this file turned the interpreter on (tests/conftest.py keeps it
+# away from the engines other test files start)
+SETS_INTERPRETER = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if SETS_INTERPRETER:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -17,3 +20,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def interpreted_kernels(monkeypatch):
+    """`backend="auto"` picks the interpreted kernels in these tests."""
+    if SETS_INTERPRETER:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -108,7 +108,7 @@ def test_key_splits_only_where_the_grid_is_small():
     assert num_key_splits(8, torch.device("cpu")) == 1  # no SMs to fill off the GPU
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
-        assert num_key_splits(8, cuda) == 16 and num_key_splits(10_000, cuda) == 1
+        assert num_key_splits(8, cuda) == 16 and num_key_splits(128, cuda) == 1
 
 
 def test_rows_outside_trees_are_untouched(device):

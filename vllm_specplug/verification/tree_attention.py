@@ -29,6 +29,7 @@ BLOCK_N = 64  # key positions per tile
 MIN_DOT = 16  # tl.dot's smallest tile side
 MAX_SPLITS = 16  # key splits per row tile (flash-decoding) when programs are few
 PROGRAMS_PER_SM = 2  # split until the grid has about this many programs per SM
+SPLIT_BELOW_SM_FRACTION = 4  # ... only grids under a quarter of the SMs
 KEY_SPLIT_CHOICES = (1, 2, 4, 8, 16)  # every value `num_key_splits` returns
 
 
@@ -84,16 +85,18 @@ def tree_attention_reference(query, key_cache, value_cache, block_table,
 
 
 def num_key_splits(num_programs: int, device: torch.device) -> int:
-    """Key splits per row tile: 1 unless the grid leaves SMs idle. At batch 1
-    a 16-node tree with GQA 4 is 8 programs (one per KV head), each reading
-    the whole prefix: 39 us a layer against FlashAttention's 11 us on the
-    H100 (docs/tree-cuda.md). Splitting the keys, as flash-decoding does,
-    fills the GPU; the merge costs one more launch."""
+    """Key splits per row tile: 1 unless the grid would leave most SMs idle.
+    At batch 1 a 16-node tree with GQA 4 is 8 programs (one per KV head),
+    each reading the whole prefix; split 16 ways, as flash-decoding does, an
+    8B-shaped step on the H100 went from 10.83 to 10.01 ms (vLLM's eagle3
+    chain: 9.68-9.82). At batch 16 (128 programs) 4 splits measured slower
+    (14.26 vs 12.46 ms), so grids of a quarter of the SMs or more run whole."""
     if device.type != "cuda" or num_programs <= 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-PROGRAMS_PER_SM * sms // num_programs)
-    return 1 if wanted < 2 else min(MAX_SPLITS, next_power_of_2(wanted))
+    if SPLIT_BELOW_SM_FRACTION * num_programs > sms:
+        return 1
+    return min(MAX_SPLITS, next_power_of_2(-(-PROGRAMS_PER_SM * sms // num_programs)))
 
 
 def tree_attention_triton(query, key_cache, value_cache, block_table,

@@ -22,6 +22,9 @@ SpecplugAsyncScheduler"`; it behaves as `AsyncScheduler` for everything else.
 from __future__ import annotations
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_specplug.integration.grammar_trees import TreeGrammarScheduler
 
 DRAFT_LENGTHS_ATTR = "specplug_draft_lengths"
 # AsyncScheduler marks a speculative slot whose draft token is not known yet
@@ -84,3 +87,9 @@ class SpecplugAsyncScheduler(AsyncScheduler):
 def _lengths_of(draft_token_ids) -> dict[str, int]:
     return {req_id: len(ids) for req_id, ids in
             zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)}
+
+
+class SpecplugTreeScheduler(TreeGrammarScheduler, Scheduler):
+    """vLLM's sync `Scheduler` with grammar-aware draft trees
+    (integration/grammar_trees.py); our tree methods get it on the V1
+    runner unless the user names a scheduler."""

@@ -67,8 +67,29 @@ def _post_init(original):
         original(self)
         if wanted is not NOT_OURS:
             _decide_async(self, wanted)
+        _grammar_tree_scheduler(self)
 
     return post_init
+
+
+TREE_SCHEDULER = "vllm_specplug.integration.scheduler.SpecplugTreeScheduler"
+
+
+def _grammar_tree_scheduler(config) -> None:
+    """Our tree methods on the sync scheduler (the V1 runner) get
+    `SpecplugTreeScheduler`, which checks grammars per tree node
+    (integration/grammar_trees.py), unless the user named a scheduler."""
+    from vllm_specplug.integration.config import selection_of
+    from vllm_specplug.proposers.eagle3 import TreeProposer
+    from vllm_specplug.registry import get_proposer_class
+
+    spec = getattr(config, "speculative_config", None)
+    selection = selection_of(spec) if spec is not None else None
+    scheduler = config.scheduler_config
+    if (selection is None or scheduler.async_scheduling or scheduler.scheduler_cls
+            or not issubclass(get_proposer_class(selection.method), TreeProposer)):
+        return
+    scheduler.scheduler_cls = TREE_SCHEDULER
 
 
 def _decide_async(config, wanted) -> None:

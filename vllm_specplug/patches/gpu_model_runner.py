@@ -61,6 +61,22 @@ def _prepare_inputs(original):
     return prepare_inputs
 
 
+def _take_draft_token_ids(original):
+    from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+
+    def take_draft_token_ids(self):
+        drafts = original(self)
+        drafter = _ours(self)
+        if drafts is not None and drafter is not None:
+            parents = drafter.draft_tree_parents()
+            if parents:
+                setattr(drafts, TREE_PARENTS_ATTR,
+                        {r: parents[r] for r in drafts.req_ids if r in parents})
+        return drafts
+
+    return take_draft_token_ids
+
+
 def _setup_aux_hidden_states(original):
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -100,7 +116,13 @@ def install() -> list[str]:
                              GPUModelRunner._setup_eagle3_aux_hidden_state_outputs),
                          reason="aux hidden states and tree verification for "
                                 "specplug_eagle3")
+    # The scheduler checks a grammar per tree node (grammar_trees.py): it
+    # needs the trees' parents, which travel with the drafts.
+    patch_registry.apply(GPUModelRunner, "take_draft_token_ids",
+                         _take_draft_token_ids(GPUModelRunner.take_draft_token_ids),
+                         reason="tree parents for grammar-aware draft trees")
     return ["patch:GPUModelRunner.propose_draft_token_ids",
+            "patch:GPUModelRunner.take_draft_token_ids",
             "patch:GPUModelRunner._on_request_state_removed",
             "patch:GPUModelRunner._prepare_inputs",
             "patch:GPUModelRunner._setup_eagle3_aux_hidden_state_outputs"]

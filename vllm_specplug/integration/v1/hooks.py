@@ -22,6 +22,12 @@ class V1DrafterHooks:
         and `spec_decode_metadata` (each drafter reads what it needs)."""
         raise NotImplementedError
 
+    def draft_tree_parents(self) -> dict[str, list[int]]:
+        """{req_id: parents, root included} of the drafts just made that form
+        trees, not chains (the scheduler checks grammars per node with them:
+        integration/grammar_trees.py)."""
+        return {}
+
     def on_request_removed(self, req_id: str) -> None:
         """The runner dropped a finished or aborted request."""
 

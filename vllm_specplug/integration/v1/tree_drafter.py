@@ -22,8 +22,15 @@ from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.integration.v1.tree_profile import PROFILER
+from vllm_specplug.integration.grammar_trees import chain_prefix_length
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+
+def _checks_grammars_per_node(scheduler_config) -> bool:
+    from vllm_specplug.integration.grammar_trees import TreeGrammarScheduler
+
+    return issubclass(scheduler_config.get_scheduler_cls(), TreeGrammarScheduler)
 
 
 class TreeEagleDrafter(V1DrafterHooks):
@@ -48,6 +55,9 @@ class TreeEagleDrafter(V1DrafterHooks):
         # this step's tree layout: set by the runner patch before the forward,
         # read by attention and verification, taken by `propose_for_runner`
         self.current_step: tree_step.TreeStep | None = None
+        # a scheduler that checks grammars per tree node; under any other,
+        # requests with structured output get the tree's chain prefix only
+        self.grammar_aware = _checks_grammars_per_node(vllm_config.scheduler_config)
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -129,7 +139,23 @@ class TreeEagleDrafter(V1DrafterHooks):
             req_ids = [batch.req_ids[i] for i in rows]
             self.guard.call("propose", req_ids, self._draft, batch, rows,
                             scheduler_output.num_spec_tokens_to_schedule, drafts)
+            if not self.grammar_aware:
+                self._chains_under_grammars(runner, rows, drafts)
         return drafts
+
+    def _chains_under_grammars(self, runner, rows: list[int], drafts) -> None:
+        """vLLM's scheduler reads a draft list as a chain: for requests with
+        structured output, keep the tree's chain prefix (lossless there)."""
+        for row in rows:
+            req_id = runner.input_batch.req_ids[row]
+            state = runner.requests.get(req_id)
+            if (state is None or req_id not in self.trees
+                    or state.sampling_params.structured_outputs is None):
+                continue
+            nodes, parents = self.trees[req_id]
+            keep = chain_prefix_length(parents)
+            drafts[row] = nodes[:keep]
+            self.trees[req_id] = (nodes[:keep], parents[:keep + 1])
 
     def _ingest(self, batch, step, aux: torch.Tensor) -> None:
         """Every request's newly verified positions, in one pass of the head."""
@@ -182,6 +208,10 @@ class TreeEagleDrafter(V1DrafterHooks):
             nodes = token_ids[b, 1:1 + limit].tolist()
             drafts[row] = nodes
             self.trees[batch.req_ids[row]] = (nodes, parents)
+
+    def draft_tree_parents(self) -> dict[str, list[int]]:
+        return {req_id: parents.tolist() for req_id, (_, parents) in self.trees.items()
+                if chain_prefix_length(parents) < len(parents) - 1}
 
     def set_draft_shape(self, num_nodes: int | None, chain: bool = False) -> None:
         """Benchmarks: verify only the first `num_nodes` nodes (root included)

@@ -14,7 +14,7 @@ INTERNAL = re.compile(r"^\s*(?:from|import) vllm\.(v1|model_executor|attention|d
 EXTENSION_POINTS = {
     "vllm_specplug/extraction/connector.py": "KV connector base class (kv_transfer_config)",
     "vllm_specplug/extraction/registrar.py": "KVConnectorFactory.register_connector",
-    "vllm_specplug/integration/scheduler.py": "AsyncScheduler subclass (scheduler_cls)",
+    "vllm_specplug/integration/scheduler.py": "Scheduler / AsyncScheduler subclasses (scheduler_cls)",
     "vllm_specplug/integration/v1/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
     "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
     "vllm_specplug/integration/v2/tree_sampler.py":

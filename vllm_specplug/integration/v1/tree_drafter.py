@@ -28,7 +28,7 @@ from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
 
 def _checks_grammars_per_node(scheduler_config) -> bool:
-    from vllm_specplug.integration.grammar_trees import TreeGrammarScheduler
+    from vllm_specplug.integration.scheduler import TreeGrammarScheduler
 
     return issubclass(scheduler_config.get_scheduler_cls(), TreeGrammarScheduler)
 

@@ -5,6 +5,8 @@ trees of 4, 16 and 64 nodes, alone and batched, and the edge cases of a
 request's life); sampled output follows the target's distribution."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
@@ -94,11 +96,8 @@ def test_json_schema_outputs_equal_no_speculation_and_every_node_is_checked(
     """Under a JSON schema each tree node is checked and masked on its own
     path (integration/grammar_trees.py): outputs equal no speculation's under
     the schema, invalid nodes are cut, and the tree keeps its depth."""
-    from vllm.sampling_params import StructuredOutputsParams
-
     prompts = eval_prompts[:12]
-    params = greedy_params(MAX_NEW_TOKENS,
-                           structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
+    params = greedy_params(MAX_NEW_TOKENS, structured_outputs=constraint("json"))
     expected = generate(baseline_llm, prompts, params)
     assert all(text.lstrip().startswith("{") for text in expected.texts)  # the schema holds
     before = read_spec_decode_counts(tree_llm)
@@ -109,6 +108,40 @@ def test_json_schema_outputs_equal_no_speculation_and_every_node_is_checked(
     assert counts.num_draft_tokens < counts.num_drafts * (num_nodes - 1)  # invalid nodes cut
     steps = ours.num_output_tokens - counts.num_accepted_tokens
     assert ours.num_output_tokens / steps > MIN_TOKENS_PER_STEP_UNDER_SCHEMA
+
+
+def constraint(kind: str):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(**{
+        "json": {"json": JSON_SCHEMA},
+        "regex": {"regex": r"(def|class) [a-z_]{1,12}\(([a-z_]{1,8}(, )?){0,3}\):"},
+        "choice": {"choice": ["return None", "return self", "raise ValueError"]},
+        "grammar": {"grammar": 'root ::= "x = " num (" + " num)*\nnum ::= [0-9]{1,3}'},
+    }[kind])
+
+
+@pytest.mark.parametrize("kind", ["regex", "choice", "grammar"])
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
+def test_constrained_and_free_requests_in_one_batch_equal_no_speculation(
+        tree_llm, baseline_llm, eval_prompts, kind):
+    """A regex, a choice and an EBNF grammar, each on every other request of
+    one batch beside unconstrained ones: every output equals no
+    speculation's."""
+    from vllm import SamplingParams
+
+    prompts = eval_prompts[:8]
+    params = [greedy_params(32, structured_outputs=constraint(kind)) if i % 2 else
+              SamplingParams(temperature=0.0, max_tokens=32) for i in range(len(prompts))]
+    expected = generate(baseline_llm, prompts, params)
+    before = read_spec_decode_counts(tree_llm)
+    ours = generate(tree_llm, prompts, params)
+    counts = read_spec_decode_counts(tree_llm) - before
+    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+    pattern = {"regex": constraint("regex").regex, "grammar": r"x = \d{1,3}( \+ \d{1,3})*( \+ ?)?",  # cut at 32 tokens
+               "choice": "|".join(re.escape(c) for c in constraint("choice").choice)}[kind]
+    assert all(re.fullmatch(pattern, text) for text in ours.texts[1::2]), ours.texts[1::2]
+    assert counts.num_accepted_tokens > 0
 
 
 SAMPLE_TEMPERATURE = 1.0

@@ -16,11 +16,15 @@ from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shut
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 from vllm_specplug.models import end_to_end as e2e
 
+from tests.test_tree_eagle_engine import constraint
+
 K = 3
-NUM_EVAL, NUM_ALONE, MAX_NEW_TOKENS = 24, 4, 48
+NUM_EVAL, NUM_ALONE, MAX_NEW_TOKENS, NUM_UNDER_SCHEMA = 24, 4, 48, 8
 
 
-def run(model_dir, spec, prompts) -> dict:
+def run(model_dir, spec, prompts, under_schema: bool = False) -> dict:
+    """Greedy outputs batched and alone; with `under_schema`, also under
+    the JSON schema of test_tree_eagle_engine.py (grammar-aware trees)."""
     llm = make_llm(model_dir, spec)
     try:
         before = read_spec_decode_counts(llm)
@@ -28,9 +32,11 @@ def run(model_dir, spec, prompts) -> dict:
         batched = generate(llm, prompts, params).token_ids
         counts = read_spec_decode_counts(llm) - before
         alone = [generate(llm, [p], params).token_ids[0] for p in prompts[:NUM_ALONE]]
+        schema = generate(llm, prompts[:NUM_UNDER_SCHEMA], greedy_params(
+            MAX_NEW_TOKENS, structured_outputs=constraint("json"))) if under_schema else None
     finally:
         shutdown_llm(llm)
-    return {"batched": batched, "alone": alone, "counts": counts}
+    return {"batched": batched, "alone": alone, "counts": counts, "schema": schema}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,7 @@ def prompts(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def no_speculation(tiny_mtp_dir, prompts):
-    return run(tiny_mtp_dir, None, prompts)
+    return run(tiny_mtp_dir, None, prompts, under_schema=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,14 @@ def ours_chain(tiny_mtp_dir, prompts):
 
 @pytest.fixture(scope="module")
 def ours_tree16(tiny_mtp_dir, prompts):
-    return run(tiny_mtp_dir, MTP_TREES["ours_tree16"], prompts)
+    return run(tiny_mtp_dir, MTP_TREES["ours_tree16"], prompts, under_schema=True)
+
+
+def test_mtp_trees_under_a_json_schema_equal_no_speculation(ours_tree16, no_speculation):
+    """specplug_mtp trees go through the same grammar-aware scheduler."""
+    expected = no_speculation["schema"]
+    assert all(text.lstrip().startswith("{") for text in expected.texts)
+    assert ours_tree16["schema"].token_ids == expected.token_ids
 
 
 @pytest.mark.parametrize("which", ["trained", "untrained", "ours_chain", "ours_tree16"])

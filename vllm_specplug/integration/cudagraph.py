@@ -45,7 +45,7 @@ def with_all_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int,
                           max_num_tokens: int) -> list[int]:
     """`sizes` plus the decode sizes of every request count of vLLM's grid up
     to `max_num_reqs`, within `max_num_tokens`: vLLM's default keeps decode
-    graphs under 512 tokens, which a 17-node tree passes at 31 requests (at
+    graphs under 512 tokens, which a 16-node tree passes at 33 requests (at
     64 requests our tree's verification ran eagerly, 428 launches a step, on
     the H100: docs/results/v2_tree_h100)."""
     if not sizes or query_len <= 1:

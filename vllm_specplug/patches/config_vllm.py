@@ -15,7 +15,7 @@ is kept.
 the n * (K + 1) decode sizes it adds otherwise (vllm#54933), so speculative
 decode steps of our methods would run eagerly; we add them back
 (integration/cudagraph.py). Without one, vLLM adds decode sizes only under
-512 tokens, which a 17-node tree passes at 31 requests; we add them up to
+512 tokens, which a 16-node tree passes at 33 requests; we add them up to
 max_num_seqs requests (within max_num_batched_tokens). Explicit
 `cudagraph_capture_sizes` are kept as given.
 """

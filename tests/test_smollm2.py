@@ -172,3 +172,14 @@ def test_a_disk_too_small_for_the_directory_is_refused_before_writing(local_whee
             build_smollm2("bfloat16", disk / "cache")
         assert [p.name for p in _files(disk)] == [Path(SMOLLM2_GGUF.member).name]
         assert not list(disk.rglob(BUILD_INFO_FILE))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch "
+                    "sees no GPU; this machine has one (the recipe builds here)")
+def test_the_gpu_head_recipe_is_refused_without_a_gpu_before_any_work(tmp_path, capsys):
+    from vllm_specplug.cli.main import main
+
+    assert main(["build-model", "smollm2-eagle3-large"]) != 0
+    err = capsys.readouterr().err
+    assert "smollm2-eagle3-large is the GPU recipe" in err
+    assert "build smollm2-eagle3 on CPU" in err

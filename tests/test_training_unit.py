@@ -186,3 +186,39 @@ def test_cli_refuses_bad_training_input_with_named_errors(tmp_path, tiny_model_d
     assert "needs the last layer (6)" in capsys.readouterr().err
     assert main(args + ["--data", str(root), "--ttt-steps", "0"]) == 2
     assert "--ttt-steps must be >= 1" in capsys.readouterr().err
+
+
+def test_prefetched_batches_equal_the_steps_own(tmp_path, tiny_model_dir):
+    """The CUDA path collates step s+1 in a thread while step s trains: the
+    batches it hands out are batch_at's, in order, also after a skip (resume)."""
+    from vllm_specplug.training.trainer import Trainer, _Prefetcher
+
+    synthetic_dataset(tmp_path / "d")
+    trainer = Trainer(TrainConfig(data=str(tmp_path / "d"), target=str(tiny_model_dir),
+                                  out=str(tmp_path / "h"), epochs=2, batch_size=4,
+                                  held_out_fraction=0.2, device="cpu"))
+    prefetch = _Prefetcher(trainer.batch_at, trainer.total_steps)
+    for step in [0, 1, 2, 4, 5]:
+        got, want = prefetch.take(step), trainer.batch_at(step)
+        for name in ("aux_hidden", "embeds", "target_last", "loss_rows", "key_valid"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+    assert prefetch._pending is None      # nothing read past the last step
+
+
+def test_training_device_is_checked_by_name(tmp_path, tiny_model_dir, capsys):
+    from vllm_specplug.cli.main import main
+    from vllm_specplug.training.trainer import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="--device gpu0: not a torch device"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError, match="--device meta: training runs on cpu or cuda"):
+        resolve_device("meta")
+    synthetic_dataset(tmp_path / "d")
+    if not torch.cuda.is_available():
+        assert main(["train-eagle3", "--target", str(tiny_model_dir), "--data",
+                     str(tmp_path / "d"), "--out", str(tmp_path / "h"),
+                     "--device", "cuda"]) == 2
+        assert "torch sees no CUDA GPU here; use --device cpu" in capsys.readouterr().err
+        assert not (tmp_path / "h" / "model.safetensors").exists()

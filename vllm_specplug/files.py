@@ -99,7 +99,7 @@ def _write_atomic(path: str | os.PathLike, write) -> None:
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
                             metadata: dict[str, str] | None = None) -> None:
     """Write to a temporary name in the same directory, fsync, then rename."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 

@@ -15,6 +15,9 @@
 #   bash benchmarks/gpu/host.sh real-bench ARGS  # `vllm-specplug bench offline --model smollm2 ARGS`
 #   bash benchmarks/gpu/host.sh v2-tree-tests    # specplug_eagle3 chains/trees on Model Runner V2
 #   bash benchmarks/gpu/host.sh tiny-bench ARGS  # `bench offline` on the tiny model and its head
+#   bash benchmarks/gpu/host.sh head-build [NAME]  # build-model NAME (smollm2-eagle3-large) on
+#                                                  # the GPU; resumable: repeat until it prints the dir
+#   bash benchmarks/gpu/host.sh head-pack [NAME]   # that head into $OUT as parts of 15 MB
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -90,6 +93,18 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     python3 -m vllm_specplug.cli.main bench offline --model "$SPECPLUG_GPU_WORK/tiny" \
       --prompts "$SPECPLUG_GPU_WORK/held_out.jsonl" "$@" 2>&1 \
       | tee "$OUT/tiny-bench.log" | quiet | tail -40 ;;
+  head-build)
+    # Magpie prompts, answers + hidden states, training: each stage resumes,
+    # so a call that hits the device's 10 minutes is simply repeated
+    timeout -k 30 -s INT "${HEAD_BUILD_TIMEOUT:-520}" python3 -m vllm_specplug.cli.main \
+      build-model "${2:-smollm2-eagle3-large}" > "$OUT/head-build.log" 2>&1
+    echo "rc=$?"; grep -a "held-out\|magpie\|extract\|models/\|rror" "$OUT/head-build.log" \
+      | tr '\r' '\n' | grep -v "^\s*$" | tail -25 ;;
+  head-pack)
+    # the head directory as parts the device tool brings back (16 MiB a file)
+    dir=$(python3 -m vllm_specplug.cli.main build-model "${2:-smollm2-eagle3-large}" | tail -1)
+    tar -C "$dir" -cf - --exclude=checkpoints . | split -b 15000000 -d -a 1 - "$OUT/head.tar.part."
+    (cd "$dir" && sha256sum model.safetensors) > "$OUT/head.sha256"; ls -la "$OUT" ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
   *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|tiny-bench"

@@ -6,6 +6,7 @@
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
+#            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the results)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
 # records runner and speculator per row).
@@ -38,12 +39,12 @@ run() {
     # the same minus tree 32, fewer prompts: fits one 10-minute call
     tiny3) tiny_bench tiny3 three 8 32 64 96 1100 ;;
     smollm2)
-      mapfile -t S < <(specs three .gpu/heads/smollm2-eagle3)
-      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
+      mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3}")
+      bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-mt-bench}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
-        --out "$RESULTS/smollm2" ;;
+        --out "$RESULTS/${RUN_NAME:-smollm2}" ;;
     steps8b)
       # spawn: a forked engine after CUDA is up hung at model loading (2026-11-25)
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1

@@ -12,7 +12,7 @@ import json
 import sys
 
 from vllm_specplug.models.build import MODEL_SPECS, build_model, read_build_info
-from vllm_specplug.models.heads import HEAD_SPECS, build_head
+from vllm_specplug.models.heads import HEAD_SPECS, GpuRequiredError, build_head
 from vllm_specplug.models.named import REAL_MODELS
 
 
@@ -39,7 +39,7 @@ def run(args) -> int:
             model_dir = build_smollm2(args.dtype)
         else:
             model_dir = build_model(args.name)
-    except (AssetError, MissingDependencyError) as error:
+    except (AssetError, MissingDependencyError, GpuRequiredError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(read_build_info(model_dir), indent=2))

@@ -41,6 +41,9 @@ def add_training_args(p, out_help: str) -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when torch sees a GPU, else CPU), cpu or cuda; on "
+                        "CUDA the head trains under bf16 autocast")
     p.add_argument("--no-resume", action="store_true",
                    help="delete OUT/checkpoints and start over")
 
@@ -81,7 +84,8 @@ def run_trainer(args, trainer_cls, describe, **config_fields) -> int:
         ttt_steps=args.ttt_steps, step_weight=args.step_weight, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
         held_out_fraction=args.held_out_fraction, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, seed=args.seed, **config_fields)
+        checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
+        **config_fields)
     if args.no_resume:
         shutil.rmtree(Path(args.out) / "checkpoints", ignore_errors=True)
     try:

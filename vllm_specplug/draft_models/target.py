@@ -38,6 +38,14 @@ class TargetParts:
         return cls(config, tensors[EMBED_KEY].float(), tensors[NORM_KEY].float(),
                    lm_head.float(), float(config.get("rms_norm_eps", 1e-6)))
 
+    def to(self, device: torch.device) -> "TargetParts":
+        """A copy whose tensors live on `device` (itself where they already do)."""
+        if self.embed_weight.device == device:
+            return self
+        return TargetParts(self.config, self.embed_weight.to(device),
+                           self.norm_weight.to(device), self.lm_head_weight.to(device),
+                           self.rms_norm_eps)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_weight[ids]
 
@@ -52,7 +60,10 @@ class TargetParts:
         """Target logits from pre-norm last-layer states; restricted to
         `token_ids` (e.g. the draft vocabulary) when given."""
         weight = self.lm_head_weight if token_ids is None else self.lm_head_weight[token_ids]
-        return self.final_norm(hidden) @ weight.T
+        # The target's distribution is the label: fp32 even where the head
+        # trains under bf16 autocast.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.final_norm(hidden) @ weight.T
 
 
 def _read(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:

@@ -43,9 +43,11 @@ def extract_training_data(model_dir, work: Path, num_prompts: int,
 
 
 def extract_magpie_data(model_dir, work: Path, num_prompts: int, max_new_tokens: int,
-                        max_model_len: int = 2048):
+                        max_model_len: int = 2048, batch_size: int | None = None):
     """Prompts the target writes itself (kept in `work` once written), then its
-    answers and hidden states (resumable: the extraction's manifest)."""
+    answers and hidden states (resumable: the extraction's manifest).
+    `batch_size`: prompts a batch and the engines' max_num_seqs (None: 128
+    prompts a batch at the engines' defaults)."""
     from vllm_specplug.public_sets import PUBLIC_SETS, question_texts
     from vllm_specplug.engine import running_llm
     from vllm_specplug.training.magpie import sample_prompts, write_prompts_file
@@ -54,23 +56,24 @@ def extract_magpie_data(model_dir, work: Path, num_prompts: int, max_new_tokens:
     if not prompts.is_file():
         exclude = {name: question_texts(name) for name in PUBLIC_SETS}
         with running_llm(model_dir, dtype="auto", max_model_len=max_model_len,
-                         max_num_seqs=256) as llm:
+                         max_num_seqs=batch_size or 256) as llm:
             texts, report = sample_prompts(llm, num_prompts, exclude)
         (work / "magpie_report.json").write_text(json.dumps(report.as_dict(), indent=2))
         write_prompts_file(prompts, texts)
     options = ExtractOptions(model=str(model_dir), prompts=str(prompts),
                              out=str(work / "data"), regenerate=True,
-                             max_new_tokens=max_new_tokens, batch_size=128,
-                             max_model_len=max_model_len)
+                             max_new_tokens=max_new_tokens, batch_size=batch_size or 128,
+                             max_model_len=max_model_len,
+                             engine_kwargs={"max_num_seqs": batch_size} if batch_size else {})
     return options.out, run_extract(options)
 
 
 def train_head(model_dir, data_dir: str, out_dir: Path, epochs: int,
-               ttt_steps: int = 3, log=print, draft_vocab_size: int | None = None
-               ) -> Trainer:
+               ttt_steps: int = 3, log=print, draft_vocab_size: int | None = None,
+               batch_size: int = 8, eval_every: int = 20) -> Trainer:
     config = TrainConfig(data=data_dir, target=str(model_dir), out=str(out_dir),
-                         epochs=epochs, ttt_steps=ttt_steps, eval_every=20,
-                         draft_vocab_size=draft_vocab_size)
+                         epochs=epochs, ttt_steps=ttt_steps, eval_every=eval_every,
+                         draft_vocab_size=draft_vocab_size, batch_size=batch_size)
     return run_training(config, log=log)
 
 

@@ -45,6 +45,11 @@ class HeadSpec:
     prompts: str = CORPUS
     draft_vocab_size: int | None = None  # None: the trainer's default
     max_model_len: int = 1024
+    # Magpie recipes: prompts per extraction batch, also the engines'
+    # max_num_seqs (None: 128 a batch, the engines' defaults).
+    batch_size: int | None = None
+    train_batch_size: int = 8
+    needs_gpu: bool = False  # refused on a machine where torch sees no CUDA GPU
 
 
 HEAD_SPECS: dict[str, HeadSpec] = {
@@ -54,9 +59,17 @@ HEAD_SPECS: dict[str, HeadSpec] = {
     "smollm2-eagle3": HeadSpec("smollm2-eagle3", target="smollm2", num_prompts=1024,
                                max_new_tokens=192, epochs=3, prompts=MAGPIE,
                                draft_vocab_size=8192, max_model_len=2048),
+    # The GPU path: 8x the prompts, 2x the answer length, the same draft
+    # vocabulary (so the two heads differ in data alone).
+    "smollm2-eagle3-large": HeadSpec("smollm2-eagle3-large", target="smollm2",
+                                     num_prompts=8192, max_new_tokens=384, epochs=4,
+                                     prompts=MAGPIE, draft_vocab_size=8192,
+                                     max_model_len=2048, batch_size=512,
+                                     train_batch_size=16, needs_gpu=True),
 }
 # Fields added after heads were first cached: left out of a key at their default.
-_LATER_FIELDS = {"prompts": CORPUS, "draft_vocab_size": None, "max_model_len": 1024}
+_LATER_FIELDS = {"prompts": CORPUS, "draft_vocab_size": None, "max_model_len": 1024,
+                 "batch_size": None, "train_batch_size": 8, "needs_gpu": False}
 
 
 def _key(payload: dict) -> str:
@@ -92,12 +105,15 @@ def build_training_data(spec: HeadSpec, target_dir: Path, root: Path) -> Path:
               "max_new_tokens": spec.max_new_tokens, "builder": DATA_BUILDER_VERSION}
     if spec.prompts == MAGPIE:
         fields.update(prompts=MAGPIE, max_model_len=spec.max_model_len)
+    if spec.batch_size is not None:
+        fields.update(batch_size=spec.batch_size)
     final = root / "models" / f"{spec.target}-data-{_key(fields)}"
 
     def build(work: Path) -> None:
         if spec.prompts == MAGPIE:
             data_dir, report = e2e.extract_magpie_data(target_dir, work, spec.num_prompts,
-                                                       spec.max_new_tokens, spec.max_model_len)
+                                                       spec.max_new_tokens, spec.max_model_len,
+                                                       spec.batch_size)
         else:
             data_dir, report = e2e.extract_training_data(target_dir, work, spec.num_prompts,
                                                          spec.max_new_tokens)
@@ -117,7 +133,10 @@ def _train(spec: HeadSpec, target_dir: Path, data_root: Path, out: Path) -> None
     data_dir = str(data_root / info["data_dir"])
     if spec.kind == EAGLE3:
         trainer = e2e.train_head(target_dir, data_dir, out, spec.epochs, spec.ttt_steps,
-                                 draft_vocab_size=spec.draft_vocab_size)
+                                 draft_vocab_size=spec.draft_vocab_size,
+                                 batch_size=spec.train_batch_size,
+                                 # about 100 held-out evaluations per 8000 prompts
+                                 eval_every=max(20, spec.num_prompts // 80))
     else:
         trainer = e2e.train_mtp(target_dir, data_dir, out, spec.epochs, spec.ttt_steps)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
@@ -134,6 +153,8 @@ def build_head(name: str, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"unknown built-in head {name!r}; choose one of "
                          f"{sorted(HEAD_SPECS)}")
     spec = HEAD_SPECS[name]
+    if spec.needs_gpu:
+        _check_gpu(spec)
     target_dir = _target_dir(spec, cache_dir)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / "models" / f"{spec.name}-{head_cache_key(spec, target_dir)}"
@@ -143,3 +164,19 @@ def build_head(name: str, cache_dir: Path | None = None) -> Path:
     # Magpie heads train long enough to be interrupted: their checkpoints stay.
     build = build_resumable if spec.prompts == MAGPIE else build_cached
     return build(final, lambda work: _train(spec, target_dir, data_root, work))
+
+
+class GpuRequiredError(ValueError):
+    """A GPU recipe asked for where torch sees no CUDA GPU."""
+
+
+def _check_gpu(spec: HeadSpec) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        cpu_paths = sorted(n for n, s in HEAD_SPECS.items()
+                           if s.target == spec.target and not s.needs_gpu)
+        raise GpuRequiredError(f"{spec.name} is the GPU recipe ({spec.num_prompts} prompts, "
+                         f"answers of up to {spec.max_new_tokens} tokens) and torch sees "
+                         f"no CUDA GPU here; build {' or '.join(cpu_paths)} on CPU, or "
+                         "this one on a GPU machine (docs/training.md)")

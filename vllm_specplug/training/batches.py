@@ -1,6 +1,7 @@
 """Padded training batches from dataset samples, and the train/held-out split."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -17,6 +18,13 @@ class Batch:
     key_valid: torch.Tensor    # [B, T] bool, rows that have a next token
     target_last: torch.Tensor  # [B, T, H] float32, row t: last layer at t+1
     loss_rows: torch.Tensor    # [B, T] bool, row t predicts a response token (t+2)
+
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch on `device` (itself where it already is)."""
+        if self.positions.device == device:
+            return self
+        return Batch(*(getattr(self, f.name).to(device, non_blocking=True)
+                       for f in dataclasses.fields(self)))
 
 
 def split_ids(sample_ids: list[str], held_out_fraction: float) -> tuple[list, list]:

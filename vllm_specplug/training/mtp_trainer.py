@@ -57,9 +57,9 @@ class MtpTrainer(HeadTrainer):
     def _losses(self, batch: Batch, with_agreement: bool = False) -> list:
         outputs = self.head(batch.aux_hidden, batch.embeds, batch.positions,
                             batch.key_valid, self.config.ttt_steps)
-        lm_head = self.target.lm_head_weight
+        lm_head = self.loss_target.lm_head_weight
         with torch.no_grad():
-            target_logits = self.target.logits(batch.target_last)
+            target_logits = self.loss_target.logits(batch.target_last)
             soft = torch.softmax(target_logits, dim=-1)
             target_top1 = target_logits.argmax(-1) if with_agreement else None
         return score_steps([y @ lm_head.T for y in outputs], batch, soft, target_top1)

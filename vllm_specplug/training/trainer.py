@@ -46,6 +46,9 @@ class TrainConfig:
     eval_every: int = 50
     checkpoint_every: int = 100
     seed: int = 0
+    # "auto": CUDA when torch sees a GPU, else CPU. On CUDA the head's forward
+    # runs under bf16 autocast (fp32 weights, optimizer and labels).
+    device: str = "auto"
 
 
 @dataclass
@@ -53,6 +56,23 @@ class TrainState:
     step: int = 0
     seconds: float = 0.0
     history: list = field(default_factory=list)   # eval records
+
+
+def resolve_device(name: str) -> torch.device:
+    """`TrainConfig.device` -> a torch device; a clear error for one that is absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name}: not a torch device ({error}); "
+                         "use auto, cpu or cuda") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch sees no CUDA GPU here; "
+                         "use --device cpu (or auto)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: training runs on cpu or cuda")
+    return device
 
 
 def layer_roles(layer_ids: list[int], num_hidden_layers: int) -> tuple[list[int], int]:
@@ -120,7 +140,7 @@ def score_steps(step_logits: list[torch.Tensor], batch: Batch, soft: torch.Tenso
     T = batch.positions.numel()
     results = []
     for k, logits in enumerate(step_logits):
-        rows = batch.loss_rows & (torch.arange(T) >= k)[None]
+        rows = batch.loss_rows & (batch.positions >= k)[None]
         num = int(rows.sum())
         ce = -(soft[rows] * F.log_softmax(logits[rows], dim=-1)).sum(-1)
         hits = 0
@@ -141,6 +161,7 @@ class HeadTrainer:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
+        self.device = resolve_device(config.device)
         check_writable_dir(config.out)
         self.dataset = HiddenStatesDataset(config.data)   # checks every shard header
         info = self.dataset.info
@@ -156,12 +177,17 @@ class HeadTrainer:
             raise ValueError(f"--data {config.data}: no training samples")
         self.train = self.dataset.subset(train_ids)
         self.held_out = self.dataset.subset(held_ids)
-        self.head = self._make_head(info)
+        # Batches are collated on the host (self.target), losses computed on
+        # the device (self.loss_target: the same object on CPU).
+        self.loss_target = self.target.to(self.device)
+        self.head = self._make_head(info).to(self.device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr,
                                            weight_decay=0.0)
         self.steps_per_epoch = math.ceil(len(self.train) / config.batch_size)
         self.total_steps = config.epochs * self.steps_per_epoch
         self.state = TrainState()
+        self._prefetch = (_Prefetcher(self.batch_at, self.total_steps)
+                          if self.device.type == "cuda" else None)
 
     # -- what a head is, reads and writes (subclasses)
     def _check_data(self, info) -> None:
@@ -210,10 +236,17 @@ class HeadTrainer:
         progress = (step - warmup) / max(1, self.total_steps - warmup)
         return self.config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
+    def _device_losses(self, batch: Batch, with_agreement: bool = False) -> list:
+        """`_losses` on the trainer's device, the head under bf16 autocast on CUDA."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.device.type == "cuda"):
+            return self._losses(batch.to(self.device), with_agreement)
+
     def train_step(self, step: int) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(step)
-        results = self._losses(self.batch_at(step))
+        batch = self._prefetch.take(step) if self._prefetch else self.batch_at(step)
+        results = self._device_losses(batch)
         loss = sum(self.config.step_weight ** k * ce for k, (ce, _, _) in enumerate(results))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -231,7 +264,7 @@ class HeadTrainer:
             items = [self.held_out[i] for i in
                      range(start, min(len(self.held_out), start + self.config.batch_size))]
             for k, (ce, hits, num) in enumerate(
-                    self._losses(self._collate(items), with_agreement=True)):
+                    self._device_losses(self._collate(items), with_agreement=True)):
                 agree[k] += hits
                 rows[k] += num
                 losses[k] += float(ce) * num
@@ -296,6 +329,7 @@ class Trainer(HeadTrainer):
 
     def _make_head(self, info) -> Eagle3Head:
         self.vocab = self._vocab()
+        self.draft_target_ids = self.vocab.target_ids.to(self.device)
         return make_head(head_config(self.target, info, self.vocab), self.vocab,
                          self.target, self.config.seed)
 
@@ -312,11 +346,11 @@ class Trainer(HeadTrainer):
         return collate(items, self.target, self.aux_index, self.last_index)
 
     def _losses(self, batch: Batch, with_agreement: bool = False) -> list:
-        return step_losses(self.head, batch, self.target, self.vocab.target_ids,
+        return step_losses(self.head, batch, self.loss_target, self.draft_target_ids,
                            self.config.ttt_steps, with_agreement)
 
     def _check_resumed(self) -> None:
-        if not torch.equal(self.head.d2t, self.vocab.d2t):
+        if not torch.equal(self.head.d2t.cpu(), self.vocab.d2t):
             raise ckpt.CheckpointError(
                 f"{self.config.out}/checkpoints: the checkpoint's draft vocabulary "
                 f"differs from the one --data {self.config.data} gives now (the "
@@ -325,6 +359,29 @@ class Trainer(HeadTrainer):
 
     def _save_head(self, out: Path) -> None:
         self.head.save_pretrained(out)
+
+
+class _Prefetcher:
+    """Collates the next step's batch in a thread while the GPU trains on this
+    one (host reads and collation would otherwise leave the GPU idle)."""
+
+    def __init__(self, batch_at, total_steps: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._batch_at = batch_at
+        self._total_steps = total_steps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate")
+        self._pending: tuple[int, object] | None = None
+
+    def take(self, step: int) -> Batch:
+        if self._pending is not None and self._pending[0] == step:
+            batch = self._pending[1].result()
+        else:
+            batch = self._batch_at(step)
+        self._pending = None
+        if step + 1 < self._total_steps:
+            self._pending = (step + 1, self._pool.submit(self._batch_at, step + 1))
+        return batch
 
 
 def run_training(config: TrainConfig, resume: bool = True, log=print,

@@ -199,14 +199,17 @@ def test_chunked_prefill_prefix_caching_and_preemption_stay_exact(
     assert metrics["vllm:prefix_cache_hits"].value > 0, "the prefix cache was not used"
 
 
-@pytest.mark.parametrize("tree_llm", ["chain_k3"], indirect=True)
-def test_chain_acceptance_equals_vllm_eagle3(tree_llm, tiny_model_dir, tiny_eagle3_dir,
-                                            eval_prompts):
-    """topk=1 drafts the chain vLLM's eagle3 drafts with the same head and K.
-    Not token-identical drafts: our head runtime and vLLM's model sum in other
-    orders, so a near-tie in the head's argmax may go the other way. The
-    acceptance therefore agrees within 3% (the real-target issue asks 2% on
-    MT-Bench; this checks the mechanism on the tiny head)."""
+def test_chain_acceptance_equals_vllm_eagle3_also_on_prefix_cache_hits(
+        tiny_model_dir, tiny_eagle3_dir, eval_prompts):
+    """topk=1 drafts the chain vLLM's eagle3 drafts with the same head and K,
+    on cold prompts and on the same prompts again, whose full KV blocks then
+    come from vLLM's prefix cache: vLLM's drafter finds its KV for them in
+    those blocks, ours in `HeadBlockStore` (without it our second pass drafted
+    from the uncached suffix alone and accepted less). Not token-identical
+    drafts: our head runtime and vLLM's model sum in other orders, so a
+    near-tie in the head's argmax may go the other way. The acceptance
+    therefore agrees within 3% (the real-target issue asks 2% on MT-Bench;
+    this checks the mechanism on the tiny head)."""
     from vllm_specplug.models import end_to_end as e2e
 
     def acceptance(llm):
@@ -214,14 +217,21 @@ def test_chain_acceptance_equals_vllm_eagle3(tree_llm, tiny_model_dir, tiny_eagl
         generate(llm, eval_prompts, greedy_params(MAX_NEW_TOKENS))
         return read_spec_decode_counts(llm) - before
 
-    ours = acceptance(tree_llm)
-    vllm_llm = make_llm(tiny_model_dir, e2e.eagle3_config(tiny_eagle3_dir, 3))
-    try:
-        vllm = acceptance(vllm_llm)
-    finally:
-        shutdown_llm(vllm_llm)
-    assert ours.num_drafts > 0
-    assert ours.mean_acceptance_length == pytest.approx(vllm.mean_acceptance_length, rel=0.03), \
-        (ours.mean_acceptance_length, vllm.mean_acceptance_length)
-    for a, b in zip(ours.per_position_acceptance, vllm.per_position_acceptance):
-        assert a == pytest.approx(b, abs=0.03)
+    configs = {"ours": tree_config(tiny_eagle3_dir, *TREES["chain_k3"]),
+               "vllm": e2e.eagle3_config(tiny_eagle3_dir, 3)}
+    passes = {}
+    for name, config in configs.items():
+        llm = make_llm(tiny_model_dir, config, block_size=32)  # prompts fill blocks
+        try:
+            passes[name] = (acceptance(llm), acceptance(llm))
+            hits = {m.name: m for m in llm.get_metrics()}["vllm:prefix_cache_hits"]
+            assert hits.value > 0, f"{name}: the second pass hit no cached block"
+        finally:
+            shutdown_llm(llm)
+    for ours, vllm in zip(passes["ours"], passes["vllm"]):
+        assert ours.num_drafts > 0
+        assert ours.mean_acceptance_length == pytest.approx(
+            vllm.mean_acceptance_length, rel=0.03), (ours.mean_acceptance_length,
+                                                     vllm.mean_acceptance_length)
+        for a, b in zip(ours.per_position_acceptance, vllm.per_position_acceptance):
+            assert a == pytest.approx(b, abs=0.03)

@@ -345,3 +345,29 @@ def test_a_failed_capture_sends_only_its_kind_of_pass_to_eager(caplog):
     assert warnings("ingest") == 1  # not tried again
     graphs.run(0, ("draft", 1), failing_pass, [torch.zeros(2)])
     assert graphs.disabled == {"ingest", "draft"} and warnings("draft") == 1
+
+
+def test_head_block_store_hands_whole_cached_prefixes_to_new_requests():
+    """Rows are kept per physical block; a prefix is handed over only when
+    every block of it is stored, in block order, and a block written again
+    (vLLM reused its id) is forgotten."""
+    import numpy as np
+
+    from vllm_specplug.proposers.head_cache import HeadBlockStore, HeadCachePool
+
+    store = HeadBlockStore()
+    rows = {b: (torch.full((2, 4, 3), float(b)), torch.full((2, 4, 3), -float(b)))
+            for b in (7, 9)}
+    for block, (k, v) in rows.items():
+        store.save(block, k, v)
+    keys, values = store.gather(np.array([9, 7]))
+    assert keys[:, :4].eq(9).all() and keys[:, 4:].eq(7).all() and values.eq(-keys).all()
+    assert store.gather(np.array([9, 8])) is None and store.gather(np.array([])) is None
+    store.drop(np.array([7]))
+    assert store.gather(np.array([9, 7])) is None
+    pool = HeadCachePool(2, 3, 5, 11, torch.float32, torch.device("cpu"))
+    pool.adopt("r", keys[:, :4], values[:, :4])
+    slot = pool.slot_of["r"]
+    assert pool.last_position("r") == 3
+    assert pool.valid[slot, :4].all() and not pool.valid[slot, 4:].any()
+    assert pool.keys[slot, :, :4].eq(9).all()

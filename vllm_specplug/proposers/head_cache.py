@@ -112,6 +112,18 @@ class HeadCachePool:
         slot = self.slot_of.get(req_id)
         return NO_POSITION if slot is None else int(self.last_positions[slot])
 
+    def adopt(self, req_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`req_id` (new) starts with rows at positions 0..L-1 (keys, values
+        [kvh, L, hd]): its prefix-cache hit, from `HeadBlockStore`."""
+        (slot,), _ = self.assign([req_id])
+        num = keys.shape[1]
+        self.reserve(0, num)
+        self.keys[slot, :, :num] = keys.to(self.dtype)
+        self.values[slot, :, :num] = values.to(self.dtype)
+        self.valid[slot] = False
+        self.valid[slot, :num] = True
+        self.last_positions[slot] = num - 1
+
     def store(self, slots: np.ndarray, cuts: np.ndarray, row_slots: np.ndarray,
               row_positions: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Drop each slot's positions at or after `cuts[r]` ([R] host), then
@@ -154,3 +166,37 @@ class HeadCachePool:
                         for t in (self.keys, self.values))
         return CacheView(keys, values, positions.cpu().numpy().astype(np.int64),
                          self.last_out[slot].clone(), self.last_logits[slot].clone())
+
+
+class HeadBlockStore:
+    """The drafter's K/V rows of the target's full KV-cache blocks, by
+    physical block id. vLLM's eagle3 keeps its draft KV in the target's paged
+    blocks, so a prefix-cache hit hands its drafter the cached prefix's KV
+    too; our per-request pool does not, and a request whose prompt starts
+    with cached blocks (a repeated prompt, a chat's next turn, a resumed
+    preempted request) would draft from its uncached suffix alone. Rows are
+    saved once a request's cache covers a whole block and dropped when a step
+    writes into a block (vLLM reuses an evicted block's id); a request new to
+    the drafter whose first position follows cached blocks gets them back
+    (`HeadCachePool.adopt`). As in vLLM, a block's last row was computed with
+    the token that followed it in the request that filled it. At most one
+    row per KV-cache slot: one attention layer's KV cache, what vLLM
+    allocates for its own draft layer."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys, values [kvh, len(block_ids) * block size, hd] of these
+        blocks in order; None unless every one is stored."""
+        rows = [self.blocks.get(int(b)) for b in block_ids]
+        if not rows or any(r is None for r in rows):
+            return None
+        return torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1)
+
+    def drop(self, block_ids: np.ndarray) -> None:
+        for block_id in block_ids:
+            self.blocks.pop(int(block_id), None)
+
+    def save(self, block_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.blocks[int(block_id)] = (keys.clone(), values.clone())

@@ -25,6 +25,7 @@ from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.integration.grammar_trees import chain_prefix_length
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
+from vllm_specplug.proposers.head_cache import NO_POSITION, HeadBlockStore
 
 
 def _checks_grammars_per_node(scheduler_config) -> bool:
@@ -45,6 +46,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.device = self.drafter.device
         self.head: HeadRuntime | None = None
+        # the drafter's rows of the target's full KV blocks: prefix-cache hits
+        self.block_store = HeadBlockStore()
         # {req_id: (node token ids without the root, parents with the root)}
         self.trees: dict[str, tuple[list[int], np.ndarray]] = {}
         # Benchmarks only (cost sweeps): verify the first N nodes of each
@@ -160,12 +163,15 @@ class TreeEagleDrafter(V1DrafterHooks):
     def _ingest(self, batch, step, aux: torch.Tensor) -> None:
         """Every request's newly verified positions, in one pass of the head."""
         drafted = {r.row: r for r in step.requests}
-        req_ids, token_rows, positions, next_ids = [], [], [], []
+        table = batch.block_table[0]  # the target's KV blocks: prefix-cache hits
+        req_ids, batch_rows, token_rows, positions, next_ids = [], [], [], [], []
         for row, req_id in enumerate(batch.req_ids):
             rows, pos = step.verified_rows(row, drafted.get(row))
             keep = pos + 1 < int(batch.num_tokens_no_spec[row])  # the next token is known
             if keep.any():
+                self._adopt_cached_prefix(req_id, table, row, int(pos[keep][0]))
                 req_ids.append(req_id)
+                batch_rows.append(row)
                 token_rows.append(rows[keep])
                 positions.append(pos[keep])
                 next_ids.append(batch.token_ids_cpu[row, pos[keep] + 1])
@@ -176,6 +182,33 @@ class TreeEagleDrafter(V1DrafterHooks):
             req_ids, aux[torch.from_numpy(np.concatenate(token_rows)).to(device)],
             torch.from_numpy(np.concatenate(next_ids).astype(np.int64)).to(self.device),
             torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
+        self._store_blocks(req_ids, batch_rows, positions, table)
+
+    def _adopt_cached_prefix(self, req_id: str, table, row: int, first: int) -> None:
+        """A request new to the head whose first position follows blocks that
+        vLLM's prefix cache supplied gets the head's rows of those blocks
+        (vLLM's eagle3 finds its draft KV in the same cached blocks)."""
+        size = table.block_size
+        if (first == 0 or first % size or self.head.pool is None
+                or self.head.last_position(req_id) != NO_POSITION):
+            return
+        rows = self.block_store.gather(table.block_table.np[row, :first // size])
+        if rows is not None:
+            self.head.pool.adopt(req_id, *rows)
+
+    def _store_blocks(self, req_ids: list[str], batch_rows: list[int],
+                      positions: list[np.ndarray], table) -> None:
+        """Blocks written this step lose their stored rows (a new owner);
+        those the request's head cache now covers whole are stored."""
+        size, pool = table.block_size, self.head.pool
+        for req_id, row, pos in zip(req_ids, batch_rows, positions):
+            blocks, first = table.block_table.np[row], int(pos[0]) // size
+            self.block_store.drop(blocks[first:int(pos[-1]) // size + 1])
+            slot = pool.slot_of[req_id]
+            for b in range(first, (self.head.last_position(req_id) + 1) // size):
+                span = slice(b * size, (b + 1) * size)
+                self.block_store.save(blocks[b], pool.keys[slot, :, span],
+                                      pool.values[slot, :, span])
 
     def _draftable(self, batch, sampled_token_ids) -> list[int]:
         rows = []

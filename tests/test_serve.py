@@ -74,6 +74,33 @@ def test_chat_equals_server_without_speculation(servers, content):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == texts["none"]
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "required": ["city", "days"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1,
+                                           "maximum": 7}}}}}
+
+
+def test_tool_call_with_tool_choice_equals_no_speculation(servers):
+    """A named `tool_choice` makes vLLM constrain the answer to the tool's
+    parameter schema (structured outputs): every server of ours returns the
+    call the server without speculation returns, valid under the schema."""
+    arguments = {}
+    for name, base in servers.items():
+        reply = _client(base).chat.completions.create(
+            model="tiny", max_tokens=64, temperature=0, tools=[WEATHER_TOOL],
+            messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        arguments[name] = json.loads(call.function.arguments)
+        assert set(arguments[name]) == {"city", "days"}, arguments[name]
+        assert arguments[name]["city"] in ("Paris", "Oslo", "Lima")
+        assert 1 <= arguments[name]["days"] <= 7
+    assert all(a == arguments["none"] for a in arguments.values()), arguments
+
 def test_metrics_show_speculation(servers):
     _client(servers["ours"]).completions.create(
         model="tiny", prompt="x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n", max_tokens=32,

@@ -29,9 +29,16 @@ LOAD_SPECS = {
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
-    """{"none": url, "ours": url, "ngram": url, "hybrid": url}: started at once."""
+    """{"none": url, "ours": url, "ngram": url, "hybrid": url}: started at once.
+    vLLM answers a named `tool_choice` only with a tool-call parser enabled; the
+    pythonic one needs no special tokens in the tiny model's vocabulary. The
+    tiny model fills JSON with newlines where the grammar allows any
+    whitespace: the servers disallow it, as users of small models do."""
     logs = tmp_path_factory.mktemp("serve")
-    with serving(tiny_model_dir, {"none": None, "ours": SPEC, **LOAD_SPECS}, logs) as urls:
+    with serving(tiny_model_dir, {"none": None, "ours": SPEC, **LOAD_SPECS}, logs,
+                 ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                  "--structured-outputs-config",
+                  '{"backend": "xgrammar", "disable_any_whitespace": true}']) as urls:
         yield urls
 
 

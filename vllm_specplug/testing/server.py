@@ -41,22 +41,25 @@ def _wait_healthy(process, base: str, log_name: str) -> None:
     raise TimeoutError(f"vllm serve did not start in {STARTUP_SECONDS}s; see {log_name}")
 
 
-def _command(model_dir, port: int, spec: dict | None) -> list[str]:
+def _command(model_dir, port: int, spec: dict | None, extra_args: list[str]) -> list[str]:
     command = [VLLM_COMMAND, "serve", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", "1024", "--served-model-name", SERVED_MODEL_NAME]
+               "--max-model-len", "1024", "--served-model-name", SERVED_MODEL_NAME,
+               *extra_args]
     return command + (["--speculative-config", json.dumps(spec)] if spec else [])
 
 
 @contextmanager
-def serving(model_dir, specs: dict[str, dict | None], log_dir: Path) -> Iterator[dict]:
-    """{name: base URL} of one server per speculative config (None: none)."""
+def serving(model_dir, specs: dict[str, dict | None], log_dir: Path,
+            extra_args: list[str] = ()) -> Iterator[dict]:
+    """{name: base URL} of one server per speculative config (None: none),
+    each started with `extra_args` too."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     started = {}
     try:
         for name, spec in specs.items():
             port, log = free_port(), open(Path(log_dir) / f"{name}.log", "w")
-            process = subprocess.Popen(_command(model_dir, port, spec), stdout=log,
+            process = subprocess.Popen(_command(model_dir, port, spec, list(extra_args)), stdout=log,
                                        stderr=subprocess.STDOUT, env=env)
             started[name] = (process, f"http://127.0.0.1:{port}", log)
         for process, base, log in started.values():

@@ -176,7 +176,8 @@ def _check_gpu(spec: HeadSpec) -> None:
     if not torch.cuda.is_available():
         cpu_paths = sorted(n for n, s in HEAD_SPECS.items()
                            if s.target == spec.target and not s.needs_gpu)
-        raise GpuRequiredError(f"{spec.name} is the GPU recipe ({spec.num_prompts} prompts, "
-                         f"answers of up to {spec.max_new_tokens} tokens) and torch sees "
-                         f"no CUDA GPU here; build {' or '.join(cpu_paths)} on CPU, or "
-                         "this one on a GPU machine (docs/training.md)")
+        raise GpuRequiredError(
+            f"{spec.name} is the GPU recipe ({spec.num_prompts} prompts, answers of up "
+            f"to {spec.max_new_tokens} tokens) and torch sees no CUDA GPU here; build "
+            f"{' or '.join(cpu_paths)} on CPU, or this one on a GPU machine "
+            "(docs/training.md)")

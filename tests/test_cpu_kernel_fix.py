@@ -39,8 +39,12 @@ def test_expand_matches_reference(dtype, counts):
 
 def test_vllm_cpu_expand_leaves_float_output_unwritten():
     """The bug itself: if this fails, vLLM fixed it and the override can go."""
-    import vllm._C  # noqa: F401 - loads the C++ ops
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
+
+    # vLLM's own choice of C++ library: `vllm._C` needs AVX-512 and dies with
+    # SIGILL on an AVX2-only CPU, where the platform loads `vllm._C_AVX2`.
+    current_platform.import_kernels()
 
     output = torch.full((3,), 123.0)
     cpu_triton_utils._expand_kernel_impl(output, torch.tensor([0.7, -1.0]),

@@ -39,9 +39,7 @@ class TargetParts:
                    lm_head.float(), float(config.get("rms_norm_eps", 1e-6)))
 
     def to(self, device: torch.device) -> "TargetParts":
-        """A copy whose tensors live on `device` (itself where they already do)."""
-        if self.embed_weight.device == device:
-            return self
+        """The parts on `device` (tensors already there are not copied)."""
         return TargetParts(self.config, self.embed_weight.to(device),
                            self.norm_weight.to(device), self.lm_head_weight.to(device),
                            self.rms_norm_eps)

@@ -20,9 +20,7 @@ class Batch:
     loss_rows: torch.Tensor    # [B, T] bool, row t predicts a response token (t+2)
 
     def to(self, device: torch.device) -> "Batch":
-        """The same batch on `device` (itself where it already is)."""
-        if self.positions.device == device:
-            return self
+        """The same batch on `device` (tensors already there are not copied)."""
         return Batch(*(getattr(self, f.name).to(device, non_blocking=True)
                        for f in dataclasses.fields(self)))
 

@@ -178,7 +178,7 @@ class HeadTrainer:
         self.train = self.dataset.subset(train_ids)
         self.held_out = self.dataset.subset(held_ids)
         # Batches are collated on the host (self.target), losses computed on
-        # the device (self.loss_target: the same object on CPU).
+        # the device (self.loss_target: the same tensors on CPU).
         self.loss_target = self.target.to(self.device)
         self.head = self._make_head(info).to(self.device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr,

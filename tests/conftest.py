@@ -72,7 +72,8 @@ def speculative_engines(configs: dict[str, dict]):
     """A module-scoped fixture running the module's tests once per config."""
     @pytest.fixture(scope="module", params=list(configs))
     def spec_llm(request, tiny_model_dir):
-        llm = make_llm(tiny_model_dir, configs[request.param])
+        llm = make_llm(tiny_model_dir, configs[request.param],
+                       worker_extension_cls=PROBE_QUALNAME)
         yield llm
         shutdown_llm(llm)
 

@@ -55,6 +55,36 @@ def test_stopping_requests_equal_no_speculation(spec_llm, baseline_llm, make_par
     assert_stopping_matches(spec_llm, baseline_llm, prompts, make_params(base_ids))
 
 
+def _adaptive(llm) -> dict:
+    return llm.collective_rpc("specplug_adaptive_stats")[0]
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in ("num_offered", "num_kept", "num_probes")}
+
+
+def test_adaptive_controller_cuts_drafts_where_they_do_not_pay_and_stays_exact(
+        spec_llm, eval_prompts, baseline_outputs):
+    """On by default; with a step cost that is all per token (no draft can
+    pay) it verifies only its probes, with a cost that is all fixed every
+    draft; outputs equal no speculation's either way (issue 27)."""
+    assert _adaptive(spec_llm) is not None, "adaptive draft lengths are on by default"
+    try:
+        cuts = {}
+        for name, (fixed_ms, per_token_ms) in {"none_pay": (0.0, 1.0),
+                                               "all_pay": (1000.0, 1e-6)}.items():
+            spec_llm.collective_rpc("specplug_adaptive_pin", args=(fixed_ms, per_token_ms))
+            before = _adaptive(spec_llm)
+            ours = generate(spec_llm, eval_prompts, greedy_params(MAX_NEW_TOKENS)).token_ids
+            assert_same_tokens(baseline_outputs["batched"], ours, eval_prompts)
+            cuts[name] = _delta(_adaptive(spec_llm), before)
+    finally:
+        spec_llm.collective_rpc("specplug_adaptive_pin", args=(None,))
+    assert cuts["none_pay"]["num_offered"] > 0
+    assert cuts["none_pay"]["num_kept"] == cuts["none_pay"]["num_probes"]
+    assert cuts["all_pay"]["num_kept"] == cuts["all_pay"]["num_offered"] > 0
+
+
 def test_abort_mid_generation_leaves_others_exact(spec_llm, baseline_llm, eval_prompts):
     assert_abort_leaves_others_exact(spec_llm, baseline_llm, eval_prompts[:4],
                                      greedy_params(MAX_NEW_TOKENS))

@@ -75,7 +75,8 @@ class Spy:
 def make_speculator(states: States, use_device_drafter: bool = False,
                     device: str = "cpu") -> SpecplugV2Speculator:
     _, selection = translate({"method": "specplug_ngram", "num_speculative_tokens": K,
-                              "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+                              "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+                              "adaptive": False})  # drafts as proposed (the adapter alone)
     spec = SimpleNamespace(num_speculative_tokens=K)
     attach(spec, selection)
     config = SimpleNamespace(
@@ -90,6 +91,7 @@ def step(speculator, states: States, req_ids: list[str], num_sampled: list[int])
     slots = [states.req_id_to_index[r] for r in req_ids]
     device = states.total_len.gpu.device
     batch = SimpleNamespace(num_reqs=len(req_ids), req_ids=req_ids,
+                            num_tokens=len(req_ids) * (K + 1),
                             idx_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
                             idx_mapping_np=np.asarray(slots, dtype=np.int32))
     drafts = speculator.propose(batch, None, None, None, None,

@@ -7,6 +7,7 @@
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the results)
+#   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
 # records runner and speculator per row).
@@ -38,13 +39,15 @@ run() {
     tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
     # the same minus tree 32, fewer prompts: fits one 10-minute call
     tiny3) tiny_bench tiny3 three 8 32 64 96 1100 ;;
-    smollm2)
+    smollm2|smollm2-humaneval)
+      # smollm2: MT-Bench (both turns); smollm2-humaneval: HumanEval
+      local prompts=mt-bench; [ "$1" = smollm2-humaneval ] && prompts=humaneval
       mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3}")
-      bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-mt-bench}" "${S[@]}" \
+      bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
-        --out "$RESULTS/${RUN_NAME:-smollm2}" ;;
+        --out "$RESULTS/${RUN_NAME:-$1}" ;;
     steps8b)
       # spawn: a forked engine after CUDA is up hung at model loading (2026-11-25)
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1

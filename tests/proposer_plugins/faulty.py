@@ -141,8 +141,10 @@ def make_drafter(options: dict, max_failures: int = DEFAULT_MAX_PROPOSER_FAILURE
                  method: str = "test_faulty", max_model_len: int = 256, k: int = K,
                  vocab_size: int = VOCAB) -> SpecplugDrafter:
     """A drafter as vLLM builds it, for `method` with `options` (no engine)."""
+    # adaptive off: these tests check the guard on the drafts as proposed
     _, selection = translate({"method": method, "num_speculative_tokens": k,
-                              "max_proposer_failures": max_failures, **options})
+                              "max_proposer_failures": max_failures, "adaptive": False,
+                              **options})
     spec = SimpleNamespace(num_speculative_tokens=k)
     attach(spec, selection)
     return SpecplugDrafter(SimpleNamespace(
@@ -178,7 +180,8 @@ class FakeRunner:
             sampled.append([int(self.token_ids[r, n])])
         before = self.token_ids.copy()
         drafts = drafter.propose_for_runner(
-            self, SimpleNamespace(preempted_req_ids=set(), num_spec_tokens_to_schedule=k),
+            self, SimpleNamespace(preempted_req_ids=set(), num_spec_tokens_to_schedule=k,
+                                  total_num_scheduled_tokens=len(sampled) * (k + 1)),
             sampled, {"sample_hidden_states": None, "spec_decode_metadata": None})
         assert np.array_equal(before, self.token_ids), "the runner's buffer changed"
         assert len(drafts) == len(batch.req_ids)

@@ -49,6 +49,8 @@ class OfflineRow:
     error: str | None = None
     engine: dict = field(default_factory=dict)  # arguments, runner, speculator
     phases: dict = field(default_factory=dict)  # bench/phases.py, with --phases
+    # the adaptive controller's counts over this row's repeats (None: off)
+    adaptive: dict | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -98,12 +100,34 @@ def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params
 
 
 def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool) -> None:
-    before = read_spec_decode_counts(llm)
+    before, adaptive_before = read_spec_decode_counts(llm), _adaptive_stats(llm)
     token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params)
     row.counts = row.counts + (read_spec_decode_counts(llm) - before)
+    row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))
     row.tokens_per_second.append(sum(len(t) for t in token_ids) / seconds)
     if keep_tokens:
         row.token_ids = token_ids
+
+
+def _adaptive_stats(llm) -> dict | None:
+    try:
+        return llm.collective_rpc("specplug_adaptive_stats")[0]
+    except Exception:  # noqa: BLE001 - a user's worker extension has no such call
+        return None
+
+
+def adaptive_delta(total: dict | None, before: dict | None, after: dict | None
+                   ) -> dict | None:
+    """`total` plus the controller's counts between `before` and `after`;
+    its cost coefficients and acceptance rates as of `after`."""
+    if before is None or after is None:
+        return total
+    out = dict(after)
+    for key, value in after.items():
+        if key.startswith("num_") or key == "expected_accepted":
+            out[key] = value - before[key] + (total or {}).get(key, 0)
+    out["mean_kept_per_request"] = out["num_kept"] / max(out["num_requests"], 1)
+    return out
 
 
 def _probe_phases(llm, row: OfflineRow, prompts, params) -> None:

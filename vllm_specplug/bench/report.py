@@ -65,6 +65,27 @@ def format_offline_table(rows) -> str:
                      f"{row.min_tokens_per_second:>9.1f}{_ratio_text(row):>18}{length:>11}"
                      f"{row.counts.num_drafts:>8}{_exact_text(row.num_mismatches):>8}  "
                      f"{_engine_text(row):<34}{per_pos}")
+    adaptive = format_adaptive_table(rows)
+    return "\n".join(lines + ([""] + [adaptive] if adaptive else []))
+
+
+def format_adaptive_table(rows) -> str:
+    """The adaptive controller's decisions per row (rows where it ran)."""
+    ours = [r for r in rows if getattr(r, "adaptive", None) and r.error is None]
+    if not ours:
+        return ""
+    w = max([18] + [len(row.name) + 1 for row in ours])
+    header = (f"{'adaptive: method':<{w}}{'batch':>6}{'kept/offered':>16}{'per req':>9}"
+              f"{'cut to 0':>10}{'accepted/expected':>20}{'step ms + ms/token':>22}")
+    lines = [header, "-" * len(header)]
+    for row in ours:
+        a = row.adaptive
+        requests = max(a["num_requests"], 1)
+        lines.append(
+            f"{row.name:<{w}}{row.batch_size:>6}{a['num_kept']:>8}/{a['num_offered']:<7}"
+            f"{a['mean_kept_per_request']:>9.2f}{a['num_zero'] / requests:>10.1%}"
+            f"{a['num_accepted']:>10}/{a['expected_accepted']:<9.0f}"
+            f"{a['cost_fixed_ms']:>12.3f} + {a['cost_per_token_ms']:.4f}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,9 @@ class WorkerInfo:
     def specplug_runner_state(self) -> dict:
         return runner_state(self)
 
+    def specplug_adaptive_stats(self) -> dict | None:
+        return adaptive_stats(self)
+
     def specplug_phases_start(self, profile_gpu: bool) -> None:
         from vllm_specplug.bench.phases import start_probe
 
@@ -34,6 +37,16 @@ def runner_state(worker) -> dict:
             "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
             "cudagraph_capture_sizes":
                 list(config.compilation_config.cudagraph_capture_sizes or [])}
+
+
+def adaptive_stats(worker) -> dict | None:
+    """The adaptive controller's decisions so far (vllm_specplug/adaptive/),
+    None when the worker's speculator has none or it is off."""
+    runner = worker.model_runner
+    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    session = getattr(speculator, "session", speculator)
+    controller = getattr(session, "adaptive", None)
+    return None if controller is None else controller.as_dict()
 
 
 def _qualname(cls_or_path) -> str | None:

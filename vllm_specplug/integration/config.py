@@ -21,6 +21,7 @@ from vllm_specplug.registry import (UnknownProposerError, available_proposers,
                                     get_proposer_class, is_registered)
 
 SELECTION_ATTR = "specplug_selection"
+ADAPTIVE_OPTION = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class ProposerSelection:
     options_json: str  # validated options, JSON so the selection pickles anywhere
     # Failures tolerated before the proposer is switched off (integration/guard.py).
     max_proposer_failures: int = DEFAULT_MAX_PROPOSER_FAILURES
+    # Per-request draft lengths chosen each step (vllm_specplug/adaptive/):
+    # "auto" (the default where the method supports it: on, except where a
+    # device drafter keeps drafts off the host), "on" (forced: Model Runner
+    # V2 drafts on the host to adapt) or "off".
+    adaptive: str = "off"
 
     @property
     def options(self) -> dict[str, Any]:
@@ -67,7 +73,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
         return None
     cls = get_proposer_class(method)
     max_failures = parse_max_failures(method, raw.get(MAX_FAILURES_OPTION))
-    raw = {k: v for k, v in raw.items() if k != MAX_FAILURES_OPTION}
+    adaptive = parse_adaptive(method, raw.get(ADAPTIVE_OPTION), cls.supports_adaptive)
+    raw = {k: v for k, v in raw.items() if k not in (MAX_FAILURES_OPTION, ADAPTIVE_OPTION)}
     ours = {f.name for f in dataclasses.fields(cls.options_cls)}
     options = {k: v for k, v in raw.items() if k in ours}
     rest = {k: v for k, v in raw.items() if k not in ours and k != "method"}
@@ -79,7 +86,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if unknown:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: unknown option(s) {unknown}; "
-            f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION} and vLLM's "
+            f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION}, {ADAPTIVE_OPTION} and vLLM's "
             "speculative_config fields")
     parsed = cls.options_cls.from_dict(method, options)
     num_spec = cls.vllm_num_speculative_tokens(parsed, rest.get("num_speculative_tokens"))
@@ -90,9 +97,26 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if hasattr(parsed, "resolved"):
         parsed = parsed.resolved(rest.get("num_speculative_tokens"))
     selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
-                                  max_failures)
+                                  max_failures, adaptive)
     return {**rest, "num_speculative_tokens": num_spec, "method": "custom_class",
             "model": cls.drafter_qualname}, selection
+
+
+def parse_adaptive(method: str, value: Any, supported: bool) -> str:
+    """The `adaptive` option as "auto", "on" or "off" (ProposerSelection)."""
+    if value is None:
+        return "auto" if supported else "off"
+    if not isinstance(value, bool):
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: {ADAPTIVE_OPTION}={value!r} must be "
+            "true or false (per-request draft lengths from live acceptance and measured "
+            "step costs; false verifies every draft token the proposer makes)")
+    if value and not supported:
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: {ADAPTIVE_OPTION}=true is not "
+            "supported for this method yet (only the model-free methods adapt their "
+            f"draft lengths); leave {ADAPTIVE_OPTION} out or set it to false")
+    return "on" if value else "off"
 
 
 def check_target(selection: ProposerSelection, target_hf) -> None:

@@ -15,6 +15,7 @@ import logging
 
 import numpy as np
 
+from vllm_specplug.adaptive.controller import AdaptiveController
 from vllm_specplug.integration.config import selection_of
 from vllm_specplug.integration.guard import (InvalidDraftError, ProposerGuard, check_draft,
                                              check_drafts)
@@ -48,7 +49,12 @@ class ProposerSession:
         self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
         self.active: set[str] = set()  # started, not yet stopped
         self.quarantined: set[str] = set()  # a lifecycle call failed: no drafts until removed
-        logger.info("vllm-specplug proposer %s with %s", self.method, options)
+        # per-request draft lengths from live acceptance and step costs (None: off)
+        self.adaptive_mode = selection.adaptive
+        self.adaptive = (AdaptiveController(spec.num_speculative_tokens)
+                         if selection.adaptive != "off" else None)
+        logger.info("vllm-specplug proposer %s with %s (adaptive draft lengths %s)",
+                    self.method, options, "on" if self.adaptive else "off")
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -65,6 +71,14 @@ class ProposerSession:
                             req_id, reason, effect="the request is forgotten")
         self.active.discard(req_id)
         self.quarantined.discard(req_id)
+        if self.adaptive is not None:
+            self.adaptive.forget(req_id)
+
+    def begin_step(self, num_scheduled_tokens: int) -> None:
+        """The step that just ran computed `num_scheduled_tokens` tokens
+        (its cost is the time since the last call)."""
+        if self.adaptive is not None:
+            self.adaptive.step_done(num_scheduled_tokens)
 
     def start(self, req_id: str, history: np.ndarray, num_prompt: int) -> None:
         """A request seen for the first time (or resuming), with its whole
@@ -89,9 +103,17 @@ class ProposerSession:
     def can_draft(self, req_id: str) -> bool:
         return not self.guard.disabled and req_id not in self.quarantined
 
-    def draft(self, batch: ProposeBatch) -> list[list[int]]:
+    def draft(self, batch: ProposeBatch, num_reqs: int = 0) -> list[list[int]]:
         """Validated drafts, one per request of `batch` (empty where the
-        proposer failed or returned an invalid draft)."""
+        proposer failed or returned an invalid draft), cut to the adaptive
+        controller's lengths when it is on; `num_reqs` counts every request
+        of the step, drafting or not."""
+        drafts = self._checked_drafts(batch)
+        if self.adaptive is None:
+            return drafts
+        return self.adaptive.trim(batch.req_ids, drafts, max(num_reqs, len(batch.req_ids)))
+
+    def _checked_drafts(self, batch: ProposeBatch) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         ok, proposed = self.guard.call("propose", batch.req_ids, self.proposer.propose, batch)
         if not ok:

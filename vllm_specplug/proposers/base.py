@@ -155,6 +155,9 @@ class Proposer(ABC):
     # Runs under vLLM's Model Runner V2 on CUDA (integration/v2/speculator.py);
     # False keeps the method on the V1 runner, whose patches it needs.
     runs_on_model_runner_v2: ClassVar[bool] = True
+    # Its drafts are chains the adaptive controller may cut per request
+    # (vllm_specplug/adaptive/); on by default where True.
+    supports_adaptive: ClassVar[bool] = True
     # The object vLLM's `custom_class` instantiates in the worker for this method.
     drafter_qualname: ClassVar[str] = "vllm_specplug.integration.v1.drafter.SpecplugDrafter"
 

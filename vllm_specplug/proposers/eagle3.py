@@ -149,6 +149,7 @@ class TreeProposer(Proposer):
     uses_hidden_states: ClassVar[bool] = True
     # Model Runner V2 on CUDA (integration/v2/), the V1 runner elsewhere.
     runs_on_model_runner_v2: ClassVar[bool] = True
+    supports_adaptive: ClassVar[bool] = False  # trees: not yet (issue 27)
 
     @classmethod
     def vllm_num_speculative_tokens(cls, options: TreeOptions,

@@ -37,6 +37,20 @@ class SpecplugProbe:
         stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
         return None if stats is None else stats.as_dict()
 
+    def specplug_adaptive_stats(self) -> dict | None:
+        from vllm_specplug.bench.worker_info import adaptive_stats
+
+        return adaptive_stats(self)
+
+    def specplug_adaptive_pin(self, fixed_ms: float | None, per_token_ms: float = 0.0
+                              ) -> None:
+        """Pin the adaptive controller's step-cost line (None: back to the
+        measured fit), so a test can make speculation pay or not."""
+        runner = self.model_runner
+        speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter")
+        cost = getattr(speculator, "session", speculator).adaptive.cost
+        cost.pinned = None if fixed_ms is None else (fixed_ms / 1e3, per_token_ms / 1e3)
+
     def specplug_tree_profile(self, enable: bool | None = None) -> list[dict]:
         """Per-step phase times of tree steps so far (cleared); `enable`
         turns the profiler on or off (integration/v1/tree_profile.py)."""

@@ -57,6 +57,7 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         if self.guard.disabled:
             return drafts
+        self.begin_step(int(scheduler_output.total_num_scheduled_tokens))
         self._retire(scheduler_output)
         self._track(input_batch, sampled_token_ids)
         num_tokens = input_batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
@@ -74,7 +75,7 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
         batch = ProposeBatch([input_batch.req_ids[i] for i in rows],
                              read_only_rows(input_batch.token_ids_cpu, rows, num_tokens[rows]),
                              read_only(num_tokens[rows]), k, hidden)
-        for i, draft in zip(rows, self.draft(batch)):
+        for i, draft in zip(rows, self.draft(batch, num_reqs)):
             drafts[i] = draft
         return drafts
 

@@ -123,12 +123,16 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         self.device = device
         self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        if use_device_drafter is None:
-            use_device_drafter = (device.type == "cuda"
+        if use_device_drafter is None:  # adaptive "on" needs the drafts on the host
+            use_device_drafter = (device.type == "cuda" and self.session.adaptive_mode != "on"
                                   and os.environ.get(HOST_DRAFTING_ENV) != "1")
         self.device_drafter = (self.session.proposer.device_drafter(max_num_reqs)
                                if use_device_drafter else None)
-        self.stats = SpeculatorStats(device)
+        if self.device_drafter is not None:
+            # device drafts never reach the host: nothing for the controller
+            # to cut without a synchronisation (the host path adapts)
+            self.session.adaptive = None
+        self.stats = SpeculatorStats(device, self.session.adaptive)
         if self.device_drafter is None:  # the host path mirrors every history
             self.histories = HostHistories(max_num_reqs, vllm_config.model_config.max_model_len)
             self.drafts_cpu = torch.zeros(max_num_reqs, self.num_speculative_steps,
@@ -201,6 +205,7 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         self.stats.wait_seconds += time.perf_counter() - started
         req_ids = list(input_batch.req_ids)
         slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int64)
+        self.session.begin_step(int(input_batch.num_tokens))
         self._retire()
         self._track(req_ids, slots, step)
         hidden = self._hidden(input_batch, last_hidden_states, num_rejected, num_reqs)
@@ -254,7 +259,7 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
                              read_only_rows(self.histories.token_ids, slots[rows], lens[rows]),
                              read_only(lens[rows].astype(np.int64)), k,
                              None if hidden is None else hidden[rows])
-        for i, draft in zip(rows, self.session.draft(batch)):
+        for i, draft in zip(rows, self.session.draft(batch, len(req_ids))):
             drafts[i] = draft
         return drafts
 
@@ -293,7 +298,8 @@ class SpeculatorStats:
     probe's `specplug_speculator_stats`). Device counts stay on the device
     until read, so counting adds no synchronisation."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, adaptive=None) -> None:
+        self.adaptive = adaptive         # the session's AdaptiveController, or None
         self.num_steps = 0
         self.host_seconds = 0.0          # wall time inside propose (launches only, on device)
         self.wait_seconds = 0.0          # of which waiting for the GPU (host path's copy)
@@ -308,5 +314,6 @@ class SpeculatorStats:
     def as_dict(self) -> dict:
         tokens, slots = self.host_counts + self.device_counts.cpu().numpy()
         return {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
+                "adaptive": None if self.adaptive is None else self.adaptive.as_dict(),
                 "wait_seconds": self.wait_seconds,
                 "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}

@@ -195,3 +195,23 @@ def _drafts_by_length(method: str, text: np.ndarray, cut_until: int) -> dict[int
         proposer.update_request("r", new)
         num += len(new)
     return out
+
+
+def test_v2_adapts_only_where_a_cut_saves_slots():
+    """Under vLLM's AsyncScheduler every request keeps K slots: a cut draft
+    token would be padded and verified anyway, so "auto" leaves drafts whole
+    there; sync scheduling and SpecplugAsyncScheduler size steps by length."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.scheduler import SpecplugAsyncScheduler
+    from vllm_specplug.integration.v2.speculator import lengths_reach_scheduler
+
+    def config(async_scheduling, cls):
+        return SimpleNamespace(async_scheduling=async_scheduling, scheduler_cls=cls)
+
+    assert not lengths_reach_scheduler(config(True, None))
+    assert lengths_reach_scheduler(config(False, None))
+    assert lengths_reach_scheduler(config(True, SpecplugAsyncScheduler))
+    assert lengths_reach_scheduler(
+        config(True, "vllm_specplug.integration.scheduler.SpecplugAsyncScheduler"))
+    assert not lengths_reach_scheduler(config(True, "my.pkg.OtherScheduler"))

@@ -168,8 +168,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in repetitive_prompts(3))
                        + json.dumps({"turns": ["def add(a, b):", "and subtract?"]}) + "\n")
-    specs = [f"vllm-ngram={json.dumps({**NGRAM, 'method': 'ngram', 'prompt_lookup_min': 2})}",
-             json.dumps(NGRAM)]
+    specs = [json.dumps(NGRAM)]  # vLLM's own methods: tests/test_builtin_spec_lossless.py
     code = main(["bench", "offline", "--model", str(tiny_model_dir), "--prompts",
                  str(prompts), "--batch-sizes", "1", "4", "--limit-prompts", "1=2",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
@@ -182,8 +181,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     assert result["settings"]["num_turns"] == 5
     assert result["settings"]["prompt_limits"] == {"1": 2}
     rows = {(r["name"], r["batch_size"]): r for r in result["rows"]}
-    assert sorted(rows) == sorted((n, b) for n in ("none", "vllm-ngram", "specplug_ngram")
-                                  for b in (1, 4))
+    assert sorted(rows) == sorted((n, b) for n in ("none", "specplug_ngram") for b in (1, 4))
     for (name, _), row in rows.items():
         assert row["error"] is None and row["num_mismatches"] == 0
         assert len(row["tokens_per_second"]) == 2 and len(row["ratios"]) == 2
@@ -198,8 +196,13 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     assert result["settings"]["specs"]["specplug_ngram"] == NGRAM
     assert (out / "offline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "offline.txt").read_text()
-    assert "specplug_ngram" in table and "vllm-ngram" in table
-    assert "cpu_model_runner/" in table
+    assert "specplug_ngram" in table and "cpu_model_runner/" in table
+    # the adaptive controller's decisions, per row of ours (on by default)
+    assert rows[("none", 4)]["adaptive"] is None
+    for b in (1, 4):
+        adaptive = rows[("specplug_ngram", b)]["adaptive"]
+        assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
+    assert "adaptive: method" in table
 
 
 def _check_phases(rows) -> None:

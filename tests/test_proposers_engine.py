@@ -10,7 +10,7 @@ from vllm_specplug.testing.engine import (generate, generate_each,
                                           greedy_params)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
-from tests.conftest import MAX_NEW_TOKENS, speculative_engines
+from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS, speculative_engines
 
 CONFIGS = {
     "specplug_ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4,
@@ -30,8 +30,9 @@ spec_llm = speculative_engines(CONFIGS)
 
 def test_single_prompts_equal_no_speculation(spec_llm, eval_prompts, baseline_outputs):
     params = greedy_params(MAX_NEW_TOKENS)
-    ours = generate_each(spec_llm, eval_prompts, params)
-    assert_same_tokens(baseline_outputs["single"], ours, eval_prompts)
+    prompts = eval_prompts[:NUM_SINGLE_PROMPTS]
+    ours = generate_each(spec_llm, prompts, params)
+    assert_same_tokens(baseline_outputs["single"], ours, prompts)
 
 
 def test_batch_equals_no_speculation_and_speculates(spec_llm, eval_prompts,
@@ -60,7 +61,8 @@ def _adaptive(llm) -> dict:
 
 
 def _delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in ("num_offered", "num_kept", "num_probes")}
+    return {k: after[k] - before[k] for k in ("num_offered", "num_kept", "num_probes",
+                                               "num_verified_drafts", "num_accepted")}
 
 
 def test_adaptive_controller_cuts_drafts_where_they_do_not_pay_and_stays_exact(
@@ -83,6 +85,8 @@ def test_adaptive_controller_cuts_drafts_where_they_do_not_pay_and_stays_exact(
     assert cuts["none_pay"]["num_offered"] > 0
     assert cuts["none_pay"]["num_kept"] == cuts["none_pay"]["num_probes"]
     assert cuts["all_pay"]["num_kept"] == cuts["all_pay"]["num_offered"] > 0
+    # the controller hears how its drafts fared (its acceptance estimates)
+    assert cuts["all_pay"]["num_verified_drafts"] > 0 and cuts["all_pay"]["num_accepted"] > 0
 
 
 def test_abort_mid_generation_leaves_others_exact(spec_llm, baseline_llm, eval_prompts):

@@ -16,7 +16,7 @@ from vllm_specplug.testing.engine import (generate, generate_each,
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
-from tests.conftest import MAX_NEW_TOKENS
+from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS
 from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
 from tests.test_proposers_engine import REPETITIVE
 
@@ -56,8 +56,9 @@ def test_batch_equals_no_speculation_and_accepts(tree_llm, eval_prompts, baselin
 
 @pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
 def test_single_prompts_equal_no_speculation(tree_llm, eval_prompts, baseline_outputs):
-    ours = generate_each(tree_llm, eval_prompts[:8], greedy_params(MAX_NEW_TOKENS))
-    assert_same_tokens(baseline_outputs["single"][:8], ours, eval_prompts[:8])
+    prompts = eval_prompts[:NUM_SINGLE_PROMPTS]
+    ours = generate_each(tree_llm, prompts, greedy_params(MAX_NEW_TOKENS))
+    assert_same_tokens(baseline_outputs["single"], ours, prompts)
 
 
 @pytest.mark.parametrize("make_params", [

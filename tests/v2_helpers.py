@@ -81,7 +81,8 @@ def make_speculator(states: States, use_device_drafter: bool = False,
     attach(spec, selection)
     config = SimpleNamespace(
         speculative_config=spec, device_config=SimpleNamespace(device=device),
-        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, async_scheduling=True,
+                                         scheduler_cls=None),
         model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: 1000))
     return SpecplugV2Speculator(config, torch.device(device), states,
                                 use_device_drafter=use_device_drafter)

@@ -37,7 +37,7 @@ class AdaptiveStats:
     num_steps: int = 0  # steps with at least one drafting request
     num_offered: int = 0  # draft tokens the proposer offered
     num_kept: int = 0  # of which verified
-    num_zero: int = 0  # drafting requests cut to no draft
+    num_zero: int = 0  # requests offered a draft and cut to none
     num_requests: int = 0  # drafting requests, over all steps
     expected_accepted: float = 0.0  # sum over kept tokens of their survival estimate
     num_verified_drafts: int = 0  # kept drafts whose verification was seen
@@ -123,7 +123,7 @@ class AdaptiveController:
         s.num_requests += len(drafts)
         s.num_offered += sum(len(d) for d in drafts)
         s.num_kept += sum(len(d) for d in kept)
-        s.num_zero += sum(1 for d in kept if not d)
+        s.num_zero += sum(1 for d, k in zip(drafts, kept) if d and not k)
 
     def as_dict(self) -> dict:
         fixed, per_token = self.cost.coefficients()

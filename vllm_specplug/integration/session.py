@@ -89,6 +89,10 @@ class ProposerSession:
             self._lifecycle("update_request", req_id, history[num_prompt:].tolist())
 
     def update(self, req_id: str, new_token_ids: list[int]) -> None:
+        """A step's accepted tokens for `req_id`: its verified draft's
+        accepted tokens and the bonus token."""
+        if self.adaptive is not None:
+            self.adaptive.verified(req_id, len(new_token_ids))
         if req_id not in self.quarantined and new_token_ids:
             self._lifecycle("update_request", req_id, new_token_ids)
 

@@ -90,6 +90,19 @@ def gather_step_tokens(all_token_ids: torch.Tensor, total_len: torch.Tensor,
     return packed.cpu().numpy()
 
 
+def lengths_reach_scheduler(scheduler_config) -> bool:
+    """Whether the next steps are sized by our drafts' lengths: sync
+    scheduling, or `SpecplugAsyncScheduler` (a subclass or its path)."""
+    if not scheduler_config.async_scheduling:
+        return True
+    cls = scheduler_config.scheduler_cls
+    if cls is None:
+        return False
+    if isinstance(cls, str):
+        return cls.rsplit(".", 1)[-1] == "SpecplugAsyncScheduler"
+    return any(c.__name__ == "SpecplugAsyncScheduler" for c in getattr(cls, "__mro__", ()))
+
+
 class V2SpeculatorHooks:
     """What Model Runner V2 asks of every speculator (`BaseSpeculator`,
     duck-typed: vLLM's ABC needs no registration) besides `propose`, as our
@@ -128,9 +141,13 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
                                   and os.environ.get(HOST_DRAFTING_ENV) != "1")
         self.device_drafter = (self.session.proposer.device_drafter(max_num_reqs)
                                if use_device_drafter else None)
-        if self.device_drafter is not None:
+        if self.device_drafter is not None or not (
+                self.session.adaptive_mode == "on"
+                or lengths_reach_scheduler(vllm_config.scheduler_config)):
             # device drafts never reach the host: nothing for the controller
-            # to cut without a synchronisation (the host path adapts)
+            # to cut without a synchronisation (the host path adapts); and
+            # where the scheduler reserves K slots whatever the lengths, a
+            # cut token would be padded and verified all the same
             self.session.adaptive = None
         self.stats = SpeculatorStats(device, self.session.adaptive)
         if self.device_drafter is None:  # the host path mirrors every history

@@ -58,7 +58,10 @@ def suffix_llm(tiny_model_dir, baseline_llm):
     the process's vLLM metrics, so an engine made later would zero this one's
     speculation counters (`read_spec_decode_counts`)."""
     del baseline_llm
-    llm = make_llm(tiny_model_dir, {"method": "specplug_suffix", "num_speculative_tokens": 4},
+    # adaptive off: the distribution test needs verification to emit the
+    # tokens under test, and 1200 requests at once is where the controller cuts
+    llm = make_llm(tiny_model_dir, {"method": "specplug_suffix", "num_speculative_tokens": 4,
+                                    "adaptive": False},
                    worker_extension_cls=PROBE_QUALNAME)
     yield llm
     shutdown_llm(llm)

@@ -19,9 +19,10 @@ from vllm_specplug.testing.engine import generate, greedy_params
 from vllm_specplug.testing.server import VLLM_COMMAND, serving
 
 SPEC = {"method": "specplug_suffix", "num_speculative_tokens": 4}
-# Every method of ours under load (test_load_*), next to no speculation.
+# Our methods under load (test_load_*), next to no speculation: suffix
+# ("ours") and the hybrid of suffix and n-gram, whose n-gram member drafts
+# wherever suffix has nothing (n-gram alone: offline, tests/test_proposers_engine.py).
 LOAD_SPECS = {
-    "ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4},
     "hybrid": {"method": "specplug_hybrid", "num_speculative_tokens": 4,
                "proposers": [{"method": "specplug_suffix"}, {"method": "specplug_ngram"}]},
 }
@@ -29,7 +30,7 @@ LOAD_SPECS = {
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
-    """{"none": url, "ours": url, "ngram": url, "hybrid": url}: started at once.
+    """{"none": url, "ours": url, "hybrid": url}: started at once.
     vLLM answers a named `tool_choice` only with a tool-call parser enabled; the
     pythonic one needs no special tokens in the tiny model's vocabulary. The
     tiny model fills JSON with newlines where the grammar allows any

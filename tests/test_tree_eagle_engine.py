@@ -1,7 +1,7 @@
 """specplug_eagle3 in a real engine: EAGLE-2 dynamic trees drafted by the
 built-in EAGLE-3 head, verified in one forward with tree attention, KV
 compacted. Greedy output equals no speculation token for token (chains and
-trees of 4, 16 and 64 nodes, alone and batched, and the edge cases of a
+trees of 16 and 64 nodes, alone and batched, and the edge cases of a
 request's life); sampled output follows the target's distribution."""
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS
 from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
 from tests.test_proposers_engine import REPETITIVE
 
-WRONG_SAMPLES = 300
+# the wrong verifier's error is gross (min p 2e-235 at 300 samples, p falls
+# exponentially with the count): 100 keep p far below P_MIN at a third of the time
+WRONG_SAMPLES = 100
 TREES = {  # name: (topk, num_steps, num_draft_tokens)
     "chain_k3": (1, 3, 4),
-    "tree4_topk2": (2, 3, 4),
     "tree16_topk4": (4, 4, 16),
     "tree64_topk8": (8, 8, 64),
 }
@@ -172,7 +173,6 @@ def test_a_wrong_verifier_is_caught(tiny_model_dir, tiny_eagle3_dir, plain_sampl
                    worker_extension_cls=PROBE_QUALNAME)
     try:
         assert llm.collective_rpc("specplug_break_tree_verifier") == ["AlwaysAcceptFirstChild"]
-        # a quarter of the samples: the error is gross (measured min p 2e-235 at 300)
         wrong = sample_positions(llm, SAMPLE_TEMPERATURE, num_samples=WRONG_SAMPLES)
     finally:
         shutdown_llm(llm)

@@ -39,13 +39,17 @@ def runner_state(worker) -> dict:
                 list(config.compilation_config.cudagraph_capture_sizes or [])}
 
 
-def adaptive_stats(worker) -> dict | None:
-    """The adaptive controller's decisions so far (vllm_specplug/adaptive/),
-    None when the worker's speculator has none or it is off."""
+def adaptive_controller(worker):
+    """The worker's `AdaptiveController` (vllm_specplug/adaptive/): the V1
+    drafter's or the V2 speculator's session's; None when off or absent."""
     runner = worker.model_runner
     speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
-    session = getattr(speculator, "session", speculator)
-    controller = getattr(session, "adaptive", None)
+    return getattr(getattr(speculator, "session", speculator), "adaptive", None)
+
+
+def adaptive_stats(worker) -> dict | None:
+    """The adaptive controller's decisions so far, None when it is off."""
+    controller = adaptive_controller(worker)
     return None if controller is None else controller.as_dict()
 
 

@@ -46,9 +46,9 @@ class SpecplugProbe:
                               ) -> None:
         """Pin the adaptive controller's step-cost line (None: back to the
         measured fit), so a test can make speculation pay or not."""
-        runner = self.model_runner
-        speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter")
-        cost = getattr(speculator, "session", speculator).adaptive.cost
+        from vllm_specplug.bench.worker_info import adaptive_controller
+
+        cost = adaptive_controller(self).cost
         cost.pinned = None if fixed_ms is None else (fixed_ms / 1e3, per_token_ms / 1e3)
 
     def specplug_tree_profile(self, enable: bool | None = None) -> list[dict]:

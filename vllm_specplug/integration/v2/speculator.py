@@ -149,7 +149,7 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
             # where the scheduler reserves K slots whatever the lengths, a
             # cut token would be padded and verified all the same
             self.session.adaptive = None
-        self.stats = SpeculatorStats(device, self.session.adaptive)
+        self.stats = SpeculatorStats(device)
         if self.device_drafter is None:  # the host path mirrors every history
             self.histories = HostHistories(max_num_reqs, vllm_config.model_config.max_model_len)
             self.drafts_cpu = torch.zeros(max_num_reqs, self.num_speculative_steps,
@@ -315,8 +315,7 @@ class SpeculatorStats:
     probe's `specplug_speculator_stats`). Device counts stay on the device
     until read, so counting adds no synchronisation."""
 
-    def __init__(self, device: torch.device, adaptive=None) -> None:
-        self.adaptive = adaptive         # the session's AdaptiveController, or None
+    def __init__(self, device: torch.device) -> None:
         self.num_steps = 0
         self.host_seconds = 0.0          # wall time inside propose (launches only, on device)
         self.wait_seconds = 0.0          # of which waiting for the GPU (host path's copy)
@@ -331,6 +330,5 @@ class SpeculatorStats:
     def as_dict(self) -> dict:
         tokens, slots = self.host_counts + self.device_counts.cpu().numpy()
         return {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
-                "adaptive": None if self.adaptive is None else self.adaptive.as_dict(),
                 "wait_seconds": self.wait_seconds,
                 "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}

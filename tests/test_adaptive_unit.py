@@ -215,3 +215,48 @@ def test_v2_adapts_only_where_a_cut_saves_slots():
     assert lengths_reach_scheduler(
         config(True, "vllm_specplug.integration.scheduler.SpecplugAsyncScheduler"))
     assert not lengths_reach_scheduler(config(True, "my.pkg.OtherScheduler"))
+
+
+def _simulate_short_requests(controller, clock, phases, lifetime=20, num_reqs=4, k=4,
+                             fixed=0.01, per_token=1e-3, seed=0):
+    """A fake engine whose requests live `lifetime` steps (shorter than the
+    per-request probe interval), through phases of (steps, acceptance
+    rate); the mean kept draft length over the last phase's second half."""
+    rng = np.random.default_rng(seed)
+    step, kept_total, counted = 0, 0, 0
+    for phase, (num_steps, accept_rate) in enumerate(phases):
+        for i in range(num_steps):
+            req_ids = [f"r{(step + j * lifetime // num_reqs) // lifetime}-{j}"
+                       for j in range(num_reqs)]
+            drafts = controller.trim(req_ids, [list(range(k)) for _ in req_ids], num_reqs)
+            if phase == len(phases) - 1 and i >= num_steps // 2:
+                kept_total += sum(map(len, drafts))
+                counted += num_reqs
+            clock.now += fixed + per_token * (num_reqs + sum(map(len, drafts)))
+            controller.step_done(num_reqs + sum(map(len, drafts)))
+            for req_id, draft in zip(req_ids, drafts):
+                accepted = 0
+                while accepted < len(draft) and rng.random() < accept_rate:
+                    accepted += 1
+                controller.verified(req_id, accepted + 1)
+            step += 1
+    return kept_total / counted
+
+
+def test_short_requests_still_explore_after_every_draft_was_cut():
+    """Requests that never live long enough for their own probe: once
+    acceptance was low and every draft is cut, only the engine-wide probe
+    finds that acceptance has risen (without it, nothing is ever verified
+    again: the K=0 trap at the engine's level). The step cost is pinned to
+    the simulated line, so only acceptance is learned."""
+    phases = [(120, 0.05), (400, 0.95)]
+    clock = _Clock()
+    exploring = AdaptiveController(4, clock=clock)
+    exploring.cost.pinned = (0.01, 1e-3)
+    assert _simulate_short_requests(exploring, clock, phases) > 2.0
+    assert exploring.stats.num_global_probes > 0
+    clock = _Clock()
+    stuck = AdaptiveController(4, global_probe_interval=None, clock=clock)
+    stuck.cost.pinned = (0.01, 1e-3)
+    assert _simulate_short_requests(stuck, clock, phases) == 0.0
+    assert stuck.stats.num_probes == 0 and stuck.stats.num_global_probes == 0

@@ -360,14 +360,78 @@ def test_head_block_store_hands_whole_cached_prefixes_to_new_requests():
             for b in (7, 9)}
     for block, (k, v) in rows.items():
         store.save(block, k, v)
-    keys, values = store.gather(np.array([9, 7]))
+    keys, values, valid = store.gather(np.array([9, 7]))
     assert keys[:, :4].eq(9).all() and keys[:, 4:].eq(7).all() and values.eq(-keys).all()
+    assert valid.tolist() == [True] * 7 + [False]  # the last row: another request's next token
     assert store.gather(np.array([9, 8])) is None and store.gather(np.array([])) is None
     store.drop(np.array([7]))
     assert store.gather(np.array([9, 7])) is None
+    # a block the drafter held only in part (Model Runner V2 saves blocks
+    # with their validity bits): only those rows come back valid
+    store.save(5, *rows[7], valid=torch.tensor([True, True, False, False]))
+    keys, values, valid = store.gather(np.array([9, 5]))
+    assert valid.tolist() == [True] * 6 + [False] * 2
+    assert store.blocks[5][2].tolist() == [True, True, False, False]  # gather copied
     pool = HeadCachePool(2, 3, 5, 11, torch.float32, torch.device("cpu"))
-    pool.adopt("r", keys[:, :4], values[:, :4])
+    pool.adopt("r", keys, values, valid)
     slot = pool.slot_of["r"]
-    assert pool.last_position("r") == 3
-    assert pool.valid[slot, :4].all() and not pool.valid[slot, 4:].any()
+    assert pool.last_position("r") == 7
+    assert pool.valid[slot].tolist()[:9] == [True] * 6 + [False] * 3
     assert pool.keys[slot, :, :4].eq(9).all()
+
+
+def _runtime(drafter: str):
+    """A HeadRuntime over a random EAGLE-3 head or MTP layer (CPU, fp32),
+    and the width of what the target hands it per position."""
+    from vllm_specplug.proposers.draft_layers import MtpDraftLayer
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    if drafter == "eagle3":
+        return HeadRuntime(_gqa_head(seed=6), torch.nn.Embedding(50, 32)), 48
+    from tests.test_mtp_unit import random_layer
+
+    layer = MtpDraftLayer(random_layer(6), torch.randn(100, 32))
+    return HeadRuntime(layer, torch.nn.Embedding(100, 32)), 32
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "mtp"])
+@pytest.mark.parametrize("num_steps, num_draft_tokens", [(5, 6), (5, 4), (1, 2)])
+def test_chain_pass_equals_the_tree_search_at_top_1(drafter, num_steps, num_draft_tokens):
+    """The chain drafter's pass (argmax per step, the tree from constants)
+    returns what EAGLE-2's search with k = 1 returns: every field of the
+    DraftTree, for requests of different lengths in one batch, for both
+    one-layer drafters."""
+    torch.manual_seed(3)
+    runtime, width = _runtime(drafter)
+    lengths = {"a": 9, "b": 40, "c": 2}
+    for req_id, length in lengths.items():
+        runtime.ingest(req_id, torch.randn(length, width), torch.randint(0, 50, (length,)),
+                       torch.arange(length))
+    slots = torch.tensor([runtime.pool.slot_of[r] for r in lengths])
+    roots, positions = torch.tensor([3, 4, 5]), torch.tensor(list(lengths.values()))
+    with torch.inference_mode():
+        chain = runtime._draft_pass(slots, roots, positions, 64, 1, num_steps,
+                                    num_draft_tokens)
+        tree = runtime._draft_tree_pass(slots, roots, positions, 64, 1, num_steps,
+                                        num_draft_tokens)
+    for field in tree.__dataclass_fields__:
+        assert torch.equal(getattr(chain, field), getattr(tree, field)), field
+    assert (chain.token_ids[:, 1:] != roots[:, None]).any()  # it drafted something
+
+
+def test_fused_projections_share_the_heads_memory():
+    """The runtime's fused q/k/v and gate/up weights are the head's
+    parameters (views into one tensor each), not copies: an 8B-shaped head
+    would otherwise hold 330 MB twice."""
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    head = _gqa_head(seed=7)
+    want = {name: p.detach().clone() for name, p in head.named_parameters()}
+    layer = HeadRuntime(head, torch.nn.Embedding(50, 32)).layer
+    attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
+    assert attn.q_proj.weight.data_ptr() == layer.qkv_weight.data_ptr()
+    assert mlp.gate_proj.weight.data_ptr() == layer.gate_up_weight.data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == \
+        layer.qkv_weight.untyped_storage().data_ptr()
+    for name, p in head.named_parameters():  # every value kept
+        assert torch.equal(p, want[name]), name

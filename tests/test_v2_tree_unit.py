@@ -115,3 +115,50 @@ def test_padded_ingest_equals_ragged_ingest():
         torch.testing.assert_close(getattr(padded, name), getattr(ragged, name),
                                    atol=1e-5, rtol=1e-5)
     assert torch.equal(padded.valid, ragged.valid)
+
+
+def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():
+    """Model Runner V2's prefix-cache bookkeeping for the head
+    (integration/v2/prefix_blocks.py), on scheduler outputs as vLLM builds
+    them: a finished request's blocks are saved from its slot with their
+    validity; a new request whose computed prefix is those blocks starts
+    with them; a block handed out fresh loses its rows; a hit that is not
+    whole saved blocks gets nothing."""
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+    from vllm_specplug.proposers.head_cache import HeadCachePool
+
+    def output(finished=(), new=(), running=()):
+        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
+                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
+                                      for r, ids, n in new],
+                  scheduled_cached_reqs=NS(req_ids=[r for r, _ in running],
+                                           new_block_ids=[(ids,) for _, ids in running]))
+
+    pool = HeadCachePool(1, 2, 3, 5, torch.float32, torch.device("cpu"), num_slots=4)
+    pool.keys[2, 0, :, 0] = torch.arange(pool.capacity, dtype=torch.float32)
+    pool.valid[2, :11] = True  # the head ingested positions 0..10 of slot 2
+    pool.valid[2, 12] = True
+    prefix = PrefixBlocks(block_size=4)
+    slots = {"a": 2}
+    computed = lambda slot: 13  # noqa: E731 - the scheduler computed 13 positions
+    prefix.schedule(output(new=[("a", [7, 8], 0)]), slots.get, computed, pool)
+    prefix.schedule(output(running=[("a", [9, 3])]), slots.get, computed, pool)
+    prefix.schedule(output(finished=["a"]), slots.get, computed, pool)
+    assert sorted(prefix.store.blocks) == [7, 8, 9]  # 13 // 4 whole blocks
+    assert prefix.store.blocks[9][2].tolist() == [True, True, True, False]
+    assert 3 not in prefix.store.blocks  # position 12 ingested, its block not whole
+    # "b" hits blocks 7, 8, 9 (12 positions); "c" hits 7 and a block never saved
+    prefix.schedule(output(new=[("b", [7, 8, 9, 5], 12), ("c", [7, 3, 6], 8)]), slots.get,
+                    computed, pool)
+    assert prefix.adopt("b", 1, 12, pool)
+    assert pool.keys[1, 0, :12, 0].tolist() == list(range(12))
+    # position 11: never ingested (and the prefix's last row is left out anyway)
+    assert pool.valid[1, :12].tolist() == [True] * 11 + [False]
+    assert not pool.valid[1, 12:].any()
+    assert not prefix.adopt("c", 3, 8, pool) and not pool.valid[3].any()
+    assert prefix.num_adopted == 1
+    # block 8 handed out fresh (a new owner): its rows are gone
+    prefix.schedule(output(running=[("b", [8])]), slots.get, computed, pool)
+    assert 8 not in prefix.store.blocks and 7 in prefix.store.blocks

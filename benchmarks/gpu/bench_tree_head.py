@@ -79,14 +79,15 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
         roots = torch.zeros(batch, dtype=torch.long, device=device)
         slots = torch.tensor([eager.pool.slot_of[r] for r in ids], device=device)
         pool = eager.pool
-        ctx = (pool.keys[slots, :, :context_len + 1], pool.values[slots, :, :context_len + 1],
-               pool.valid[slots, :context_len + 1])
+        ctx = eager._context(slots, context_len + 1)
+        position = one + 1
+        rope = eager.layer.rope(position)
         for topk, steps, nodes in HEAD_CONFIGS:
             beam = torch.zeros(batch, topk, dtype=torch.long, device=device)
             parent = pool.last_out.new_zeros(batch, topk, config["hidden_size"])
             path = (pool.keys.new_zeros(batch, topk, config["num_key_value_heads"], 1,
                                         config["head_dim"]),) * 2
-            expand = lambda: eager._expand(ctx, beam, parent, path, one + 1)  # noqa: E731
+            expand = lambda: eager._expand(ctx, beam, parent, path, position, rope)  # noqa: E731
             draft = lambda rt: lambda: rt.draft_trees(  # noqa: E731
                 ids, roots, one + 1, topk, steps, nodes)
             rows.append({"dtype": dtype, "batch_size": batch, "topk": topk, "num_steps": steps,

@@ -12,7 +12,15 @@ The proposer still drafts every step and hears every accepted token, so its
 state never depends on what was cut (the K=0 trap TensorRT-LLM hit: drafter
 state out of step after steps without drafts, issue 27). A request cut to
 nothing for `probe_interval` steps in a row gets one draft token, so its
-acceptance estimate stays current.
+acceptance estimate stays current. That needs a request to live that
+long; where none does (a server answering short requests), a step in which
+every request was cut is followed by more such steps with nothing learned.
+So after `global_probe_interval` steps in a row that verified no draft
+anywhere, one request keeps its whole draft: the engine-wide estimate of
+every position stays current. Each probe that does not revive speculation
+doubles the wait (up to 8x), so exploring where drafts never pay costs
+little (a simulated engine with 5% acceptance: one request's draft every
+~40 steps, `tests/test_adaptive_unit.py`).
 """
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ class AdaptiveStats:
     num_verified_drafts: int = 0  # kept drafts whose verification was seen
     num_accepted: int = 0  # their accepted tokens
     num_probes: int = 0
+    num_global_probes: int = 0  # steps where one request kept its whole draft to explore
+    num_global_probe_tokens: int = 0  # the draft tokens those probes kept
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -52,9 +62,13 @@ class AdaptiveStats:
 
 class AdaptiveController:
     def __init__(self, max_num_draft: int, probe_interval: int = 32,
+                 global_probe_interval: int | None = 8,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.max_num_draft = max_num_draft
         self.probe_interval = probe_interval
+        self.global_probe_interval = global_probe_interval  # None: never explore globally
+        self.global_zero_streak = 0
+        self.global_wait = global_probe_interval  # doubles after each fruitless probe
         self.clock = clock
         self.acceptance = AcceptanceEstimator(max_num_draft)
         self.cost = StepCostModel()
@@ -96,9 +110,10 @@ class AdaptiveController:
         fixed, per_token = self.cost.coefficients()
         lengths = choose_draft_lengths(survival, max(num_reqs, len(req_ids)), 0,
                                        fixed, per_token)
+        lengths = [self._probe(r, n, len(d)) for r, n, d in zip(req_ids, lengths, drafts)]
+        lengths = self._explore(lengths, drafts)
         kept = []
         for req_id, draft, probs, n in zip(req_ids, drafts, survival, lengths):
-            n = self._probe(req_id, n, len(draft))
             self.kept[req_id] = n
             self.stats.expected_accepted += float(probs[:n].sum())
             kept.append(draft[:n])
@@ -116,6 +131,26 @@ class AdaptiveController:
             return 1
         self.zero_streak[req_id] = streak
         return 0
+
+    def _explore(self, lengths: list[int], drafts: list[list[int]]) -> list[int]:
+        """After `global_probe_interval` steps in a row with no draft kept
+        anywhere, the longest offered draft is kept whole."""
+        if self.global_probe_interval is None:
+            return lengths
+        if any(lengths):  # speculating again: the next quiet spell starts afresh
+            self.global_zero_streak, self.global_wait = 0, self.global_probe_interval
+            return lengths
+        if not any(drafts):
+            return lengths
+        self.global_zero_streak += 1
+        if self.global_zero_streak < self.global_wait:
+            return lengths
+        self.global_zero_streak = 0
+        self.global_wait = min(2 * self.global_wait, 8 * self.global_probe_interval)
+        longest = max(range(len(drafts)), key=lambda i: len(drafts[i]))
+        self.stats.num_global_probes += 1
+        self.stats.num_global_probe_tokens += len(drafts[longest])
+        return [len(drafts[i]) if i == longest else n for i, n in enumerate(lengths)]
 
     def _count(self, drafts: list[list[int]], kept: list[list[int]]) -> None:
         s = self.stats

@@ -1,5 +1,5 @@
 """Patches of `vllm.v1.worker.gpu.model_runner` (Model Runner V2, CUDA):
-`init_speculator` (as imported there) and three `GPUModelRunner` methods.
+`init_speculator` (as imported there) and four `GPUModelRunner` methods.
 
 Why: Model Runner V2 builds its speculator from a fixed list of methods
 (`v1/worker/gpu/spec_decode/__init__.py::init_speculator`) with no registry,
@@ -12,8 +12,10 @@ the true draft lengths: to the sync scheduler as the drafts themselves
 (`sample_tokens`, read by `SpecplugAsyncScheduler`). The second needs the
 target: `load_model` hands it over once loaded (vLLM does so only for its own
 `DraftModelSpeculator`s) and switches on the target's auxiliary hidden states
-for EAGLE-3 heads (vLLM decides that from a fixed list of methods). Every
-other method runs vLLM's code untouched.
+for EAGLE-3 heads (vLLM decides that from a fixed list of methods), and
+`execute_model` shows it each scheduler output before the runner applies it
+(the KV block ids its head cache follows for prefix-cache hits; the runner
+has no hook for that). Every other method runs vLLM's code untouched.
 """
 from __future__ import annotations
 
@@ -96,6 +98,18 @@ def _load_model(original):
     return load_model
 
 
+def _execute_model(original):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        from vllm_specplug.integration.v2.speculator import V2SpeculatorHooks
+
+        speculator = getattr(self, "speculator", None)
+        if isinstance(speculator, V2SpeculatorHooks) and not kwargs.get("dummy_run", False):
+            speculator.schedule(scheduler_output, self.req_states)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
 def _set_aux_layers(runner, method: str, layer_ids: tuple[int, ...]) -> None:
     """The target returns the hidden states of `layer_ids` beside its output
     (vLLM's `SupportsEagle3`), and the runner unpacks them."""
@@ -122,5 +136,10 @@ def install() -> list[str]:
                          reason="draft lengths for SpecplugAsyncScheduler")
     patch_registry.apply(GPUModelRunner, "load_model", _load_model(GPUModelRunner.load_model),
                          reason="hand the target to vllm-specplug's tree drafter")
+    patch_registry.apply(GPUModelRunner, "execute_model",
+                         _execute_model(GPUModelRunner.execute_model),
+                         reason="the scheduler's block ids for vllm-specplug's head cache "
+                                "(prefix-cache hits)")
     return [f"patch:{MODULE}.init_speculator", "patch:GPUModelRunner(V2).take_draft_token_ids",
-            "patch:GPUModelRunner(V2).sample_tokens", "patch:GPUModelRunner(V2).load_model"]
+            "patch:GPUModelRunner(V2).sample_tokens", "patch:GPUModelRunner(V2).load_model",
+            "patch:GPUModelRunner(V2).execute_model"]

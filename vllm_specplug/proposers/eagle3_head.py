@@ -37,7 +37,8 @@ from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layou
                                                   run_ingest_pass)
 from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
-from vllm_specplug.verification.tree_build import (build_draft_tree, flatten_draft_steps,
+from vllm_specplug.verification.tree_build import (build_draft_tree, chain_tree,
+                                                   flatten_draft_steps,
                                                    next_beam)
 
 
@@ -102,13 +103,11 @@ class HeadRuntime:
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(token_ids).to(self.layer.dtype)
 
-    def _qkv(self, embeds, hidden, positions):
+    def _qkv(self, embeds, hidden, positions, rope=None):
         """[R, H] inputs at positions [R] -> q [R, nh, hd], k, v [R, kvh, hd]
-        (roped q, k) and the residual base [R, H]."""
-        q, k, v, base = self.layer.qkv(embeds, hidden, positions)
-        # rope's float32 cos/sin promote q, k: back to the drafter's dtype
-        q, k, v = (t.to(self.layer.dtype) for t in (q, k, v))
-        return q, k[:, ::self.group], v[:, ::self.group], base  # undo the GQA repeat
+        (roped q, k) and the residual base [R, H]. rope: the positions'
+        (cos, sin) [R, hd], when already computed."""
+        return self.layer.qkv(embeds, hidden, positions, rope)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.layer.logits(out)
@@ -247,25 +246,46 @@ class HeadRuntime:
         out = torch.einsum("gcjtl,gcld->gtcjd", _softmax(scores), values)
         return out.flatten(2, 3)
 
-    def _expand(self, ctx, beam_tokens, parent_out, path_kv, position):
+    def _context(self, slots: torch.Tensor, num_keys: int):
+        """What a drafting pass reads of the slots' caches: keys, values
+        [B, kvh, L, hd] and an additive mask [B, L] (0 where valid, -inf
+        where not), made once for all of the pass's steps."""
+        pool = self.pool
+        valid = pool.valid[slots, :num_keys]
+        bias = torch.zeros(valid.shape, dtype=pool.keys.dtype, device=valid.device)
+        return (pool.keys[slots, :, :num_keys], pool.values[slots, :, :num_keys],
+                bias.masked_fill_(~valid, float("-inf")))
+
+    def _depth_rope(self, root_positions: torch.Tensor, num_depths: int):
+        """The positions [B, D] expanded at depths 1..D (root + depth - 1: a
+        node's row sits at its parent's position) and their (cos, sin)
+        [B, D, hd]."""
+        offsets = torch.arange(num_depths, device=root_positions.device)
+        positions = root_positions[:, None] + offsets
+        return positions, *self.layer.rope(positions)
+
+    def _expand(self, ctx, beam_tokens, parent_out, path_kv, position, rope):
         """Run the layer on the beam: tokens [B, k], parent outputs [B, k, H],
-        ancestors' K/V [B, k, kvh, d, hd] each; returns out [B, k, H] and the
-        path K/V with the beam's own appended ([B, k, kvh, d + 1, hd]). The
-        request's cache ([B, kvh, L, hd], valid [B, L]) is shared by its k
-        beam nodes (never copied per node: at B=64, k=8 on an 8B-shaped head
-        a copy was 3 GiB)."""
-        keys_ctx, values_ctx, valid = ctx
+        ancestors' K/V [B, k, kvh, d, hd] each, this depth's position [B]
+        and its rope (cos, sin) [B, hd]; returns out [B, k, H] and the path
+        K/V with the beam's own appended ([B, k, kvh, d + 1, hd]). The
+        request's cache ([B, kvh, L, hd], mask [B, L]: `_context`) is shared
+        by its k beam nodes (never copied per node: at B=64, k=8 on an
+        8B-shaped head a copy was 3 GiB)."""
+        keys_ctx, values_ctx, ctx_bias = ctx
         batch, width = beam_tokens.shape
+        if width > 1:
+            position = position[:, None].expand(-1, width).reshape(-1)
+            rope = tuple(t[:, None].expand(-1, width, -1).reshape(batch * width, -1)
+                         for t in rope)
         q, k, v, base = self._qkv(self._embed(beam_tokens.reshape(-1)),
-                                  parent_out.reshape(batch * width, -1),
-                                  position.repeat_interleave(width))
+                                  parent_out.reshape(batch * width, -1), position, rope)
         path_k = torch.cat([path_kv[0], k.view(batch, width, -1, 1, k.shape[-1])], 3)
         path_v = torch.cat([path_kv[1], v.view(batch, width, -1, 1, v.shape[-1])], 3)
-        q = q.view(batch, width, -1, self.group, q.shape[-1])  # [B, k, kvh, g, hd]
-        ctx_scores = torch.einsum("bwcjd,bcld->bwcjl", q, keys_ctx)
-        ctx_scores = ctx_scores.masked_fill(~valid[:, None, None, None, :], float("-inf"))
+        q = (q * self.scale).view(batch, width, -1, self.group, q.shape[-1])  # [B, k, kvh, g, hd]
+        ctx_scores = torch.einsum("bwcjd,bcld->bwcjl", q, keys_ctx) + ctx_bias[:, None, None, None]
         scores = torch.cat([ctx_scores, torch.einsum("bwcjd,bwcld->bwcjl", q, path_k)], -1)
-        probs = _softmax(scores * self.scale)
+        probs = _softmax(scores)
         num_ctx = keys_ctx.shape[2]
         attn = (torch.einsum("bwcjl,bcld->bwcjd", probs[..., :num_ctx], values_ctx)
                 + torch.einsum("bwcjl,bwcld->bwcjd", probs[..., num_ctx:], path_v))
@@ -305,9 +325,38 @@ class HeadRuntime:
         """The whole drafting pass on device tensors (slots [B] int64; keys
         read: positions < num_keys): shapes fixed by (B, num_keys, tree
         shape) and no host sync, so a CUDA graph can capture it."""
+        if topk == 1:
+            return self._draft_chain_pass(slots, root_token_ids, root_positions, num_keys,
+                                          num_draft_tokens)
+        return self._draft_tree_pass(slots, root_token_ids, root_positions, num_keys, topk,
+                                     num_steps, num_draft_tokens)
+
+    def _draft_chain_pass(self, slots: torch.Tensor, root_token_ids: torch.Tensor,
+                          root_positions: torch.Tensor, num_keys: int,
+                          num_draft_tokens: int) -> DraftTree:
+        """`_draft_pass` for chains (top-1): the argmax at each step, without
+        the tree's candidate pool, sort and ancestry (what EAGLE-2's search
+        reduces to at k = 1, in a fraction of the kernels)."""
         pool, layer, batch = self.pool, self.layer, slots.shape[0]
-        ctx = (pool.keys[slots, :, :num_keys], pool.values[slots, :, :num_keys],
-               pool.valid[slots, :num_keys])
+        ctx = self._context(slots, num_keys)
+        tokens = [root_token_ids, layer.to_target(pool.last_logits[slots].argmax(-1))]
+        parent_out = pool.last_out[slots][:, None]  # [B, 1, H]
+        path_kv = (pool.keys.new_zeros(batch, 1, layer.num_kv_heads, 0, layer.head_dim),) * 2
+        positions, cos, sin = self._depth_rope(root_positions, num_draft_tokens - 2)
+        for d in range(num_draft_tokens - 2):  # depths 1..N-2
+            parent_out, path_kv = self._expand(ctx, tokens[-1][:, None], parent_out, path_kv,
+                                               positions[:, d], (cos[:, d], sin[:, d]))
+            tokens.append(layer.to_target(self._logits(parent_out[:, 0]).argmax(-1)))
+        return chain_tree(torch.stack(tokens, 1), root_positions)
+
+    def _draft_tree_pass(self, slots: torch.Tensor, root_token_ids: torch.Tensor,
+                         root_positions: torch.Tensor, num_keys: int, topk: int,
+                         num_steps: int, num_draft_tokens: int) -> DraftTree:
+        """`_draft_pass` for trees (EAGLE-2: expand the best k of each
+        step's k * k, pool, keep the best num_draft_tokens - 1)."""
+        pool, layer, batch = self.pool, self.layer, slots.shape[0]
+        ctx = self._context(slots, num_keys)
+        positions, cos, sin = self._depth_rope(root_positions, num_steps - 1)
         logprobs, draft_ids = self._topk(pool.last_logits[slots], topk)  # [B, k]
         tokens, scores = [layer.to_target(draft_ids)[:, None]], [logprobs[:, None]]
         beams = [torch.full((batch, 1), ROOT_PARENT, dtype=torch.long, device=slots.device)]
@@ -317,7 +366,8 @@ class HeadRuntime:
         path_kv = (pool.keys.new_zeros(batch, topk, layer.num_kv_heads, 0, layer.head_dim),) * 2
         for depth in range(1, num_steps):
             out, path_kv = self._expand(ctx, pooled.token_ids.gather(1, beam), parent_out,
-                                        path_kv, root_positions + depth - 1)
+                                        path_kv, positions[:, depth - 1],
+                                        (cos[:, depth - 1], sin[:, depth - 1]))
             logprobs, draft_ids = self._topk(self._logits(out), topk)  # [B, k, k]
             tokens.append(layer.to_target(draft_ids))
             scores.append(logprobs)

@@ -112,16 +112,22 @@ class HeadCachePool:
         slot = self.slot_of.get(req_id)
         return NO_POSITION if slot is None else int(self.last_positions[slot])
 
-    def adopt(self, req_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def adopt(self, req_id: str, keys: torch.Tensor, values: torch.Tensor,
+              valid: torch.Tensor) -> None:
         """`req_id` (new) starts with rows at positions 0..L-1 (keys, values
-        [kvh, L, hd]): its prefix-cache hit, from `HeadBlockStore`."""
+        [kvh, L, hd], valid [L]): its prefix-cache hit, from `HeadBlockStore`."""
         (slot,), _ = self.assign([req_id])
+        self.adopt_slot(slot, keys, values, valid)
+
+    def adopt_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
+                   valid: torch.Tensor) -> None:
+        """`adopt` by slot (device copies only: no sync)."""
         num = keys.shape[1]
         self.reserve(0, num)
         self.keys[slot, :, :num] = keys.to(self.dtype)
         self.values[slot, :, :num] = values.to(self.dtype)
         self.valid[slot] = False
-        self.valid[slot, :num] = True
+        self.valid[slot, :num] = valid
         self.last_positions[slot] = num - 1
 
     def store(self, slots: np.ndarray, cuts: np.ndarray, row_slots: np.ndarray,
@@ -178,25 +184,38 @@ class HeadBlockStore:
     saved once a request's cache covers a whole block and dropped when a step
     writes into a block (vLLM reuses an evicted block's id); a request new to
     the drafter whose first position follows cached blocks gets them back
-    (`HeadCachePool.adopt`). As in vLLM, a block's last row was computed with
-    the token that followed it in the request that filled it. At most one
+    (`HeadCachePool.adopt`). A block's last row was computed with the token
+    that followed it in the request that filled it; where that row ends the
+    handed-over prefix it is left out (`gather`). At most one
     row per KV-cache slot: one attention layer's KV cache, what vLLM
     allocates for its own draft layer."""
 
     def __init__(self) -> None:
-        self.blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.blocks: dict[int, tuple[torch.Tensor, ...]] = {}  # keys, values, valid
 
-    def gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys, values [kvh, len(block_ids) * block size, hd] of these
-        blocks in order; None unless every one is stored."""
+    def gather(self, block_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Keys, values [kvh, len(block_ids) * block size, hd] and validity
+        [len(block_ids) * block size] of these blocks in order; None unless
+        every one is stored. The last row is marked invalid: it was computed
+        with the token that followed the prefix in the request that saved
+        it, which the new request need not share (kept, it made a repeated
+        seeded request draft, and so sample, differently)."""
         rows = [self.blocks.get(int(b)) for b in block_ids]
         if not rows or any(r is None for r in rows):
             return None
-        return torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1)
+        keys, values, valid = (torch.cat([r[i] for r in rows], -2 if i < 2 else 0)
+                               for i in range(3))
+        valid[-1] = False
+        return keys, values, valid
 
     def drop(self, block_ids: np.ndarray) -> None:
         for block_id in block_ids:
             self.blocks.pop(int(block_id), None)
 
-    def save(self, block_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.blocks[int(block_id)] = (keys.clone(), values.clone())
+    def save(self, block_id: int, keys: torch.Tensor, values: torch.Tensor,
+             valid: torch.Tensor | None = None) -> None:
+        """A block's rows (keys, values [kvh, size, hd]); valid [size]: which
+        rows the drafter holds (all when None)."""
+        if valid is None:
+            valid = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
+        self.blocks[int(block_id)] = (keys.clone(), values.clone(), valid.clone())

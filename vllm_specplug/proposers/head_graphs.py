@@ -57,7 +57,10 @@ class _Captured:
 
 
 def padded(values: torch.Tensor, size: int) -> torch.Tensor:
-    """[B, ...] -> [size, ...], the last entry repeated."""
+    """[B, ...] -> [size, ...], the last entry repeated (`values` itself
+    when no padding is needed: a graph's inputs are copied in anyway)."""
+    if values.shape[0] == size:
+        return values
     return torch.cat([values, values[-1:].expand(size - values.shape[0], *values.shape[1:])])
 
 

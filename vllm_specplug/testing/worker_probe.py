@@ -37,6 +37,13 @@ class SpecplugProbe:
         stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
         return None if stats is None else stats.as_dict()
 
+    def specplug_prefix_adoptions(self) -> int | None:
+        """Requests our Model Runner V2 head speculator started on saved head
+        rows of prefix-cached blocks (None without that speculator or with
+        prefix caching off)."""
+        prefix = getattr(getattr(self.model_runner, "speculator", None), "prefix", None)
+        return None if prefix is None else prefix.num_adopted
+
     def specplug_adaptive_stats(self) -> dict | None:
         from vllm_specplug.bench.worker_info import adaptive_stats
 

@@ -243,3 +243,21 @@ def tree_from_parents(token_ids: torch.Tensor, parent_ids: torch.Tensor,
         positions=seq_lens[:, None] + depths, attn_mask=mask,
         packed_mask=pack_mask(mask), first_child_ids=first_child,
         next_sibling_ids=next_sibling)
+
+
+def chain_tree(token_ids: torch.Tensor, seq_lens: torch.Tensor) -> DraftTree:
+    """The DraftTree of chains: token_ids [B, N] (node 0 = root, node i's
+    parent i - 1) at seq_lens [B] (the root's position). What
+    `build_draft_tree` returns for a top-1 draft, from constants: no sort,
+    no ancestry walk (a chain drafter's hot path)."""
+    batch, num_nodes = token_ids.shape
+    node = torch.arange(num_nodes, device=token_ids.device)
+    previous = torch.where(node > 0, node - 1, NO_NODE)
+    following = torch.where(node < num_nodes - 1, node + 1, NO_NODE)
+    mask = (node[None, :] <= node[:, None])[None].expand(batch, -1, -1)
+    rows = lambda row: row[None].expand(batch, -1)  # noqa: E731
+    return DraftTree(token_ids=token_ids, parent_ids=rows(previous), cand_ids=rows(previous),
+                     depths=rows(node), positions=seq_lens[:, None] + node,
+                     attn_mask=mask, packed_mask=pack_mask(mask[:1]).expand(batch, -1, -1),
+                     first_child_ids=rows(following),
+                     next_sibling_ids=rows(torch.full_like(node, NO_NODE)))

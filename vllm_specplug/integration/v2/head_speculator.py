@@ -33,6 +33,7 @@ import torch
 from torch.profiler import record_function
 
 from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.verification.backend import next_power_of_2, to_device
@@ -58,6 +59,10 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.slot_req_ids: list[str | None] = [None] * self.max_num_reqs
         self.stats = SpeculatorStats(device)
         self.runtime = None
+        cache = vllm_config.cache_config
+        # the head's rows of the target's cached blocks (prefix_blocks.py)
+        self.prefix = (PrefixBlocks(cache.block_size) if cache.enable_prefix_caching
+                       else None)
 
     @property
     def guard(self):
@@ -87,6 +92,18 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
                                "state; use topk=1 (a chain) for this model")
         model_state.bind(self.tree_slots)
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
+
+    @torch.inference_mode()
+    def schedule(self, scheduler_output, req_states) -> None:
+        """Before Model Runner V2 applies a scheduler output (our runner
+        patch calls it): the prefix blocks' bookkeeping."""
+        if self.prefix is None or self.runtime is None or self.guard.disabled:
+            return
+        finished = scheduler_output.finished_req_ids
+        self.guard.call("schedule", finished, self.prefix.schedule, scheduler_output,
+                        req_states.req_id_to_index.get,
+                        lambda slot: int(req_states.num_computed_tokens_np[slot]),
+                        self.runtime.pool)
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -124,6 +141,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         max_position = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
         self.runtime.pool.reserve(self.max_num_reqs, max_position + 1)
         prefill = input_batch.is_prefilling_np[:num_reqs] | new
+        if self.prefix is not None and new.any():
+            self._adopt_prefixes(input_batch, np.flatnonzero(new), new)
         with record_function("specplug::ingest"):  # ranges for `bench offline --phases`
             if (~prefill).any():
                 self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
@@ -133,6 +152,15 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
                                       last_sampled, next_prefill)
         with record_function("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts)
+
+    def _adopt_prefixes(self, input_batch, rows: np.ndarray, new: np.ndarray) -> None:
+        """Requests new to their slot that start on cached blocks get the
+        head's saved rows of them, and keep them (no longer `new`)."""
+        first = input_batch.num_computed_prefill_tokens_np
+        for row in rows:
+            if self.prefix.adopt(input_batch.req_ids[row], int(input_batch.idx_mapping_np[row]),
+                                 int(first[row]), self.runtime.pool):
+                new[row] = False
 
     def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
                         last_sampled, max_position: int) -> None:

@@ -124,6 +124,11 @@ class V2SpeculatorHooks:
     def prepare_watermarking(self, *args, **kwargs) -> None:
         raise RuntimeError("vllm-specplug speculators do not support watermarking")
 
+    def schedule(self, scheduler_output, req_states) -> None:
+        """Called by our runner patch with each scheduler output before the
+        runner applies it (block ids, finished requests)."""
+        del scheduler_output, req_states
+
 
 class SpecplugV2Speculator(V2SpeculatorHooks):
     """Drafts with a vllm-specplug proposer. Built by the patched

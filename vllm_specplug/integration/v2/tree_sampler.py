@@ -33,6 +33,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
+from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.kv_compaction import compact_kv_cache, compact_kv_layers
 from vllm_specplug.verification.metadata import NO_NODE, DraftTree
 from vllm_specplug.verification.seeded_random import seeded_uniform
@@ -112,6 +113,7 @@ class V2TreeRejectionSampler:
         sampled = verify_tree_stochastic(tree, self._node_probs(logits, input_batch, rows),
                                          *self._noise(input_batch, tree, logits.shape[1]),
                                          backend="triton", validate=False)
+        self._sample_draftless_rows(sampled, logits, input_batch)
         states, idx = self.sampler.sampling_states, input_batch.idx_mapping[:input_batch.num_reqs]
         is_greedy = (states.temperature.gpu[idx] == 0.0)[:, None]
         for name in ("output_token_ids", "accepted_node_ids"):
@@ -138,16 +140,21 @@ class V2TreeRejectionSampler:
 
     def _noise(self, input_batch, tree, vocab_size: int):
         """Uniforms [B, N] for acceptances and Exp(1) [B, V] for the residual
-        sample, from each request's seed and root position."""
-        idx = input_batch.idx_mapping[:input_batch.num_reqs]
+        sample, from each request's seed and root position: seq_len minus
+        its logits rows (a tree's first query row; a prefill's last prompt
+        token, wherever its chunk began: a prefix-cache hit or a chunked
+        prefill must not change a seeded request's noise)."""
+        num_reqs = input_batch.num_reqs
+        idx = input_batch.idx_mapping[:num_reqs]
         seeds = self.sampler.sampling_states.seeds.gpu[idx]
-        roots = input_batch.positions[input_batch.query_start_loc[:input_batch.num_reqs].long()]
+        cu_logits = input_batch.cu_num_logits[:num_reqs + 1].long()
+        roots = input_batch.seq_lens[:num_reqs].long() - (cu_logits[1:] - cu_logits[:-1])
         uniform = seeded_uniform(seeds, 2 * roots, tree.token_ids.shape[1])
         exp = -torch.log(seeded_uniform(seeds, 2 * roots + 1, vocab_size).clamp_(min=1e-20))
         return uniform, exp
 
-    def _roots_only(self, logits, input_batch, slots, num_nans) -> SamplerOutput:
-        """vLLM's sampler at every request's root row; every draft rejected."""
+    def _sample_roots(self, logits, input_batch):
+        """vLLM's sampler at every request's root row (its first logits row)."""
         num_reqs = input_batch.num_reqs
         roots = input_batch.cu_num_logits[:num_reqs].long()
         arange = np.arange(num_reqs + 1, dtype=np.int32)
@@ -157,7 +164,26 @@ class V2TreeRejectionSampler:
             logits_indices=input_batch.logits_indices[roots], cu_num_logits_np=arange,
             cu_num_logits=torch.from_numpy(arange).to(logits.device), num_draft_tokens=0,
             num_draft_tokens_per_req=None)
-        out = self.sampler(logits[roots], root_batch)
+        return self.sampler(logits[roots], root_batch)
+
+    def _sample_draftless_rows(self, sampled, logits, input_batch) -> None:
+        """Requests with no draft this step (a prefill, a decode drafted
+        nothing) take vLLM's sample, in place: vLLM's runner samples a
+        batch without drafts with its own sampler, so a seeded request's
+        token must not depend on whether others in its batch had trees."""
+        num_reqs = input_batch.num_reqs
+        draftless = np.diff(input_batch.cu_num_logits_np[:num_reqs + 1]) == 1
+        if not draftless.any():
+            return
+        ids = self._sample_roots(logits, input_batch).sampled_token_ids[:num_reqs, 0]
+        rows = to_device(np.flatnonzero(draftless), logits.device)
+        sampled.output_token_ids[rows, 0] = ids[rows].to(sampled.output_token_ids.dtype)
+
+    def _roots_only(self, logits, input_batch, slots, num_nans) -> SamplerOutput:
+        """vLLM's sampler at every request's root row; every draft rejected."""
+        num_reqs = input_batch.num_reqs
+        roots = input_batch.cu_num_logits[:num_reqs].long()
+        out = self._sample_roots(logits, input_batch)
         tokens = torch.full((num_reqs, slots.num_nodes), NO_NODE, dtype=torch.int64,
                             device=logits.device)
         tokens[:, :1] = out.sampled_token_ids[:num_reqs]

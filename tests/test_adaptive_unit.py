@@ -129,16 +129,25 @@ def _simulate(controller, clock, fixed, per_token, accept_rate, steps=200, num_r
     req_ids = [f"r{i}" for i in range(num_reqs)]
     kept_total = 0
     for step in range(steps):
-        drafts = controller.trim(req_ids, [list(range(k)) for _ in req_ids], num_reqs)
-        kept_total += sum(map(len, drafts)) if step >= steps // 2 else 0
-        clock.now += fixed + per_token * (num_reqs + sum(map(len, drafts)))
-        controller.step_done(num_reqs + sum(map(len, drafts)))
-        for req_id, draft in zip(req_ids, drafts):
-            accepted = 0
-            while accepted < len(draft) and rng.random() < accept_rate:
-                accepted += 1
-            controller.verified(req_id, accepted + 1)
+        kept = _step(controller, clock, req_ids, k, fixed, per_token, accept_rate, rng)
+        kept_total += kept if step >= steps // 2 else 0
     return kept_total / ((steps - steps // 2) * num_reqs)
+
+
+def _step(controller, clock, req_ids, k, fixed, per_token, accept_rate, rng) -> int:
+    """One step of the fake engine: drafts of k tokens trimmed, the affine
+    cost paid, each kept token accepted with `accept_rate` until the first
+    rejection; returns the draft tokens kept."""
+    drafts = controller.trim(req_ids, [list(range(k)) for _ in req_ids], len(req_ids))
+    num_tokens = len(req_ids) + sum(map(len, drafts))
+    clock.now += fixed + per_token * num_tokens
+    controller.step_done(num_tokens)
+    for req_id, draft in zip(req_ids, drafts):
+        accepted = 0
+        while accepted < len(draft) and rng.random() < accept_rate:
+            accepted += 1
+        controller.verified(req_id, accepted + 1)
+    return num_tokens - len(req_ids)
 
 
 def test_controller_speculates_where_it_pays_and_stops_where_it_does_not():
@@ -228,17 +237,10 @@ def _simulate_short_requests(controller, clock, phases, lifetime=20, num_reqs=4,
         for i in range(num_steps):
             req_ids = [f"r{(step + j * lifetime // num_reqs) // lifetime}-{j}"
                        for j in range(num_reqs)]
-            drafts = controller.trim(req_ids, [list(range(k)) for _ in req_ids], num_reqs)
+            kept = _step(controller, clock, req_ids, k, fixed, per_token, accept_rate, rng)
             if phase == len(phases) - 1 and i >= num_steps // 2:
-                kept_total += sum(map(len, drafts))
+                kept_total += kept
                 counted += num_reqs
-            clock.now += fixed + per_token * (num_reqs + sum(map(len, drafts)))
-            controller.step_done(num_reqs + sum(map(len, drafts)))
-            for req_id, draft in zip(req_ids, drafts):
-                accepted = 0
-                while accepted < len(draft) and rng.random() < accept_rate:
-                    accepted += 1
-                controller.verified(req_id, accepted + 1)
             step += 1
     return kept_total / counted
 

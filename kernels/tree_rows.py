@@ -14,7 +14,10 @@ One program per row of the persistent buffers.
 `verified_rows_kernel` (after verification, for the drafter's ingest): for
 each decoding request, its verified positions padded to R rows by repeating
 the last one: the query row each reads its target hidden state from, the
-position, and the token that follows it.
+position, and the token that follows it; and the root of its next draft (the
+token sampled after them, and its position). Programs past the requests
+repeat the last request, so a batch padded to a capture size is laid out in
+the same launch.
 """
 import triton
 import triton.language as tl
@@ -55,10 +58,11 @@ def prepare_tree_rows_kernel(positions_ptr, query_start_ptr, cu_num_logits_ptr,
 def verified_rows_kernel(batch_rows_ptr, query_start_ptr, seq_lens_ptr, num_rejected_ptr,
                          cu_num_logits_ptr, idx_mapping_ptr, accepted_node_ptr,
                          input_ids_ptr, last_sampled_ptr, token_rows_ptr, positions_ptr,
-                         next_ids_ptr, slots_ptr, cuts_ptr, N, R: tl.constexpr,
-                         USE_NODES: tl.constexpr):
+                         next_ids_ptr, slots_ptr, cuts_ptr, root_ids_ptr, root_positions_ptr,
+                         num_requests, N, R: tl.constexpr, USE_NODES: tl.constexpr):
+    # programs past the requests repeat the last one (padding to a capture size)
     p = tl.program_id(0)
-    b = tl.load(batch_rows_ptr + p).to(tl.int64)
+    b = tl.load(batch_rows_ptr + tl.minimum(p, num_requests - 1)).to(tl.int64)
     first = tl.load(query_start_ptr + b)
     num_query = tl.load(query_start_ptr + b + 1) - first
     first_position = tl.load(seq_lens_ptr + b) - num_query
@@ -86,3 +90,6 @@ def verified_rows_kernel(batch_rows_ptr, query_start_ptr, seq_lens_ptr, num_reje
     tl.store(next_ids_ptr + p * R + r, tl.where(j + 1 < num_verified, following, last))
     tl.store(slots_ptr + p, slot)
     tl.store(cuts_ptr + p, first_position)
+    # the next tree's root: the token sampled after the verified positions
+    tl.store(root_ids_ptr + p, last)
+    tl.store(root_positions_ptr + p, first_position + num_verified)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_specplug.integration.v2.tree_sampler import compact_kv
@@ -115,6 +116,63 @@ def test_padded_ingest_equals_ragged_ingest():
         torch.testing.assert_close(getattr(padded, name), getattr(ragged, name),
                                    atol=1e-5, rtol=1e-5)
     assert torch.equal(padded.valid, ragged.valid)
+
+
+def _fused_step_runtimes(seed: int, device: str = "cpu", cuda_graphs=(False, False)):
+    """Two runtimes over one random GQA head, both holding slots 0-2's
+    positions 0..9, and a padded decode step for them (3 requests padded
+    to 4, 4 rows each: slot 2 verified 3 positions, the others 1 and 4)."""
+    from tests.test_tree_eagle_unit import _gqa_head
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    head = _gqa_head(seed).to(device)
+    generator = torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(50, 32, _weight=torch.randn(50, 32, generator=generator))
+    embed = embed.to(device)
+    runtimes = [HeadRuntime(head, embed, cuda_graphs=graphs) for graphs in cuda_graphs]
+    prefix = torch.randn(30, 48, generator=generator).to(device)
+    prefix_ids = torch.randint(0, 50, (30,), generator=generator).to(device)
+    for runtime in runtimes:
+        runtime.make_pool(4, torch.float32, device)
+        runtime.ingest_slots(np.array([0, 1, 2]), np.ones(3, dtype=bool), prefix, prefix_ids,
+                             np.tile(np.arange(10), 3), [10, 10, 10])
+    counts = torch.tensor([3, 1, 4, 4])  # the 4th request pads: it repeats the 3rd
+    take = torch.minimum(torch.arange(4)[None], counts[:, None] - 1)  # [4, 4]
+    step = dict(slots=torch.tensor([2, 0, 1, 1]),
+                target_hidden=torch.randn(4, 4, 48, generator=generator)
+                .gather(1, take[..., None].expand(-1, -1, 48)).flatten(0, 1),
+                next_token_ids=torch.randint(0, 50, (4, 4), generator=generator)
+                .gather(1, take).flatten(),
+                positions=10 + take, cuts=torch.full((4,), 10),
+                root_token_ids=torch.tensor([7, 8, 9, 9]), root_positions=10 + counts)
+    step["next_token_ids"][-4:] = step["next_token_ids"][-8:-4]  # padding repeats
+    step["target_hidden"][-4:] = step["target_hidden"][-8:-4]
+    return runtimes, {name: value.to(device) for name, value in step.items()}
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 6), (4, 4, 16)])
+def test_fused_decode_step_equals_ingest_then_draft(shape):
+    """What the V2 speculator runs when every request decodes (ingest and
+    drafting in one pass, one graph replay on CUDA; here eagerly) leaves the
+    cache and drafts the trees that the padded ingest followed by a drafting
+    pass give, for chains and trees."""
+    runtimes, step = _fused_step_runtimes(seed=3)
+    num_keys = 64  # the keys bucket both paths read
+    emitted = []
+    runtimes[0].decode_step(*step.values(), num_keys, shape,
+                            lambda slots, tree: emitted.append((slots.clone(), tree)))
+    runtimes[1].ingest_padded(step["slots"], step["target_hidden"], step["next_token_ids"],
+                              step["positions"], step["cuts"], max_position=num_keys - 1)
+    want = runtimes[1].draft_slots(step["slots"], step["root_token_ids"],
+                                   step["root_positions"], num_keys, *shape)
+    (slots, tree), = emitted
+    assert torch.equal(slots, step["slots"])
+    for name in ("token_ids", "parent_ids", "depths", "positions", "packed_mask"):
+        assert torch.equal(getattr(tree, name), getattr(want, name)), name
+    fused, separate = (r.pool for r in runtimes)
+    for name in ("keys", "values", "valid", "last_out", "last_logits"):
+        assert torch.equal(getattr(fused, name), getattr(separate, name)), name
+    assert fused.valid[1, :14].all() and not fused.valid[1, 14:].any()
 
 
 def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():

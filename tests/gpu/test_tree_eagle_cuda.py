@@ -171,6 +171,39 @@ def test_graphed_decode_ingest_equals_the_padded_pass_run_eagerly(dtype):
         assert torch.equal(getattr(graphed.pool, name), getattr(eager.pool, name)), name
 
 
+@pytest.mark.parametrize("shape", [(1, 5, 6), (4, 4, 16)])
+def test_graphed_fused_step_reads_its_buffers_in_place(shape):
+    """The fused decode step (ingest + drafting, one replay) reads the
+    speculator's persistent buffers where they are: three steps that rewrite
+    the same buffers give caches and drafts bit-equal to the same pass run
+    eagerly, from one captured graph."""
+    from tests.test_v2_tree_unit import _fused_step_runtimes
+
+    runtimes, step = _fused_step_runtimes(seed=4, device="cuda", cuda_graphs=(True, False))
+    buffers = {name: value.clone() for name, value in step.items()}
+    # what the pass emits goes to a persistent tensor, as the speculator's drafts
+    # do: a replay runs the captured kernels, not the Python that recorded them
+    emitted = [torch.zeros(4, shape[2], dtype=torch.int64, device="cuda") for _ in range(2)]
+    drafts = [[], []]
+    for k in range(3):  # each step verifies 4 more positions per request
+        for name, value in step.items():
+            fresh = value + 4 * k if name in ("positions", "cuts", "root_positions") else value
+            if name == "next_token_ids":
+                fresh = (value + 7 * k) % 50
+            buffers[name].copy_(fresh)
+        for runtime, out, seen in zip(runtimes, emitted, drafts):
+            runtime.decode_step(*buffers.values(), 64, shape,
+                                lambda slots, tree, out=out: out.copy_(tree.token_ids))
+            seen.append(out.clone())
+    graphed, eager = runtimes
+    assert not graphed.graphs.disabled and len(graphed.graphs.keys("step")) == 1
+    for got, want in zip(*drafts):
+        assert torch.equal(got, want)
+    assert not torch.equal(drafts[0][0], drafts[0][2])  # the steps differ
+    for name in ("keys", "values", "valid", "last_out", "last_logits"):
+        assert torch.equal(getattr(graphed.pool, name), getattr(eager.pool, name)), name
+
+
 class _OnCuda:
     """A runtime whose ingest inputs (built on the CPU) move to CUDA."""
 

@@ -87,7 +87,8 @@ def test_prepare_tree_rows_kernel_equals_reference_and_meaning(seed, device):
 @pytest.mark.parametrize("trees", [True, False])
 def test_verified_rows_kernel_equals_reference_and_meaning(seed, trees, device):
     """Decode rows of trees (or chains): the ingest reads root then the
-    accepted path, each followed by the next accepted token, the bonus last."""
+    accepted path, each followed by the next accepted token, the bonus last;
+    the bonus roots the next draft; padding repeats the last request."""
     b = _batch(seed, device)
     tree = b["tree"]
     decode = [0, 2, 3, 4]  # tree rows and the plain decode (its one row)
@@ -121,18 +122,25 @@ def test_verified_rows_kernel_equals_reference_and_meaning(seed, trees, device):
     args = [t.to(device) for t in (batch_rows, b["query_start"], seq_lens, num_rejected,
                                    b["cu"], b["slots"])]
     nodes = accepted.to(device) if trees else None
+    num_padded = len(decode) + 3  # padded to a capture size: the last request repeats
     outs = [verified_rows(*args, nodes, input_ids.to(device), last_sampled.to(device), 16,
-                          backend=backend) for backend in ("torch", "triton")]
-    for name in ("token_rows", "positions", "next_ids", "slots", "cuts"):
+                          num_padded, backend=backend) for backend in ("torch", "triton")]
+    for name in ("token_rows", "positions", "next_ids", "slots", "cuts", "root_ids",
+                 "root_positions"):
         assert torch.equal(getattr(outs[0], name).cpu(), getattr(outs[1], name).cpu()), name
+        per_request = getattr(outs[0], name).view(num_padded, -1).cpu()
+        assert (per_request[len(decode):] == per_request[len(decode) - 1]).all(), name
     ref = outs[0]
     for p, r in enumerate(decode):
         first, a = int(b["query_start"][r]), int(num_accepted[r])
         path = accepted[r, :a + 1]
-        rows = ref.token_rows.view(len(decode), 16)[p].cpu()
+        rows = ref.token_rows.view(num_padded, 16)[p].cpu()
         assert torch.equal(rows[:a + 1], first + path) and (rows[a + 1:] == rows[a]).all()
         assert torch.equal(ref.positions[p].cpu()[:a + 1], b["roots"][r] + torch.arange(a + 1))
-        following = ref.next_ids.view(len(decode), 16)[p].cpu()
+        following = ref.next_ids.view(num_padded, 16)[p].cpu()
         assert torch.equal(following[:a], input_ids[first + path[1:]].long())
         assert int(following[a]) == int(last_sampled[b["slots"][r]])
         assert int(ref.cuts[p]) == int(b["roots"][r])
+        # the next draft's root: the bonus token, right after the accepted path
+        assert int(ref.root_ids[p]) == int(last_sampled[b["slots"][r]])
+        assert int(ref.root_positions[p]) == int(b["roots"][r]) + a + 1

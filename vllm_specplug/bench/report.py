@@ -89,7 +89,8 @@ def format_adaptive_table(rows) -> str:
     return "\n".join(lines)
 
 
-PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "ingest", "draft_tree")
+PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",
+               "draft_tree")
 
 
 def format_phases_table(rows) -> str:

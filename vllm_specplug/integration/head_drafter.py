@@ -67,5 +67,13 @@ class HeadDrafter:
                                    cuda_graphs=self.cuda_graphs)
         return self.runtime
 
-    def target_hidden(self, hidden_states, aux_hidden_states, rows):
-        return self.loaded.target_hidden(hidden_states, aux_hidden_states, rows)
+    def target_hidden(self, hidden_states, aux_hidden_states, rows, out=None):
+        return self.loaded.target_hidden(hidden_states, aux_hidden_states, rows, out)
+
+    def target_layout(self, hidden_states, aux_hidden_states) -> tuple[int, torch.dtype]:
+        """Features per row of `target_hidden`, and their dtype."""
+        sources = self.loaded.target_sources(hidden_states, aux_hidden_states)
+        if sources is None:
+            raise RuntimeError(f"{self.method}: the target's runner produced no hidden "
+                               "states for the drafter")
+        return sum(s.shape[-1] for s in sources), sources[0].dtype

@@ -189,14 +189,26 @@ class LoadedDrafter:
             return module
         return MtpDraftLayer(module, self.lm_head_weight.to(device))
 
+    def target_sources(self, hidden_states: torch.Tensor | None,
+                       aux_hidden_states: list[torch.Tensor] | None) -> list | None:
+        """The target's tensors the drafter reads, [T, *] each (EAGLE-3: its
+        auxiliary layers; MTP: the last hidden state); None where the runner
+        did not produce them."""
+        if self.aux_layer_ids is None:
+            return None if hidden_states is None else [hidden_states]
+        return aux_hidden_states
+
     def target_hidden(self, hidden_states: torch.Tensor | None,
                       aux_hidden_states: list[torch.Tensor] | None,
-                      rows: torch.Tensor | slice) -> torch.Tensor | None:
-        """[len(rows), *] what the drafter reads at the target's token `rows`
-        (EAGLE-3: its auxiliary layers, concatenated; MTP: the last hidden
-        state); None where the runner did not produce it."""
-        if self.aux_layer_ids is None:
-            return None if hidden_states is None else hidden_states[rows]
-        if aux_hidden_states is None:
+                      rows: torch.Tensor | slice,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[len(rows), *] what the drafter reads at the target's token `rows`,
+        the sources concatenated (into `out` when given: a graph's input)."""
+        sources = self.target_sources(hidden_states, aux_hidden_states)
+        if sources is None:
             return None
-        return torch.cat([h[rows] for h in aux_hidden_states], dim=-1)
+        if len(sources) == 1 and out is not None:
+            return torch.index_select(sources[0], 0, rows, out=out)
+        if len(sources) == 1:
+            return sources[0][rows]
+        return torch.cat([h[rows] for h in sources], dim=-1, out=out)

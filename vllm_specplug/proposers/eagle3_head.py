@@ -34,7 +34,7 @@ from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView, HeadCachePool
 from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, keys_bucket,
                                                   padded, padded_batch, run_draft_pass,
-                                                  run_ingest_pass)
+                                                  run_ingest_pass, run_step_pass)
 from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, chain_tree,
@@ -215,6 +215,28 @@ class HeadRuntime:
         attn = self._attend_slots(queries, slots, positions, num_keys)
         out = self.layer.finish(attn.reshape(batch * rows, -1), base).view(batch, rows, -1)
         pool.set_last(slots, out[:, -1], self._logits(out[:, -1]))
+
+    @torch.inference_mode()
+    def decode_step(self, slots: torch.Tensor, target_hidden: torch.Tensor,
+                    next_token_ids: torch.Tensor, positions: torch.Tensor, cuts: torch.Tensor,
+                    root_token_ids: torch.Tensor, root_positions: torch.Tensor, num_keys: int,
+                    shape: tuple[int, int, int], emit: Callable) -> None:
+        """A decode step in one pass: the ingest of `_ingest_pass` (its padded
+        layout: slots [P], target_hidden [P * R, *], next_token_ids [P * R],
+        positions [P, R], cuts [P]), then trees of `shape` (topk, num_steps,
+        num_draft_tokens) from root_token_ids [P] at root_positions [P],
+        handed to `emit(slots, tree)` inside the pass. `num_keys` bounds the
+        positions from above (host). The inputs are the caller's persistent
+        buffers: on CUDA the pass replays one graph that reads them in place."""
+        inputs = [slots, target_hidden, next_token_ids, positions, cuts, root_token_ids,
+                  root_positions]
+        run_step_pass(self.graphs, self._step_pass, self.pool, inputs, num_keys, shape, emit)
+
+    def _step_pass(self, slots, target_hidden, next_token_ids, positions, cuts, root_token_ids,
+                   root_positions, num_keys: int, shape: tuple[int, int, int],
+                   emit: Callable) -> None:
+        self._ingest_pass(slots, target_hidden, next_token_ids, positions, cuts, num_keys)
+        emit(slots, self._draft_pass(slots, root_token_ids, root_positions, num_keys, *shape))
 
     def _attend(self, queries: torch.Tensor, slots: np.ndarray,
                 query_positions: list[np.ndarray]) -> torch.Tensor:

@@ -16,7 +16,11 @@ A decode step's ingest (every request cached before, its accepted tokens
 plus one, at most MAX_GRAPHED_ROWS positions each) is the same kind of
 pass: padded to [capture size, power-of-two rows] by repetition
 (`IngestLayout`), it replays a graph too. Prefills and new requests, whose
-sizes vary widely, ingest eagerly.
+sizes vary widely, ingest eagerly. On Model Runner V2 a step where every
+request decodes runs ingest and drafting as one pass (`run_step_pass`), one
+replay that reads its inputs where the speculator wrote them: host work per
+step is then a few launches (the drafting pass alone was 13 to 17 at batch 1
+to 64, and 22 with the ingest, docs/results/v2_chain_speed_h200).
 """
 from __future__ import annotations
 
@@ -78,12 +82,16 @@ class PassGraphs:
         return [k for k in self.graphs if k[0] == kind]
 
     def run(self, version: int, key: tuple, run_pass: Callable[..., Any],
-            inputs: list[torch.Tensor], *constants) -> tuple[bool, Any]:
+            inputs: list[torch.Tensor], *constants, own_inputs: bool = False
+            ) -> tuple[bool, Any]:
         """(True, outputs) of `run_pass(*inputs, *constants)` replayed from the
         graph captured for `key` (captured first if new); (False, None) when
         graphs are off or the capture failed: the caller runs it eagerly.
         The shapes of `run_pass` must be fixed by `key`; outputs are the
-        graph's own tensors, valid until the next replay."""
+        graph's own tensors, valid until the next replay. `own_inputs`: the
+        inputs are the caller's persistent buffers, the same per key; the
+        graph reads them in place (no copy; one is copied in only if its
+        address changed)."""
         if key[0] in self.disabled:
             return False, None
         if version != self.version:  # reallocated: the captured addresses are stale
@@ -94,16 +102,17 @@ class PassGraphs:
             self.version = version
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self._capture(key, run_pass, inputs, constants)
+            captured = self._capture(key, run_pass, inputs, constants, own_inputs)
             if captured is None:
                 return False, None
         for static, value in zip(captured.inputs, inputs):
-            static.copy_(value)
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
         captured.graph.replay()
         return True, captured.outputs
 
-    def _capture(self, key, run_pass, inputs, constants) -> _Captured | None:
-        static = [t.clone() for t in inputs]
+    def _capture(self, key, run_pass, inputs, constants, own_inputs) -> _Captured | None:
+        static = list(inputs) if own_inputs else [t.clone() for t in inputs]
         try:
             if self.memory_pool is None:
                 self.memory_pool = torch.cuda.graph_pool_handle()
@@ -202,3 +211,18 @@ def run_ingest_pass(graphs: PassGraphs, ingest_pass: Callable[..., None], pool,
     if not ok:
         ingest_pass(*inputs, num_keys)
     pool.note_rows(layout.request_slots, layout.row_slots, layout.row_positions)
+
+
+def run_step_pass(graphs: PassGraphs | None, step_pass: Callable[..., None], pool,
+                  inputs: list[torch.Tensor], num_keys: int, shape: tuple[int, int, int],
+                  emit: Callable) -> None:
+    """A whole decode step (`HeadRuntime._step_pass`: ingest, then draft) on
+    `inputs`, the caller's persistent buffers already padded to a capture
+    size: replayed from its graph, reading them in place (eager if none)."""
+    pool.reserve(0, num_keys)  # before the key: a reallocation voids the graphs
+    num_keys = keys_bucket(num_keys, pool.capacity)
+    key = ("step", *inputs[3].shape, num_keys, shape)  # inputs[3]: positions [Bp, R]
+    ran = graphs is not None and graphs.run(pool.version, key, step_pass, inputs, num_keys,
+                                            shape, emit, own_inputs=True)[0]
+    if not ran:
+        step_pass(*inputs, num_keys, shape, emit)

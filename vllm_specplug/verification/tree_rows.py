@@ -13,7 +13,8 @@ was drafted. Kernels: `kernels/tree_rows.py`.
 - `verified_rows`: after verification, each decoding request's verified
   positions (its first query row, then the accepted path) padded to R rows,
   what the drafter ingests: the query row of each (its target hidden state),
-  its position, and the token after it.
+  its position, and the token after it; and the root of each request's next
+  draft. It can write a padded batch straight into a CUDA graph's inputs.
 
 Both run with no host synchronisation, so a step stays asynchronous.
 """
@@ -29,12 +30,22 @@ from vllm_specplug.verification.tree_attention import TreeAttentionMetadata
 
 @dataclass
 class VerifiedRows:
-    """P decoding requests' verified positions, R rows each (the last repeated)."""
+    """P decoding requests' verified positions, R rows each (the last
+    repeated); past the requests, padding repeats the last request."""
     token_rows: torch.Tensor  # [P * R] int64, query row of each position
     positions: torch.Tensor  # [P, R] int64
     next_ids: torch.Tensor  # [P * R] int64, the token after each position
     slots: torch.Tensor  # [P] int64, each request's state slot
     cuts: torch.Tensor  # [P] int64, the first position this step verified
+    root_ids: torch.Tensor  # [P] int64, the token sampled after them (next draft's root)
+    root_positions: torch.Tensor  # [P] int64, its position
+
+    @classmethod
+    def empty(cls, num_padded: int, num_rows: int, device) -> "VerifiedRows":
+        rows = lambda *shape: torch.empty(*shape, dtype=torch.int64,  # noqa: E731
+                                          device=device)
+        return cls(rows(num_padded * num_rows), rows(num_padded, num_rows),
+                   rows(num_padded * num_rows), *(rows(num_padded) for _ in range(4)))
 
 
 def _is_tree_row(b, num_query, num_logits, slot_is_tree, idx_mapping, max_nodes) -> bool:
@@ -93,15 +104,13 @@ def prepare_tree_rows(positions: torch.Tensor, query_start_loc: torch.Tensor,
 
 def verified_rows_reference(batch_rows, query_start_loc, seq_lens, num_rejected,
                             cu_num_logits, idx_mapping, accepted_nodes, input_ids,
-                            last_sampled, num_rows: int) -> VerifiedRows:
+                            last_sampled, num_rows: int, out: VerifiedRows) -> VerifiedRows:
     """Plain-PyTorch specification of `verified_rows`."""
-    device = input_ids.device
     count = batch_rows.shape[0]
-    token_rows = torch.zeros(count, num_rows, dtype=torch.int64, device=device)
-    positions, next_ids = torch.zeros_like(token_rows), torch.zeros_like(token_rows)
-    slots = torch.zeros(count, dtype=torch.int64, device=device)
-    cuts = torch.zeros_like(slots)
-    for p, b in enumerate(batch_rows.tolist()):
+    token_rows, positions = out.token_rows.view(-1, num_rows), out.positions
+    next_ids = out.next_ids.view(-1, num_rows)
+    for p in range(out.slots.shape[0]):
+        b = int(batch_rows[min(p, count - 1)])
         first = int(query_start_loc[b])
         num_query = int(query_start_loc[b + 1]) - first
         first_position = int(seq_lens[b]) - num_query
@@ -111,23 +120,28 @@ def verified_rows_reference(batch_rows, query_start_loc, seq_lens, num_rejected,
         path = range(num_verified - base + 1)
         offsets += [base - 1 + (int(accepted_nodes[b, k]) if accepted_nodes is not None
                                 else k) for k in path]
-        slots[p], cuts[p] = int(idx_mapping[b]), first_position
+        slot = int(idx_mapping[b])
+        out.slots[p], out.cuts[p] = slot, first_position
+        out.root_ids[p] = int(last_sampled[slot])
+        out.root_positions[p] = first_position + num_verified
         for r in range(num_rows):
             j = min(r, num_verified - 1)
             token_rows[p, r] = first + offsets[j]
             positions[p, r] = first_position + j
             next_ids[p, r] = (int(input_ids[first + offsets[j + 1]]) if j + 1 < num_verified
-                              else int(last_sampled[slots[p]]))
-    return VerifiedRows(token_rows.flatten(), positions, next_ids.flatten(), slots, cuts)
+                              else int(last_sampled[slot]))
+    return out
 
 
 def verified_rows(batch_rows: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, num_rejected: torch.Tensor,
                   cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor,
                   accepted_nodes: torch.Tensor | None, input_ids: torch.Tensor,
-                  last_sampled: torch.Tensor, num_rows: int,
+                  last_sampled: torch.Tensor, num_rows: int, num_padded: int | None = None,
+                  out: VerifiedRows | None = None,
                   backend: Backend = "auto") -> VerifiedRows:
-    """The verified positions of decoding requests, for the drafter's ingest.
+    """The verified positions of decoding requests, for the drafter's ingest,
+    and the roots of their next drafts.
 
     Args:
         batch_rows: [P] int64, the batch rows of the requests (each with at
@@ -139,22 +153,24 @@ def verified_rows(batch_rows: torch.Tensor, query_start_loc: torch.Tensor,
         input_ids: [T] int32, the step's input tokens; last_sampled: [S]
             int64, each slot's last sampled token (the bonus).
         num_rows: R, a power of two.
+        num_padded: Pp >= P rows of output, the last request repeated past P
+            (a capture size); P when None.
+        out: where to write (`VerifiedRows.empty(Pp, R)`-shaped, e.g. a CUDA
+            graph's inputs); fresh tensors when None.
     """
+    num_padded = batch_rows.shape[0] if num_padded is None else num_padded
+    if out is None:
+        out = VerifiedRows.empty(num_padded, num_rows, input_ids.device)
     if resolve_backend(backend, input_ids) == "torch":
         return verified_rows_reference(batch_rows, query_start_loc, seq_lens, num_rejected,
                                        cu_num_logits, idx_mapping, accepted_nodes, input_ids,
-                                       last_sampled, num_rows)
+                                       last_sampled, num_rows, out)
     from vllm_specplug.kernels.tree_rows import verified_rows_kernel
 
-    count, device = batch_rows.shape[0], input_ids.device
-    token_rows = torch.empty(count * num_rows, dtype=torch.int64, device=device)
-    next_ids = torch.empty_like(token_rows)
-    positions = torch.empty(count, num_rows, dtype=torch.int64, device=device)
-    slots = torch.empty(count, dtype=torch.int64, device=device)
-    cuts = torch.empty_like(slots)
-    nodes = accepted_nodes if accepted_nodes is not None else slots
-    verified_rows_kernel[(count,)](
+    nodes = accepted_nodes if accepted_nodes is not None else out.slots
+    verified_rows_kernel[(num_padded,)](
         batch_rows, query_start_loc, seq_lens, num_rejected, cu_num_logits, idx_mapping,
-        nodes, input_ids, last_sampled, token_rows, positions, next_ids, slots, cuts,
+        nodes, input_ids, last_sampled, out.token_rows, out.positions, out.next_ids,
+        out.slots, out.cuts, out.root_ids, out.root_positions, batch_rows.shape[0],
         nodes.shape[-1], R=num_rows, USE_NODES=accepted_nodes is not None)
-    return VerifiedRows(token_rows, positions, next_ids, slots, cuts)
+    return out

@@ -17,6 +17,12 @@ step, with no host synchronisation:
    drafts, and for trees the parents, depths and ancestor bits go to the
    request's state slot (`TreeSlots`) for the next step's layout.
 
+When every request of the step decodes (the steady state), 1 and 2 are one
+pass: a kernel writes the verified rows and the roots straight into
+persistent buffers (`StepInputs`), the target's hidden states there are
+gathered into another, and one graph replay ingests, drafts and writes the
+drafts (`HeadRuntime.decode_step`). Host work is then about five launches.
+
 The head's cache pool is addressed by Model Runner V2's state slots, so no
 request bookkeeping is needed beyond knowing when a slot changed hands.
 Failures go through the method's `ProposerGuard`: a failing head costs
@@ -36,8 +42,33 @@ from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
+from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2, to_device
-from vllm_specplug.verification.tree_rows import verified_rows
+from vllm_specplug.verification.tree_rows import VerifiedRows, verified_rows
+
+
+class StepInputs:
+    """Persistent buffers a fused decode step's graph reads in place: views
+    of them taken the same way for a given (padded batch, rows) always start
+    at the same address."""
+
+    def __init__(self, max_padded: int, max_rows: int, device: torch.device) -> None:
+        self.max_padded, self.max_rows, self.device = max_padded, max_rows, device
+        self.buffers = VerifiedRows.empty(max_padded, max_rows, device)
+        self.batch_rows = torch.arange(max_padded, dtype=torch.int64, device=device)  # [Bp]
+        self.target: torch.Tensor | None = None  # [Bp * R, *] the target's hidden states
+
+    def rows(self, size: int, num_rows: int) -> VerifiedRows:
+        b, n = self.buffers, size * num_rows
+        return VerifiedRows(b.token_rows[:n], b.positions.view(-1)[:n].view(size, num_rows),
+                            b.next_ids[:n], b.slots[:size], b.cuts[:size], b.root_ids[:size],
+                            b.root_positions[:size])
+
+    def hidden(self, num: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.target is None or self.target.shape[1] != width or self.target.dtype != dtype:
+            self.target = torch.empty(self.max_padded * self.max_rows, width, dtype=dtype,
+                                      device=self.device)
+        return self.target[:num]
 
 
 
@@ -52,11 +83,16 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         num_nodes = self.drafter.options.num_draft_tokens
         self.tree_slots = (TreeSlots(self.max_num_reqs, num_nodes, device)
                            if self.drafter.is_tree else None)
-        self.drafts = torch.zeros(self.max_num_reqs, self.num_speculative_steps,
+        # rows past max_num_reqs: a fused step's padding writes there (see _emit)
+        self.drafts = torch.zeros(padded_batch(self.max_num_reqs), self.num_speculative_steps,
                                   dtype=torch.int64, device=device)
+        self.step_inputs = StepInputs(padded_batch(self.max_num_reqs),
+                                      next_power_of_2(self.drafter.options.num_steps + 1),
+                                      device)
         # read by vLLM only with adaptive verification, which trees do not use
-        self.draft_token_confidence_probs = torch.ones_like(self.drafts, dtype=torch.float32)
-        self.slot_req_ids: list[str | None] = [None] * self.max_num_reqs
+        self.draft_token_confidence_probs = torch.ones(
+            self.max_num_reqs, self.num_speculative_steps, dtype=torch.float32, device=device)
+        self.slot_req_ids = np.full(self.max_num_reqs, None, dtype=object)  # [S]
         self.stats = SpeculatorStats(device)
         self.runtime = None
         cache = vllm_config.cache_config
@@ -118,7 +154,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             return drafts
         started = time.perf_counter()
         ok = not self.guard.disabled and self.guard.call(
-            "propose", list(input_batch.req_ids), self._step, input_batch,
+            "propose", input_batch.req_ids, self._step, input_batch,
             last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
             next_prefill_tokens, drafts)[0]
         if not ok:  # failed or switched off: last-token drafts, verified as chains
@@ -134,24 +170,58 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
               drafts) -> None:
         num_reqs = input_batch.num_reqs
         slots_np = input_batch.idx_mapping_np[:num_reqs]
-        new = np.array([self.slot_req_ids[s] != r for s, r in
-                        zip(slots_np, input_batch.req_ids)], dtype=bool)
-        for s, r in zip(slots_np, input_batch.req_ids):
-            self.slot_req_ids[s] = r
+        req_ids = np.asarray(input_batch.req_ids[:num_reqs], dtype=object)
+        new = (self.slot_req_ids[slots_np] != req_ids).astype(bool)
+        self.slot_req_ids[slots_np] = req_ids
         max_position = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
         self.runtime.pool.reserve(self.max_num_reqs, max_position + 1)
         prefill = input_batch.is_prefilling_np[:num_reqs] | new
         if self.prefix is not None and new.any():
             self._adopt_prefixes(input_batch, np.flatnonzero(new), new)
-        with record_function("specplug::ingest"):  # ranges for `bench offline --phases`
+        if not prefill.any():  # every request decodes: one pass
+            with record_function("specplug::decode_step"):  # ranges for `bench offline --phases`
+                return self._decode_step(input_batch, hidden, aux, num_rejected, last_sampled,
+                                         max_position)
+        with record_function("specplug::ingest"):
             if (~prefill).any():
                 self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
                                      num_rejected, last_sampled, max_position)
-            if prefill.any():
-                self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
-                                      last_sampled, next_prefill)
+            self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
+                                  last_sampled, next_prefill)
         with record_function("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts)
+
+    def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,
+                     max_position: int) -> None:
+        """A step where every request decodes: its verified rows and roots
+        (one kernel) and the target's hidden states there are written into
+        persistent buffers, padded to a capture size; the head ingests and
+        drafts in one graph replay that reads them in place (`_emit` writes
+        the drafts inside it)."""
+        num_reqs = input_batch.num_reqs
+        most = min(int(input_batch.num_scheduled_tokens[:num_reqs].max()),
+                   self.drafter.options.num_steps + 1)
+        size, num_rows = padded_batch(num_reqs), next_power_of_2(most)
+        rows = self.step_inputs.rows(size, num_rows)
+        verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
+        verified_rows(self.step_inputs.batch_rows[:num_reqs], input_batch.query_start_loc,
+                      input_batch.seq_lens, num_rejected, input_batch.cu_num_logits,
+                      input_batch.idx_mapping,
+                      self.tree_slots.accepted_nodes if verified_trees else None,
+                      input_batch.input_ids, last_sampled, num_rows, size, out=rows)
+        target = self.step_inputs.hidden(size * num_rows,
+                                         *self.drafter.target_layout(hidden, aux))
+        self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
+        self.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,
+                                 rows.root_ids, rows.root_positions, max_position + 1,
+                                 self.drafter.tree_shape, self._emit)
+
+    def _emit(self, slots: torch.Tensor, tree) -> None:
+        """Inside the fused step's pass: drafts of the padded batch (rows past
+        num_reqs are never read), and the trees for the next step's layout."""
+        self.drafts[:slots.shape[0]].copy_(tree.token_ids[:, 1:1 + self.drafts.shape[1]])
+        if self.tree_slots is not None:
+            self.tree_slots.store(slots, tree, True)
 
     def _adopt_prefixes(self, input_batch, rows: np.ndarray, new: np.ndarray) -> None:
         """Requests new to their slot that start on cached blocks get the

@@ -358,8 +358,9 @@ def test_head_block_store_hands_whole_cached_prefixes_to_new_requests():
     store = HeadBlockStore()
     rows = {b: (torch.full((2, 4, 3), float(b)), torch.full((2, 4, 3), -float(b)))
             for b in (7, 9)}
-    for block, (k, v) in rows.items():
-        store.save(block, k, v)
+    span_keys, span_values = (torch.cat([rows[7][i], rows[9][i]], 1) for i in (0, 1))
+    store.save_blocks([7, 9], span_keys, span_values)  # one span, two blocks
+    span_keys.zero_()  # the store copied the span
     keys, values, valid = store.gather(np.array([9, 7]))
     assert keys[:, :4].eq(9).all() and keys[:, 4:].eq(7).all() and values.eq(-keys).all()
     assert valid.tolist() == [True] * 7 + [False]  # the last row: another request's next token
@@ -368,7 +369,7 @@ def test_head_block_store_hands_whole_cached_prefixes_to_new_requests():
     assert store.gather(np.array([9, 7])) is None
     # a block the drafter held only in part (Model Runner V2 saves blocks
     # with their validity bits): only those rows come back valid
-    store.save(5, *rows[7], valid=torch.tensor([True, True, False, False]))
+    store.save_blocks([5], *rows[7], valid=torch.tensor([True, True, False, False]))
     keys, values, valid = store.gather(np.array([9, 5]))
     assert valid.tolist() == [True] * 6 + [False] * 2
     assert store.blocks[5][2].tolist() == [True, True, False, False]  # gather copied

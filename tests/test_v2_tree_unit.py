@@ -79,6 +79,13 @@ def test_tree_slots_store_and_forget():
     assert slots.is_tree.tolist() == [1, 0, 0, 0, 1, 0]
     assert slots.parents[2].tolist() == list(range(-1, 7))  # verified as a chain
     assert slots.depths[2].tolist() == list(range(8))
+    # a smaller tree (a bigger batch asked for fewer drafts) fills the first nodes
+    *_, small = random_tree(1, 2, 3, 5, 40, seed=2)
+    slots.store(torch.tensor([4]), small, True)
+    assert torch.equal(slots.parents[4, :5], small.parent_ids[0])
+    assert torch.equal(slots.depths[4, :5], small.depths[0].int())
+    assert torch.equal(slots.bits[4, :5], small.packed_mask[0])
+    assert torch.equal(slots.parents[0], tree.parent_ids[1])  # other slots untouched
 
 
 def test_padded_ingest_equals_ragged_ingest():
@@ -116,6 +123,21 @@ def test_padded_ingest_equals_ragged_ingest():
         torch.testing.assert_close(getattr(padded, name), getattr(ragged, name),
                                    atol=1e-5, rtol=1e-5)
     assert torch.equal(padded.valid, ragged.valid)
+
+
+def test_step_tree_shape_follows_the_drafts_vllm_asks_for():
+    """vLLM's dynamic speculative decoding asks for fewer drafts at bigger
+    batches: the tree has that many nodes past the root, at least one, at
+    most the method's, and no deeper drafting than it can use."""
+    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+
+    tree, chain = (4, 4, 16), (1, 5, 6)
+    assert step_tree_shape(tree, None) == tree and step_tree_shape(tree, 15) == tree
+    assert step_tree_shape(tree, 40) == tree
+    assert step_tree_shape(tree, 5) == (4, 4, 6)
+    assert step_tree_shape(tree, 2) == (4, 2, 3)
+    assert step_tree_shape(tree, 0) == (4, 1, 2)  # still ingests; vLLM drops the draft
+    assert step_tree_shape(chain, 3) == (1, 3, 4)
 
 
 def _fused_step_runtimes(seed: int, device: str = "cpu", cuda_graphs=(False, False)):

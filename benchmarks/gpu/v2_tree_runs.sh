@@ -6,7 +6,8 @@
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
-#            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the results)
+#            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
+#            results; ROWS=sized: tree 16 sized by batch in place of tree 16)
 #   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
@@ -17,12 +18,20 @@ OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
 
-specs() {  # NAME_PREFIX HEAD_DIR: the four speculative rows
+specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: tree 16 sized by batch)
   local h=$2
+  local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
   printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
   printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
-  printf '%s\n' --spec "ours-tree16={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25}"
-  [ "$1" = all ] && printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"
+  # sized: tree 16 up to 4 requests, 6-node trees beyond (vLLM's dynamic speculative decoding)
+  if [ "$1" = sized ]; then
+    printf '%s\n' --spec "ours-tree16-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 1024, 5]]}"
+  else
+    printf '%s\n' --spec "ours-tree16={$tree}"
+  fi
+  if [ "$1" = all ]; then
+    printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"
+  fi
 }
 
 tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE: the tiny model's run
@@ -42,7 +51,7 @@ run() {
     smollm2|smollm2-humaneval)
       # smollm2: MT-Bench (both turns); smollm2-humaneval: HumanEval
       local prompts=mt-bench; [ "$1" = smollm2-humaneval ] && prompts=humaneval
-      mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3}")
+      mapfile -t S < <(specs "${ROWS:-three}" "${HEAD:-.gpu/heads/smollm2-eagle3}")
       bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases \

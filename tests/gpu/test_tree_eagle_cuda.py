@@ -24,12 +24,15 @@ pytestmark = pytest.mark.skipif(
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25}
 CHAIN = {"method": "specplug_eagle3", "topk": 1, "num_steps": 5, "num_draft_tokens": 6}
+# vLLM's dynamic speculative decoding: 16-node trees up to 4 requests, 6 beyond
+SIZED_TREE = {**TREE, "num_speculative_tokens_per_batch_size": [[1, 4, 15], [5, 1024, 5]]}
+SPECS = {"tree": TREE, "chain": CHAIN, "tree-sized": SIZED_TREE}
 # accepted tokens per drafting step a trained head reaches on held-out
 # prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
-MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5}
+MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "tree-sized": 1.5}
 
 
-@pytest.fixture(scope="module", params=["tree", "chain"])
+@pytest.fixture(scope="module", params=list(SPECS))
 def tree_run(request, work, prompts):  # noqa: F811
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
@@ -37,7 +40,7 @@ def tree_run(request, work, prompts):  # noqa: F811
     head = work / "tiny-eagle3"
     if not (head / "model.safetensors").exists():
         pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
-    spec = TREE if request.param == "tree" else CHAIN
+    spec = SPECS[request.param]
     llm = _engine(work, {**spec, "model": str(head)}, dtype="float32",
                   compilation_config={"max_cudagraph_capture_size": 1024})
     try:
@@ -100,6 +103,8 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
     # a trained head on held-out prompts accepts several tokens a step
     assert counts.num_drafts, counts
     assert counts.num_accepted_tokens > MIN_ACCEPTED[kind] * counts.num_drafts, counts
+    if kind == "tree-sized":  # alone: 15 drafts a step; batched: 5 while over 4 requests run
+        assert 5 < counts.num_draft_tokens / counts.num_drafts < 15, counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

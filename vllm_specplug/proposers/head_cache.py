@@ -212,10 +212,19 @@ class HeadBlockStore:
         for block_id in block_ids:
             self.blocks.pop(int(block_id), None)
 
-    def save(self, block_id: int, keys: torch.Tensor, values: torch.Tensor,
-             valid: torch.Tensor | None = None) -> None:
-        """A block's rows (keys, values [kvh, size, hd]); valid [size]: which
-        rows the drafter holds (all when None)."""
+    def save_blocks(self, block_ids, keys: torch.Tensor, values: torch.Tensor,
+                    valid: torch.Tensor | None = None) -> None:
+        """Consecutive blocks' rows (keys, values [kvh, n * size, hd] for n
+        block ids; valid [n * size]: which rows the drafter holds, all when
+        None). One copy of the span, each block a view of it: 3 copies per
+        call, not per block (a span's memory is freed once all its blocks are
+        dropped)."""
+        if len(block_ids) == 0:
+            return
         if valid is None:
             valid = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
-        self.blocks[int(block_id)] = (keys.clone(), values.clone(), valid.clone())
+        keys, values, valid = keys.clone(), values.clone(), valid.clone()
+        size = keys.shape[1] // len(block_ids)
+        for b, block_id in enumerate(block_ids):
+            span = slice(b * size, (b + 1) * size)
+            self.blocks[int(block_id)] = (keys[:, span], values[:, span], valid[span])

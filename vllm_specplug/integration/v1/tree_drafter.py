@@ -205,10 +205,10 @@ class TreeEagleDrafter(V1DrafterHooks):
             blocks, first = table.block_table.np[row], int(pos[0]) // size
             self.block_store.drop(blocks[first:int(pos[-1]) // size + 1])
             slot = pool.slot_of[req_id]
-            for b in range(first, (self.head.last_position(req_id) + 1) // size):
-                span = slice(b * size, (b + 1) * size)
-                self.block_store.save(blocks[b], pool.keys[slot, :, span],
-                                      pool.values[slot, :, span])
+            last = (self.head.last_position(req_id) + 1) // size
+            span = slice(first * size, max(last, first) * size)
+            self.block_store.save_blocks(blocks[first:last], pool.keys[slot, :, span],
+                                         pool.values[slot, :, span])
 
     def _draftable(self, batch, sampled_token_ids) -> list[int]:
         rows = []

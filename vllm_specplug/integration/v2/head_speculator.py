@@ -47,6 +47,22 @@ from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.tree_rows import VerifiedRows, verified_rows
 
 
+def step_tree_shape(shape: tuple[int, int, int],
+                    num_drafts: int | None) -> tuple[int, int, int]:
+    """(topk, num_steps, num_draft_tokens) of this step's trees, from the
+    method's `shape`: vLLM's dynamic speculative decoding
+    (`num_speculative_tokens_per_batch_size`) asks for `num_drafts` per
+    request at this batch size, so the tree has that many nodes past the root
+    (at least one: at 0 the drafter still ingests, to stay in sync, and vLLM
+    schedules none of its drafts), and no more drafting steps than it can be
+    deep. EAGLE-2's selection keeps the best nodes of the explored pool, so a
+    smaller tree is the best of that size, not a cut of the big one."""
+    topk, num_steps, num_nodes = shape
+    if num_drafts is not None:
+        num_nodes = max(2, min(num_nodes, num_drafts + 1))
+    return topk, min(num_steps, num_nodes - 1), num_nodes
+
+
 class StepInputs:
     """Persistent buffers a fused decode step's graph reads in place: views
     of them taken the same way for a given (padded batch, rows) always start
@@ -156,7 +172,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         ok = not self.guard.disabled and self.guard.call(
             "propose", input_batch.req_ids, self._step, input_batch,
             last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
-            next_prefill_tokens, drafts)[0]
+            next_prefill_tokens, drafts,
+            step_tree_shape(self.drafter.tree_shape, num_speculative_tokens))[0]
         if not ok:  # failed or switched off: last-token drafts, verified as chains
             slots = input_batch.idx_mapping[:num_reqs]
             drafts.copy_(last_sampled.view(-1)[slots][:, None].expand_as(drafts))
@@ -167,7 +184,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         return drafts
 
     def _step(self, input_batch, hidden, aux, num_rejected, last_sampled, next_prefill,
-              drafts) -> None:
+              drafts, shape: tuple[int, int, int]) -> None:
         num_reqs = input_batch.num_reqs
         slots_np = input_batch.idx_mapping_np[:num_reqs]
         req_ids = np.asarray(input_batch.req_ids[:num_reqs], dtype=object)
@@ -181,7 +198,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if not prefill.any():  # every request decodes: one pass
             with record_function("specplug::decode_step"):  # ranges for `bench offline --phases`
                 return self._decode_step(input_batch, hidden, aux, num_rejected, last_sampled,
-                                         max_position)
+                                         max_position, shape)
         with record_function("specplug::ingest"):
             if (~prefill).any():
                 self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
@@ -189,10 +206,10 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
                                   last_sampled, next_prefill)
         with record_function("specplug::draft_tree"):
-            self._draft(input_batch, last_sampled, max_position + 1, drafts)
+            self._draft(input_batch, last_sampled, max_position + 1, drafts, shape)
 
     def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,
-                     max_position: int) -> None:
+                     max_position: int, shape: tuple[int, int, int]) -> None:
         """A step where every request decodes: its verified rows and roots
         (one kernel) and the target's hidden states there are written into
         persistent buffers, padded to a capture size; the head ingests and
@@ -214,12 +231,12 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
         self.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,
                                  rows.root_ids, rows.root_positions, max_position + 1,
-                                 self.drafter.tree_shape, self._emit)
+                                 shape, self._emit)
 
     def _emit(self, slots: torch.Tensor, tree) -> None:
         """Inside the fused step's pass: drafts of the padded batch (rows past
         num_reqs are never read), and the trees for the next step's layout."""
-        self.drafts[:slots.shape[0]].copy_(tree.token_ids[:, 1:1 + self.drafts.shape[1]])
+        self.drafts[:slots.shape[0], :tree.num_nodes - 1].copy_(tree.token_ids[:, 1:])
         if self.tree_slots is not None:
             self.tree_slots.store(slots, tree, True)
 
@@ -273,13 +290,13 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.runtime.ingest_slots(input_batch.idx_mapping_np[rows].astype(np.int64), new[rows],
                                   target, next_ids, positions, counts.tolist())
 
-    def _draft(self, input_batch, last_sampled, num_keys: int, drafts) -> None:
+    def _draft(self, input_batch, last_sampled, num_keys: int, drafts,
+               shape: tuple[int, int, int]) -> None:
         num_reqs = input_batch.num_reqs
         slots = input_batch.idx_mapping[:num_reqs]
         roots = last_sampled[slots]
         root_positions = self.req_states.total_len.gpu[slots].long() - 1
-        tree = self.runtime.draft_slots(slots, roots, root_positions, num_keys,
-                                        *self.drafter.tree_shape)
-        drafts.copy_(tree.token_ids[:, 1:1 + drafts.shape[1]])
+        tree = self.runtime.draft_slots(slots, roots, root_positions, num_keys, *shape)
+        drafts[:, :tree.num_nodes - 1].copy_(tree.token_ids[:, 1:])
         if self.tree_slots is not None:
             self.tree_slots.store(slots, tree, True)

@@ -68,11 +68,11 @@ class PrefixBlocks:
                 self.block_ids.setdefault(req_id, []).extend(new_ids[0])
 
     def _save(self, block_ids: list[int], slot: int, num_positions: int, pool) -> None:
-        size = self.block_size
-        for b in range(min(len(block_ids), num_positions // size, pool.capacity // size)):
-            span = slice(b * size, (b + 1) * size)
-            self.store.save(block_ids[b], pool.keys[slot, :, span], pool.values[slot, :, span],
-                            pool.valid[slot, span])
+        num_blocks = min(len(block_ids), num_positions // self.block_size,
+                         pool.capacity // self.block_size)
+        span = slice(0, num_blocks * self.block_size)
+        self.store.save_blocks(block_ids[:num_blocks], pool.keys[slot, :, span],
+                               pool.values[slot, :, span], pool.valid[slot, span])
 
     def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:
         """Give new request `req_id` (state slot `slot`, first computed

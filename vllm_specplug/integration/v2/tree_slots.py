@@ -52,10 +52,14 @@ class TreeSlots:
         return self.is_tree.shape[0]
 
     def store(self, slots: torch.Tensor, tree: DraftTree, is_tree: bool) -> None:
-        """The trees just drafted for state `slots` [B] (no host sync)."""
-        self.parents.index_copy_(0, slots, tree.parent_ids)
-        self.depths.index_copy_(0, slots, tree.depths.to(torch.int32))
-        self.bits.index_copy_(0, slots, tree.packed_mask)
+        """The trees just drafted for state `slots` [B] (no host sync). A
+        tree may have fewer nodes than the slots hold (this step's batch size
+        asked for fewer drafts): it fills the first ones, and verification
+        reads no node past what was scheduled."""
+        num_nodes, words = tree.num_nodes, tree.packed_mask.shape[2]
+        self.parents[:, :num_nodes].index_copy_(0, slots, tree.parent_ids)
+        self.depths[:, :num_nodes].index_copy_(0, slots, tree.depths.to(torch.int32))
+        self.bits[:, :num_nodes, :words].index_copy_(0, slots, tree.packed_mask)
         self.is_tree.index_fill_(0, slots, int(is_tree))
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:

@@ -24,12 +24,13 @@ pytestmark = pytest.mark.skipif(
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25}
 CHAIN = {"method": "specplug_eagle3", "topk": 1, "num_steps": 5, "num_draft_tokens": 6}
-# vLLM's dynamic speculative decoding: 16-node trees up to 4 requests, 6 beyond
-SIZED_TREE = {**TREE, "num_speculative_tokens_per_batch_size": [[1, 4, 15], [5, 1024, 5]]}
-SPECS = {"tree": TREE, "chain": CHAIN, "tree-sized": SIZED_TREE}
+# vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 2 beyond
+# (trees sized so are refused for now: head_speculator.check_sized_trees)
+SIZED_CHAIN = {**CHAIN, "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 1024, 2]]}
+SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN}
 # accepted tokens per drafting step a trained head reaches on held-out
 # prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
-MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "tree-sized": 1.5}
+MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -83,7 +84,7 @@ def test_eagle3_runs_on_model_runner_v2_with_async_scheduling(tree_run):
 
 def test_tree_attention_runs_in_the_cuda_backend(tree_run):
     kind, _, _, state, _ = tree_run
-    if kind == "chain":  # chains verify causally: no tree attention at all
+    if kind.startswith("chain"):  # chains verify causally: no tree attention at all
         assert not state["active"], state
         return
     assert state["active"] and state["impl"] == "TritonAttentionImpl", state
@@ -103,8 +104,8 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
     # a trained head on held-out prompts accepts several tokens a step
     assert counts.num_drafts, counts
     assert counts.num_accepted_tokens > MIN_ACCEPTED[kind] * counts.num_drafts, counts
-    if kind == "tree-sized":  # alone: 15 drafts a step; batched: 5 while over 4 requests run
-        assert 5 < counts.num_draft_tokens / counts.num_drafts < 15, counts
+    if kind == "chain-sized":  # alone: 5 drafts a step; batched: 2 while over 4 requests run
+        assert 2 < counts.num_draft_tokens / counts.num_drafts < 5, counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -262,3 +262,48 @@ def test_short_requests_still_explore_after_every_draft_was_cut():
     stuck.cost.pinned = (0.01, 1e-3)
     assert _simulate_short_requests(stuck, clock, phases) == 0.0
     assert stuck.stats.num_probes == 0 and stuck.stats.num_global_probes == 0
+
+
+def _simulate_confidences(controller, clock, fixed, per_token, steps=300, num_reqs=8, k=4,
+                          seed=0, give_confidences=True):
+    """Fresh requests every step (no history to learn from), half of them
+    drafting tokens the proposer is sure of (accepted 90% of the time), half
+    guesses (10%). Mean kept draft length of each kind over the second half."""
+    rng = np.random.default_rng(seed)
+    kept = {0.9: [], 0.1: []}
+    for step in range(steps):
+        req_ids = [f"s{step}-{i}" for i in range(num_reqs)]
+        rates = [0.9 if i % 2 else 0.1 for i in range(num_reqs)]
+        confidences = [[r] * k for r in rates] if give_confidences else None
+        drafts = controller.trim(req_ids, [list(range(k)) for _ in req_ids], num_reqs,
+                                 confidences)
+        num_tokens = num_reqs + sum(map(len, drafts))
+        clock.now += fixed + per_token * num_tokens
+        controller.step_done(num_tokens)
+        for req_id, draft, rate in zip(req_ids, drafts, rates):
+            accepted = 0
+            while accepted < len(draft) and rng.random() < rate:
+                accepted += 1
+            controller.verified(req_id, accepted + 1)
+            controller.forget(req_id)
+            if step >= steps // 2:
+                kept[rate].append(len(draft))
+    return {rate: float(np.mean(lengths)) for rate, lengths in kept.items()}
+
+
+def test_proposer_confidences_tell_sure_drafts_from_guesses():
+    """A proposer's per-token confidence, calibrated against what is
+    accepted, lets the controller keep sure drafts and cut guesses for
+    requests with no history; without it both get the same length."""
+    cost = dict(fixed=1e-3, per_token=2e-4)
+    clock = _Clock()
+    informed = AdaptiveController(4, clock=clock)
+    with_confidences = _simulate_confidences(informed, clock, **cost)
+    assert with_confidences[0.9] > 3.0 and with_confidences[0.1] < 0.5, with_confidences
+    rates = informed.as_dict()["confidence_acceptance"]
+    # calibrated toward 10% and 90% (guesses, mostly cut, are seen less often)
+    assert rates[0] < 0.4 and rates[3] > 0.8, rates
+    clock = _Clock()
+    blind = _simulate_confidences(AdaptiveController(4, clock=clock), clock, **cost,
+                                  give_confidences=False)
+    assert abs(blind[0.9] - blind[0.1]) < 0.5, blind

@@ -301,3 +301,20 @@ def test_builtin_proposers_work_on_a_read_only_history(proposer):
     num_tokens.setflags(write=False)
     drafts = proposer.propose(ProposeBatch(["a"], history, num_tokens, K))
     assert drafts == [[3, 4, 1]]
+
+
+def test_bad_confidences_cost_the_confidences_not_the_drafts(caplog):
+    """Confidences out of [0, 1] (or of the wrong length) are a recorded
+    failure of the proposer; its drafts still go to the target."""
+    from vllm_specplug.proposers.base import Drafts
+
+    drafter, runner = make_drafter({}), FakeRunner(3)
+    wrap_propose(drafter, lambda batch, drafts: Drafts(list(drafts),
+                                                       [[2.0] * len(d) for d in drafts]))
+    for _ in range(3):
+        drafts = runner.step(drafter)
+        assert all(len(d) == K for d in drafts)
+    wrap_propose(drafter, lambda batch, drafts: Drafts(list(drafts), [None]))
+    assert all(len(d) == K for d in runner.step(drafter))
+    assert drafter.failure_counts == {"propose:confidences": 4}
+    assert "drafts kept without confidences" in drafter_records(caplog)[0].getMessage()

@@ -89,8 +89,10 @@ def test_adaptive_controller_cuts_drafts_where_they_do_not_pay_and_stays_exact(
     assert none_pay["num_kept"] == (none_pay["num_probes"]
                                     + none_pay["num_global_probe_tokens"])
     assert cuts["all_pay"]["num_kept"] == cuts["all_pay"]["num_offered"] > 0
-    # the controller hears how its drafts fared (its acceptance estimates)
+    # the controller hears how its drafts fared (its acceptance estimates),
+    # calibrating the proposer's per-token confidences against it
     assert cuts["all_pay"]["num_verified_drafts"] > 0 and cuts["all_pay"]["num_accepted"] > 0
+    assert sum(_adaptive(spec_llm)["confidence_tokens"]) > 0
 
 
 def test_abort_mid_generation_leaves_others_exact(spec_llm, baseline_llm, eval_prompts):

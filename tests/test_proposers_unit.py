@@ -93,3 +93,30 @@ def test_hybrid_takes_the_first_long_enough_draft_in_order():
     assert drafts == [[1, 2, 3], [5, 6], []]
     assert calls == [("start", "a"), ("start", "a"), ("propose", ("a", "b", "c")),
                      ("propose", ("b", "c"))]
+
+
+def test_builtin_proposers_say_how_sure_they_are_of_each_token():
+    """n-gram: the match length over prompt_lookup_max, per token; suffix:
+    arctic's path probabilities turned into each token's probability given
+    the ones before; hybrid: the chosen member's."""
+    from vllm_specplug.proposers.base import Drafts
+    from vllm_specplug.proposers.suffix import _conditional
+
+    ngram = NgramProposer(NgramOptions(1, 4), CONTEXT)
+    drafts = ngram.propose(make_batch([[1, 2, 3, 9, 1, 2, 3], [5, 6]], 2))
+    assert isinstance(drafts, Drafts) and drafts == [[9, 1], []]
+    assert drafts.confidences == [[0.75, 0.75], None]  # a 3-gram matched, of at most 4
+    assert _conditional([0.75, 0.5, 0.5]) == [0.75, 2 / 3, 1.0]
+    assert _conditional([0.0, 0.0]) == [0.0, 0.0]
+    suffix = SuffixProposer(SuffixOptions(min_token_prob=0.0, max_spec_factor=4.0), CONTEXT)
+    for i, response in enumerate([[5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, 1]]):
+        suffix.start_request(f"r{i}", np.array([1, 2, 3]))
+        suffix.update_request(f"r{i}", response)
+        suffix.stop_request(f"r{i}", StopReason.FINISHED)
+    suffix.start_request("q", np.array([1, 2, 3, 5]))
+    drafts = suffix.propose(make_batch([[1, 2, 3, 5]], 3, ["q"]))
+    assert drafts == [[6, 7]] and np.allclose(drafts.confidences[0], [0.75, 2 / 3])
+    hybrid = HybridProposer(HybridOptions(proposers=[{"method": "specplug_ngram"}]), CONTEXT)
+    hybrid.start_request("a", np.array([1, 2, 3, 9, 1, 2, 3]))
+    drafts = hybrid.propose(make_batch([[1, 2, 3, 9, 1, 2, 3]], 2, ["a"]))
+    assert drafts == [[9, 1]] and drafts.confidences[0] is not None

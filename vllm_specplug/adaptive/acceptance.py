@@ -14,12 +14,29 @@ runs: a request that copies from its prompt, then writes freely), and are
 shrunk toward the engine-wide counts of the same position, which decay per
 observation. A request seen for the first time starts at the engine-wide
 estimate.
+
+Where the proposer says how sure it is of each draft token (`Drafts`:
+n-gram match length, suffix-tree frequencies), the engine-wide prior of a
+token is also shrunk toward what tokens of its confidence bucket were
+accepted (`ConfidenceCounts`): the proposer's confidence, calibrated online
+against verification, tells a sure draft from a guess before the request has
+any history.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
+
+NUM_CONFIDENCE_BUCKETS = 4  # [0, .25), [.25, .5), [.5, .75), [.75, 1]
+
+
+def confidence_buckets(confidences: Sequence[float]) -> np.ndarray:
+    """[n] int64 bucket of each token's confidence in [0, 1]."""
+    values = np.asarray(confidences, dtype=np.float64)
+    return np.minimum((values * NUM_CONFIDENCE_BUCKETS).astype(np.int64),
+                      NUM_CONFIDENCE_BUCKETS - 1)
 
 
 @dataclass
@@ -42,6 +59,31 @@ class PositionCounts:
 
 
 @dataclass
+class ConfidenceCounts:
+    """Decayed counts, per confidence bucket, of draft tokens verified and
+    accepted (each given every token before it accepted)."""
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(NUM_CONFIDENCE_BUCKETS))
+    tried: np.ndarray = field(default_factory=lambda: np.zeros(NUM_CONFIDENCE_BUCKETS))
+
+    def add(self, buckets: np.ndarray, num_accepted: int, decay: float) -> None:
+        """One verification of a draft whose tokens fall in `buckets`."""
+        self.accepted *= decay
+        self.tried *= decay
+        n = min(num_accepted + 1, len(buckets))
+        np.add.at(self.tried, buckets[:n], 1.0)
+        np.add.at(self.accepted, buckets[:min(num_accepted, n)], 1.0)
+
+    def calibrated(self, buckets: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
+        """[n] each token's bucket rate, shrunk toward `prior` [n] by `weight`
+        verifications."""
+        return (self.accepted[buckets] + weight * prior) / (self.tried[buckets] + weight)
+
+    def rates(self) -> np.ndarray:
+        """[buckets] acceptance per bucket (Beta(1, 1) prior)."""
+        return (self.accepted + 1.0) / (self.tried + 2.0)
+
+
+@dataclass
 class AcceptanceEstimator:
     """Conditional acceptance rate per (request, position), and the
     cumulative probability that a draft prefix survives verification.
@@ -54,20 +96,27 @@ class AcceptanceEstimator:
     request_decay: float = 0.7
     prior_weight: float = 2.0
     global_decay: float = 0.995
+    # verifications the position prior is worth against a confidence bucket's
+    confidence_weight: float = 4.0
     # the engine-wide prior before anything was seen: Beta(1, 1) per position
     global_counts: PositionCounts = field(init=False)
+    confidence: ConfidenceCounts = field(init=False, default_factory=ConfidenceCounts)
     requests: dict[str, PositionCounts] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.global_counts = PositionCounts.zeros(self.max_num_draft)
 
-    def observe(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
-        """A verified chain draft of `req_id`."""
+    def observe(self, req_id: str, num_drafted: int, num_accepted: int,
+                buckets: np.ndarray | None = None) -> None:
+        """A verified chain draft of `req_id` (`buckets`: its tokens'
+        confidence buckets, when the proposer gave confidences)."""
         if num_drafted <= 0:
             return
         counts = self.requests.setdefault(req_id, PositionCounts.zeros(self.max_num_draft))
         counts.add(num_drafted, num_accepted, self.request_decay)
         self.global_counts.add(num_drafted, num_accepted, self.global_decay)
+        if buckets is not None:
+            self.confidence.add(buckets[:num_drafted], num_accepted, self.global_decay)
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -77,16 +126,22 @@ class AcceptanceEstimator:
         g = self.global_counts
         return (g.accepted + 1.0) / (g.tried + 2.0)
 
-    def rates(self, req_id: str) -> np.ndarray:
-        """[K] the request's conditional acceptance per position."""
+    def rates(self, req_id: str, buckets: np.ndarray | None = None) -> np.ndarray:
+        """[K] the request's conditional acceptance per position (the first
+        len(buckets) positions calibrated by their tokens' confidence)."""
         prior = self.global_rates()
+        if buckets is not None and len(buckets):
+            n = min(len(buckets), len(prior))
+            prior[:n] = self.confidence.calibrated(buckets[:n], prior[:n],
+                                                   self.confidence_weight)
         counts = self.requests.get(req_id)
         if counts is None:
             return prior
         w = self.prior_weight
         return (counts.accepted + w * prior) / (counts.tried + w)
 
-    def survival(self, req_id: str, num_draft: int) -> np.ndarray:
+    def survival(self, req_id: str, num_draft: int,
+                 buckets: np.ndarray | None = None) -> np.ndarray:
         """[num_draft] probability that draft tokens 0..k are all accepted,
         non-increasing in k."""
-        return np.cumprod(self.rates(req_id)[:num_draft])
+        return np.cumprod(self.rates(req_id, buckets)[:num_draft])

@@ -5,8 +5,10 @@ Per step, in the order a runner adapter calls it:
    the wall time since the last call is its cost (`StepCostModel`).
 2. `verified(req_id, num_new)`: a request's accepted tokens (drafts plus the
    bonus token) after its kept draft was verified (`AcceptanceEstimator`).
-3. `trim(req_ids, drafts, num_reqs)`: each request's draft cut to the length
-   that maximises expected tokens per second (`policy.py`), down to none.
+3. `trim(req_ids, drafts, num_reqs, confidences)`: each request's draft cut
+   to the length that maximises expected tokens per second (`policy.py`),
+   down to none; the proposer's per-token confidences, where it gives them,
+   calibrate the acceptance estimate (`acceptance.py`).
 
 The proposer still drafts every step and hears every accepted token, so its
 state never depends on what was cut (the K=0 trap TensorRT-LLM hit: drafter
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_specplug.adaptive.acceptance import AcceptanceEstimator
+from vllm_specplug.adaptive.acceptance import AcceptanceEstimator, confidence_buckets
 from vllm_specplug.adaptive.cost_model import StepCostModel
 from vllm_specplug.adaptive.policy import choose_draft_lengths
 
@@ -75,6 +77,7 @@ class AdaptiveController:
         self.stats = AdaptiveStats()
         self.kept: dict[str, int] = {}  # req_id -> draft length verified next
         self.expected: dict[str, float] = {}  # req_id -> its kept tokens' survival sum
+        self.buckets: dict[str, np.ndarray] = {}  # req_id -> its kept tokens' confidence buckets
         self.zero_streak: dict[str, int] = {}
         self.last_step_time: float | None = None
         self.last_log_time = clock()
@@ -90,31 +93,39 @@ class AdaptiveController:
 
     def verified(self, req_id: str, num_new: int) -> None:
         num_drafted = self.kept.pop(req_id, 0)
+        buckets = self.buckets.pop(req_id, None)
         if num_drafted <= 0 or num_new <= 0:
             return
         num_accepted = min(num_new - 1, num_drafted)
-        self.acceptance.observe(req_id, num_drafted, num_accepted)
+        self.acceptance.observe(req_id, num_drafted, num_accepted, buckets)
         self.stats.num_verified_drafts += 1
         self.stats.num_accepted += num_accepted
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)
-        for table in (self.kept, self.zero_streak):
+        for table in (self.kept, self.zero_streak, self.buckets):
             table.pop(req_id, None)
 
-    def trim(self, req_ids: list[str], drafts: list[list[int]],
-             num_reqs: int) -> list[list[int]]:
+    def trim(self, req_ids: list[str], drafts: list[list[int]], num_reqs: int,
+             confidences: list[list[float] | None] | None = None) -> list[list[int]]:
         """`drafts` (one per drafting request, in order) cut to the chosen
-        lengths; `num_reqs` counts every request of the step."""
-        survival = [self.acceptance.survival(r, len(d)) for r, d in zip(req_ids, drafts)]
+        lengths; `num_reqs` counts every request of the step; `confidences`:
+        the proposer's per-token confidence in [0, 1] per draft (None where
+        it gives none)."""
+        buckets = [None if c is None else confidence_buckets(c[:len(d)]) for c, d in
+                   zip(confidences or [None] * len(drafts), drafts)]
+        survival = [self.acceptance.survival(r, len(d), b)
+                    for r, d, b in zip(req_ids, drafts, buckets)]
         fixed, per_token = self.cost.coefficients()
         lengths = choose_draft_lengths(survival, max(num_reqs, len(req_ids)), 0,
                                        fixed, per_token)
         lengths = [self._probe(r, n, len(d)) for r, n, d in zip(req_ids, lengths, drafts)]
         lengths = self._explore(lengths, drafts)
         kept = []
-        for req_id, draft, probs, n in zip(req_ids, drafts, survival, lengths):
+        for req_id, draft, probs, n, b in zip(req_ids, drafts, survival, lengths, buckets):
             self.kept[req_id] = n
+            if b is not None:
+                self.buckets[req_id] = b[:n]
             self.stats.expected_accepted += float(probs[:n].sum())
             kept.append(draft[:n])
         self._count(drafts, kept)
@@ -164,7 +175,9 @@ class AdaptiveController:
         fixed, per_token = self.cost.coefficients()
         return {**self.stats.as_dict(), "cost_fixed_ms": fixed * 1e3,
                 "cost_per_token_ms": per_token * 1e3, "cost_samples": self.cost.num_samples,
-                "global_acceptance": np.round(self.acceptance.global_rates(), 4).tolist()}
+                "global_acceptance": np.round(self.acceptance.global_rates(), 4).tolist(),
+                "confidence_acceptance": np.round(self.acceptance.confidence.rates(), 4).tolist(),
+                "confidence_tokens": np.round(self.acceptance.confidence.tried, 1).tolist()}
 
     def _log(self) -> None:
         s = self.stats

@@ -81,6 +81,22 @@ def check_drafts(drafts: Any, num_reqs: int) -> list:
     return list(drafts)
 
 
+def check_confidences(confidences: Any, drafts: list) -> list:
+    """Per-draft token confidences `propose` returned with its drafts: one
+    entry per draft, None or a float in [0, 1] per token of the draft."""
+    if not isinstance(confidences, (list, tuple)) or len(confidences) != len(drafts):
+        raise InvalidDraftError("confidences", "Drafts.confidences must be a list with one "
+                                "entry per draft")
+    for draft, values in zip(drafts, confidences):
+        if values is None:
+            continue
+        if len(values) != len(draft) or not all(
+                isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in values):
+            raise InvalidDraftError("confidences", "each Drafts.confidences entry must be None "
+                                    "or one number in [0, 1] per draft token")
+    return list(confidences)
+
+
 def parse_max_failures(method: str, value: Any) -> int:
     """Validate the `max_proposer_failures` option (front end)."""
     from vllm_specplug.proposers.base import ProposerConfigError

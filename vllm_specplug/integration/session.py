@@ -17,9 +17,9 @@ import numpy as np
 
 from vllm_specplug.adaptive.controller import AdaptiveController
 from vllm_specplug.integration.config import selection_of
-from vllm_specplug.integration.guard import (InvalidDraftError, ProposerGuard, check_draft,
-                                             check_drafts)
-from vllm_specplug.proposers.base import ProposeBatch, ProposerContext, StopReason
+from vllm_specplug.integration.guard import (InvalidDraftError, ProposerGuard,
+                                             check_confidences, check_draft, check_drafts)
+from vllm_specplug.proposers.base import Drafts, ProposeBatch, ProposerContext, StopReason
 from vllm_specplug.registry import get_proposer_class, parse_options
 
 logger = logging.getLogger("vllm_specplug.drafter")
@@ -112,21 +112,24 @@ class ProposerSession:
         proposer failed or returned an invalid draft), cut to the adaptive
         controller's lengths when it is on; `num_reqs` counts every request
         of the step, drafting or not."""
-        drafts = self._checked_drafts(batch)
+        drafts, confidences = self._checked_drafts(batch)
         if self.adaptive is None:
             return drafts
-        return self.adaptive.trim(batch.req_ids, drafts, max(num_reqs, len(batch.req_ids)))
+        return self.adaptive.trim(batch.req_ids, drafts, max(num_reqs, len(batch.req_ids)),
+                                  confidences)
 
-    def _checked_drafts(self, batch: ProposeBatch) -> list[list[int]]:
+    def _checked_drafts(self, batch: ProposeBatch):
+        """(drafts, per-draft token confidences or None)."""
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         ok, proposed = self.guard.call("propose", batch.req_ids, self.proposer.propose, batch)
         if not ok:
-            return drafts
+            return drafts, None
+        proposed, confidences = self._unwrap(proposed, batch)
         try:
             proposed = check_drafts(proposed, len(batch.req_ids))
         except InvalidDraftError as exc:
             self.guard.record(f"propose:{exc.kind}", "propose", batch.req_ids, str(exc))
-            return drafts
+            return drafts, None
         failed: dict[str, tuple[list[str], str]] = {}
         for i, (req_id, draft) in enumerate(zip(batch.req_ids, proposed)):
             try:
@@ -137,7 +140,19 @@ class ProposerSession:
             drafts[i] = ids[:self.max_model_len - int(batch.num_tokens[i])]
         for kind, (req_ids, detail) in failed.items():  # one failure per kind per step
             self.guard.record(f"propose:{kind}", "propose", req_ids, detail)
-        return drafts
+        return drafts, confidences
+
+    def _unwrap(self, proposed, batch: ProposeBatch):
+        """A `Drafts` result's drafts and checked confidences (bad ones are a
+        recorded failure that costs the confidences, not the drafts)."""
+        if not isinstance(proposed, Drafts):
+            return proposed, None
+        try:
+            return list(proposed), check_confidences(proposed.confidences, proposed)
+        except (InvalidDraftError, TypeError) as exc:
+            self.guard.record("propose:confidences", "propose", batch.req_ids, str(exc),
+                              effect="drafts kept without confidences")
+            return list(proposed), None
 
 
 def read_only(array: np.ndarray) -> np.ndarray:

@@ -140,6 +140,23 @@ class DeviceDrafter(ABC):
         `num_draft` ([num_reqs] int32)."""
 
 
+class Drafts(list):
+    """What `propose` may return instead of a plain list of drafts: that list
+    (so it reads as one), carrying per draft the proposer's confidence in
+    each token, the chance it is accepted given that the tokens before it
+    are, in [0, 1] (None for a draft without one). The adaptive controller
+    calibrates them against what verification accepts
+    (adaptive/acceptance.py)."""
+
+    def __init__(self, token_ids: list[list[int]], confidences: list[list[float] | None]):
+        super().__init__(token_ids)
+        self.confidences = confidences
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return self
+
+
 class Proposer(ABC):
     """A speculative proposer selected by name.
 
@@ -148,7 +165,8 @@ class Proposer(ABC):
     `stop_request` when it finishes, is aborted, or is preempted (a preempted
     request is started again if it resumes). `propose` returns one draft per
     request, of any length from 0 to `batch.num_spec_tokens` (variable-length
-    drafts are allowed; an empty draft means "no speculation this step").
+    drafts are allowed; an empty draft means "no speculation this step"),
+    as a list or as `Drafts` with per-token confidences.
     """
     options_cls: ClassVar[type[ProposerOptions]] = ProposerOptions
     uses_hidden_states: ClassVar[bool] = False
@@ -187,7 +205,7 @@ class Proposer(ABC):
         """The request left the batch."""
 
     @abstractmethod
-    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+    def propose(self, batch: ProposeBatch) -> list[list[int]] | Drafts:
         """Drafts for every request of `batch`, in order."""
 
     def device_drafter(self, max_num_reqs: int) -> DeviceDrafter | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerConfigError,
+from vllm_specplug.proposers.base import (Drafts, ProposeBatch, Proposer, ProposerConfigError,
                                           ProposerContext, ProposerOptions, StopReason,
                                           require)
 
@@ -69,8 +69,10 @@ class HybridProposer(Proposer):
         for member in self.members:
             member.stop_request(req_id, reason)
 
-    def propose(self, batch: ProposeBatch) -> list[list[int]]:
-        chosen: list[list[int]] = [[] for _ in batch.req_ids]
+    def propose(self, batch: ProposeBatch) -> Drafts:
+        """Each request's draft from the first member whose draft is long
+        enough, with that member's confidences."""
+        chosen = Drafts([[] for _ in batch.req_ids], [None] * len(batch.req_ids))
         pending = list(range(len(batch.req_ids)))
         for member in self.members:
             if not pending:
@@ -79,8 +81,12 @@ class HybridProposer(Proposer):
                                batch.num_tokens[pending], batch.num_spec_tokens,
                                None if batch.hidden_states is None
                                else batch.hidden_states[pending])
-            for i, draft in zip(list(pending), member.propose(sub)):
+            proposed = member.propose(sub)
+            if not isinstance(proposed, Drafts):
+                proposed = Drafts(proposed, [None] * len(proposed))
+            for i, draft, confidences in zip(list(pending), proposed.token_ids,
+                                             proposed.confidences):
                 if len(draft) >= self.options.min_draft_tokens:
-                    chosen[i] = draft
+                    chosen.token_ids[i], chosen.confidences[i] = draft, confidences
                     pending.remove(i)
         return chosen

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specplug.proposers.base import ProposeBatch, Proposer, ProposerOptions, require
+from vllm_specplug.proposers.base import (Drafts, ProposeBatch, Proposer, ProposerOptions,
+                                          require)
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,13 @@ class NgramProposer(Proposer):
                                   max_num_reqs, self.context.max_model_len,
                                   torch.device(self.context.device))
 
-    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+    def propose(self, batch: ProposeBatch) -> Drafts:
+        """The continuation of each request's longest matched n-gram; each
+        token's confidence is the match length over `prompt_lookup_max` (a
+        longer match is likelier to continue)."""
         opts: NgramOptions = self.options
         num_reqs, k = len(batch.req_ids), batch.num_spec_tokens
-        drafts: list[list[int]] = [[] for _ in range(num_reqs)]
+        drafts = Drafts([[] for _ in range(num_reqs)], [None] * num_reqs)
         if num_reqs == 0 or k == 0:
             return drafts
         width = int(batch.num_tokens.max())
@@ -113,5 +117,7 @@ class NgramProposer(Proposer):
         for row in np.flatnonzero(best_n > 0):
             begin = int(best_end[row]) + 1
             end = min(begin + k, int(batch.num_tokens[row]))
-            drafts[row] = token_ids[row, begin:end].tolist()
+            drafts.token_ids[row] = token_ids[row, begin:end].tolist()
+            confidence = min(1.0, int(best_n[row]) / opts.prompt_lookup_max)
+            drafts.confidences[row] = [confidence] * (end - begin)
         return drafts

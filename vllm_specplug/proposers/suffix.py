@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerContext,
+from vllm_specplug.proposers.base import (Drafts, ProposeBatch, Proposer, ProposerContext,
                                           ProposerOptions, StopReason, require)
 
 
@@ -61,9 +61,12 @@ class SuffixProposer(Proposer):
             # Moves the response into the global tree for later requests.
             self.cache.stop_request(req_id)
 
-    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+    def propose(self, batch: ProposeBatch) -> Drafts:
+        """Each request's suffix-tree speculation; a token's confidence is
+        arctic's estimate of its path probability over its parent's (the
+        suffix tree's frequency of the token after the path before it)."""
         opts: SuffixOptions = self.options
-        drafts = []
+        drafts = Drafts([], [])
         for i, req_id in enumerate(batch.req_ids):
             # arctic wants a contiguous, writable int32 array (the history is read-only)
             context = np.array(batch.history(i)[-opts.max_tree_depth:], dtype=np.int32)
@@ -73,5 +76,16 @@ class SuffixProposer(Proposer):
                 max_spec_factor=opts.max_spec_factor,
                 max_spec_offset=opts.max_spec_offset,
                 min_token_prob=opts.min_token_prob, use_tree_spec=False)
-            drafts.append(list(draft.token_ids))
+            drafts.token_ids.append(list(draft.token_ids))
+            drafts.confidences.append(_conditional(draft.probs))
         return drafts
+
+
+def _conditional(path_probs) -> list[float]:
+    """Per-token probabilities given the tokens before, from arctic's
+    cumulative path probabilities (probs[k] = P(tokens 0..k))."""
+    conditional, previous = [], 1.0
+    for prob in path_probs:
+        conditional.append(min(1.0, max(0.0, prob / previous)) if previous > 0 else 0.0)
+        previous = prob
+    return conditional

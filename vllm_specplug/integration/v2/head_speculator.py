@@ -87,7 +87,6 @@ class StepInputs:
         return self.target[:num]
 
 
-
 def check_sized_trees(method: str, topk: int, speculative_config) -> None:
     """Trees sized by batch are refused on Model Runner V2 for now (chains
     are fine): when the batch shrinks, vLLM schedules more drafts than the

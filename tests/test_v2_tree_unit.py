@@ -140,18 +140,6 @@ def test_step_tree_shape_follows_the_drafts_vllm_asks_for():
     assert step_tree_shape(chain, 3) == (1, 3, 4)
 
 
-def test_trees_sized_by_batch_are_refused_on_model_runner_v2_naming_the_fix():
-    from types import SimpleNamespace
-
-    from vllm_specplug.integration.v2.head_speculator import check_sized_trees
-
-    sized = SimpleNamespace(num_speculative_tokens_per_batch_size=[(1, 4, 15), (5, 64, 5)])
-    check_sized_trees("specplug_eagle3", 1, sized)  # a chain: vLLM sizes it
-    check_sized_trees("specplug_eagle3", 4, SimpleNamespace())  # a fixed tree
-    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size.*topk=1"):
-        check_sized_trees("specplug_eagle3", 4, sized)
-
-
 def _fused_step_runtimes(seed: int, device: str = "cpu", cuda_graphs=(False, False)):
     """Two runtimes over one random GQA head, both holding slots 0-2's
     positions 0..9, and a padded decode step for them (3 requests padded

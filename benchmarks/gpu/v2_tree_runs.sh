@@ -7,7 +7,7 @@
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
-#            results; ROWS=sized: plus our chain sized by batch)
+#            results; ROWS=sized: plus our tree sized by batch)
 #   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
@@ -18,16 +18,21 @@ OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
 
-specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: + a chain sized by batch)
+specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
+  # eagle3 sized by batch, no chain of ours)
   local h=$2
   local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
   printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
-  printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
-  # sized: also our chain sized by vLLM per batch (dynamic speculative decoding);
-  # trees sized so are refused for now (head_speculator.check_sized_trees)
+  if [ "$1" = sized ]; then
+    # vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 3 up to 24, 2 beyond;
+    # our tree the same way: 16 nodes, then 6, then 3
+    printf '%s\n' --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
+  else
+    printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
+  fi
   printf '%s\n' --spec "ours-tree16={$tree}"
   if [ "$1" = sized ]; then
-    printf '%s\n' --spec "ours-chain-sized={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 1024, 3]]}"
+    printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}"
   fi
   if [ "$1" = all ]; then
     printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"

@@ -24,13 +24,16 @@ pytestmark = pytest.mark.skipif(
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25}
 CHAIN = {"method": "specplug_eagle3", "topk": 1, "num_steps": 5, "num_draft_tokens": 6}
-# vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 2 beyond
-# (trees sized so are refused for now: head_speculator.check_sized_trees)
+# vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 2 beyond;
+# the tree: 15 drafts (16 nodes) up to 4 requests, 5 beyond. As the batch
+# drains, steps verify more rows than the last, smaller tree had (their
+# rows hold stale drafts: verification must stop at the drafted nodes)
 SIZED_CHAIN = {**CHAIN, "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 1024, 2]]}
-SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN}
+SIZED_TREE = {**TREE, "num_speculative_tokens_per_batch_size": [[1, 4, 15], [5, 1024, 5]]}
+SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN, "tree-sized": SIZED_TREE}
 # accepted tokens per drafting step a trained head reaches on held-out
 # prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
-MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3}
+MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3, "tree-sized": 1.5}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -42,10 +45,12 @@ def tree_run(request, work, prompts):  # noqa: F811
     if not (head / "model.safetensors").exists():
         pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
     spec = SPECS[request.param]
-    llm = _engine(work, {**spec, "model": str(head)}, dtype="float32",
+    llm = _engine(work, {**spec, "model": str(head)}, dtype="float32", cudagraph_metrics=True,
                   compilation_config={"max_cudagraph_capture_size": 1024})
     try:
+        llm.collective_rpc("specplug_record_cudagraph_modes")
         outputs = _outputs(llm, prompts)
+        outputs["graphs"] = llm.collective_rpc("specplug_cudagraph_modes")[0]
         counts = read_spec_decode_counts(llm)
         state = llm.collective_rpc("specplug_tree_attention_state")[0]
         runner = llm.collective_rpc("specplug_runner_state")[0]
@@ -106,6 +111,24 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
     assert counts.num_accepted_tokens > MIN_ACCEPTED[kind] * counts.num_drafts, counts
     if kind == "chain-sized":  # alone: 5 drafts a step; batched: 2 while over 4 requests run
         assert 2 < counts.num_draft_tokens / counts.num_drafts < 5, counts
+    if kind == "tree-sized":  # alone: 15 drafts a step; batched: 5 while over 4 requests run
+        assert 5 < counts.num_draft_tokens / counts.num_drafts < 15, counts
+
+
+def test_sized_trees_replay_full_graphs_at_each_size(tree_run):
+    """vLLM captures decode graphs for every query length of the table; the
+    6-node tier's uniform decode steps (5+ requests, 6 tokens each) replay
+    them. (A GPU run found that tier's forward at 66 launches a step.)"""
+    kind, outputs, _, _, _ = tree_run
+    if kind != "tree-sized":
+        pytest.skip("the sized tree's run only")
+    graphs = outputs["graphs"]
+    # 6-token decode steps of 5+ requests; 48 could also be 3 requests of 16
+    tier = [g for g in graphs if g["num_tokens"] % 6 == 0 and g["num_tokens"] >= 30
+            and g["num_tokens"] != 48]
+    full = sum(g["count"] for g in tier if "FULL" in str(g["mode"]))
+    total = sum(g["count"] for g in tier)
+    assert total and full >= 0.8 * total, graphs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -133,6 +133,37 @@ def flat_rows(tree, argmax, counts, seed):
     return target, input_ids, token_rows, cu, parents, slots.int()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_rows_stop_at_the_slots_drafted_nodes(backend, device):
+    """A slot drafted an 8-node chain, then a 3-node one (its batch grew, so
+    vLLM asked for fewer drafts); the batch shrank again and the scheduler
+    verifies 8 rows, the last 5 holding the old chain's tokens. The target
+    follows the new chain and then the old tokens: read as nodes, they
+    would be accepted under the new chain's context. The slots' drafted
+    count (`TreeSlots.num_drafted`) stops verification at node 2."""
+    from vllm_specplug.integration.v2.tree_slots import TreeSlots
+    from vllm_specplug.verification.tree_build import chain_tree
+
+    slots = TreeSlots(max_num_reqs=3, num_nodes=8, device=device)
+    slot = torch.tensor([1], device=device)
+    old = torch.tensor([[5, 11, 12, 13, 14, 15, 16, 17]], device=device)
+    new = torch.tensor([[5, 21, 22]], device=device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    slots.store(slot, chain_tree(old, zero), True)
+    slots.store(slot, chain_tree(new, zero), True)
+    assert slots.num_drafted.tolist() == [8, 3, 8]
+    input_ids = torch.cat([new[0], old[0, 3:]]).int()  # the rows vLLM scheduled
+    argmax = torch.tensor([21, 22, 13, 14, 15, 16, 17, 9], device=device)
+    args = (argmax, input_ids, torch.arange(8, device=device),
+            torch.tensor([0, 8], dtype=torch.int32, device=device), slots.parents, slot)
+    capped = verify_tree_greedy_rows(*args, slot_num_nodes=slots.num_drafted, backend=backend)
+    assert capped.num_accepted.tolist() == [2]
+    assert capped.output_token_ids[0, :3].tolist() == [21, 22, 13]  # 13: the target's bonus
+    assert capped.accepted_node_ids[0].tolist() == [0, 1, 2] + [-1] * 5
+    stale = verify_tree_greedy_rows(*args, backend=backend)  # what the cap prevents
+    assert stale.num_accepted.tolist() == [7]
+
+
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("topk,depth,num_nodes", TREES)
 def test_greedy_rows_kernel_equals_reference(batch, topk, depth, num_nodes, device):

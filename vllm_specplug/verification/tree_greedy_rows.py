@@ -9,7 +9,10 @@ the kernel does the gathers and the walk in one program per request and
 writes the accepted path straight into the caller's buffer.
 
 Request b's node n is row `cu_num_logits[b] + n`; nodes past its row count
-were not scheduled (the scheduler cut the tree) and are never accepted.
+were not scheduled (the scheduler cut the tree) and are never accepted, nor
+are nodes past what its slot's last tree had (`slot_num_nodes`): when the
+batch shrinks, vLLM's dynamic speculative decoding schedules more rows than
+that smaller tree drafted, and those rows hold stale or padding tokens.
 """
 from __future__ import annotations
 
@@ -21,22 +24,29 @@ from vllm_specplug.verification.tree_build import tree_from_parents
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy_reference
 
 
-def node_rows(cu_num_logits: torch.Tensor, num_reqs: int, num_nodes: int):
+def node_rows(cu_num_logits: torch.Tensor, num_reqs: int, num_nodes: int,
+              drafted: torch.Tensor | None = None):
     """Each request's logits row per node [B, N] int64 (past its own nodes:
-    its last row), and its node count [B] int64."""
+    its last row), and its node count [B] int64: its rows, at most
+    `drafted` [B] (the nodes its tree had) when given."""
     cu = cu_num_logits[:num_reqs + 1].long()
     counts = cu[1:] - cu[:-1]
+    if drafted is not None:
+        counts = torch.minimum(counts, drafted.long())
     node = torch.arange(num_nodes, device=cu.device)
     return cu[:-1, None] + torch.minimum(node[None], counts[:, None] - 1), counts
 
 
 def verify_tree_greedy_rows_reference(target_argmax, input_ids, logits_indices,
-                                      cu_num_logits, parents, idx_mapping) -> VerifyOutput:
+                                      cu_num_logits, parents, idx_mapping,
+                                      slot_num_nodes=None) -> VerifyOutput:
     """Plain-PyTorch specification: gather the trees, verify them."""
     num_reqs, num_nodes = idx_mapping.shape[0], parents.shape[1]
-    rows, counts = node_rows(cu_num_logits, num_reqs, num_nodes)
+    idx = idx_mapping.long()
+    rows, counts = node_rows(cu_num_logits, num_reqs, num_nodes,
+                             None if slot_num_nodes is None else slot_num_nodes[idx])
     tokens = input_ids[logits_indices[rows]].long()
-    tree = tree_from_parents(tokens, parents[idx_mapping.long()], counts,
+    tree = tree_from_parents(tokens, parents[idx], counts,
                              torch.zeros_like(counts))
     return verify_tree_greedy_reference(tree, target_argmax[rows])
 
@@ -45,6 +55,7 @@ def verify_tree_greedy_rows(target_argmax: torch.Tensor, input_ids: torch.Tensor
                             logits_indices: torch.Tensor, cu_num_logits: torch.Tensor,
                             parents: torch.Tensor, idx_mapping: torch.Tensor,
                             accepted_node_ids: torch.Tensor | None = None,
+                            slot_num_nodes: torch.Tensor | None = None,
                             backend: Backend = "auto") -> VerifyOutput:
     """Greedy verification of every request's tree, from flat rows.
 
@@ -57,12 +68,15 @@ def verify_tree_greedy_rows(target_argmax: torch.Tensor, input_ids: torch.Tensor
         idx_mapping: [B] int32/int64, each request's state slot.
         accepted_node_ids: optional [B, N] int64 buffer the path is written to
             (and returned as the output's `accepted_node_ids`).
+        slot_num_nodes: optional [S] int32, the nodes of each slot's last
+            tree (root included); nodes past it are cut.
     Returns:
         VerifyOutput: accepted tokens + bonus, their count, the accepted path.
     """
     if resolve_backend(backend, target_argmax) == "torch":
         out = verify_tree_greedy_rows_reference(target_argmax, input_ids, logits_indices,
-                                                cu_num_logits, parents, idx_mapping)
+                                                cu_num_logits, parents, idx_mapping,
+                                                slot_num_nodes)
         if accepted_node_ids is not None:
             accepted_node_ids.copy_(out.accepted_node_ids)
             out.accepted_node_ids = accepted_node_ids
@@ -81,7 +95,8 @@ def verify_tree_greedy_rows(target_argmax: torch.Tensor, input_ids: torch.Tensor
         return out
     verify_tree_greedy_rows_kernel[(num_reqs,)](
         target_argmax, input_ids, logits_indices, cu_num_logits, parents.contiguous(),
-        idx_mapping, out.output_token_ids, out.num_accepted, accepted_node_ids, num_nodes,
-        N_PAD=next_power_of_2(num_nodes))
+        idx_mapping, parents if slot_num_nodes is None else slot_num_nodes,
+        out.output_token_ids, out.num_accepted, accepted_node_ids, num_nodes,
+        N_PAD=next_power_of_2(num_nodes), CAP_NODES=slot_num_nodes is not None)
     return out
 

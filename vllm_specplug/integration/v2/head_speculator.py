@@ -55,8 +55,10 @@ def step_tree_shape(shape: tuple[int, int, int],
     request at this batch size, so the tree has that many nodes past the root
     (at least one: at 0 the drafter still ingests, to stay in sync, and vLLM
     schedules none of its drafts), and no more drafting steps than it can be
-    deep. Trees sized so are refused for now (`check_sized_trees`): this
-    sizes chains, whose missing drafts vLLM's own sampler rejects."""
+    deep. When the batch then shrinks, vLLM schedules more drafts than the
+    tree has; tree verification stops at each slot's drafted nodes
+    (`TreeSlots.num_drafted`), vLLM's own sampler rejects a chain's missing
+    drafts."""
     topk, num_steps, num_nodes = shape
     if num_drafts is not None:
         num_nodes = max(2, min(num_nodes, num_drafts + 1))
@@ -87,28 +89,9 @@ class StepInputs:
         return self.target[:num]
 
 
-def check_sized_trees(method: str, topk: int, speculative_config) -> None:
-    """Trees sized by batch are refused on Model Runner V2 for now (chains
-    are fine): when the batch shrinks, vLLM schedules more drafts than the
-    last, smaller tree had, and fills the rest with -1; our tree
-    verification reads those nodes as drafted (their parents stale). A
-    GPU run found seeded sampling no longer reproducible, and the 6-node
-    tier's steps slower than 16-node trees (docs/results/v2_fused_step_h200).
-    The fix is verification that stops at each slot's drafted node count."""
-    if topk > 1 and getattr(speculative_config, "num_speculative_tokens_per_batch_size",
-                            None):
-        raise ValueError(
-            f"speculative_config for method {method!r}: num_speculative_tokens_per_batch_size "
-            f"is not supported for trees (topk={topk}) on Model Runner V2 yet; use topk=1 "
-            "(a chain, sized by vLLM per batch) or leave num_speculative_tokens_per_batch_size "
-            "out (a fixed tree)")
-
-
 class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
         self.drafter = HeadDrafter(vllm_config)
-        check_sized_trees(self.drafter.method, self.drafter.options.topk,
-                          vllm_config.speculative_config)
         self.method = self.drafter.method
         self.req_states = req_states
         self.device = device

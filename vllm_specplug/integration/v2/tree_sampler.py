@@ -5,7 +5,7 @@ The model state hands this to the runner as its rejection sampler
 logits, one row per tree node (root first) of each request that verifies a
 tree and one row for the others, in `cu_num_logits` layout. Each request
 becomes a tree from its state slot's parents (`TreeSlots`; nodes past what
-was scheduled are cut) and goes through our greedy (temperature 0) or
+was scheduled, or past what its last tree had, are cut) and goes through our greedy (temperature 0) or
 stochastic (SpecInfer-style "target only", lossless) tree verification.
 Stochastic requests take their randomness from their vLLM seed and the
 root's position, so a seeded request reproduces its output. The output has
@@ -84,7 +84,7 @@ class V2TreeRejectionSampler:
         verified = verify_tree_greedy_rows(
             logits.argmax(-1), input_batch.input_ids, input_batch.logits_indices,
             input_batch.cu_num_logits, slots.parents, input_batch.idx_mapping[:num_reqs],
-            slots.accepted_nodes[:num_reqs], backend="triton")
+            slots.accepted_nodes[:num_reqs], slots.num_drafted, backend="triton")
         temperature = self.sampler.sampling_states.temperature
         if (temperature.np[idx_np] != 0.0).any():
             verified = self._with_stochastic(verified, logits, input_batch, slots)
@@ -96,11 +96,12 @@ class V2TreeRejectionSampler:
 
     def _trees(self, input_batch, slots) -> tuple[DraftTree, torch.Tensor]:
         """The batch's trees (token and parent ids; what the kernels read)."""
+        idx = input_batch.idx_mapping[:input_batch.num_reqs]
         rows, counts = node_rows(input_batch.cu_num_logits, input_batch.num_reqs,
-                                 slots.num_nodes)
+                                 slots.num_nodes, slots.num_drafted[idx])
         live = torch.arange(slots.num_nodes, device=rows.device)[None] < counts[:, None]
         token_ids = input_batch.input_ids[input_batch.logits_indices[rows]].long()
-        parents = slots.parents[input_batch.idx_mapping[:input_batch.num_reqs]]
+        parents = slots.parents[idx]
         tree = DraftTree(token_ids=torch.where(live, token_ids, 0),
                          parent_ids=torch.where(live, parents, NO_NODE), cand_ids=EMPTY,
                          depths=EMPTY, positions=EMPTY, attn_mask=EMPTY, packed_mask=EMPTY,

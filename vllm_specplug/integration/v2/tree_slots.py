@@ -28,6 +28,9 @@ class TreeSlots:
         self.depths = node.to(torch.int32).repeat(max_num_reqs, 1)  # [S, N] int32
         self.bits = pack_mask(chain[None]).repeat(max_num_reqs, 1, 1)  # [S, N, W] int32
         self.is_tree = torch.zeros(max_num_reqs, dtype=torch.int8, device=device)  # [S]
+        # nodes of each slot's last tree, root included: verification reads none past it
+        self.num_drafted = torch.full((max_num_reqs,), num_nodes, dtype=torch.int32,
+                                      device=device)  # [S]
         # per batch row, written by the tree sampler: root .. last accepted node
         self.accepted_nodes = torch.full((max_num_reqs, num_nodes), NO_NODE,
                                          dtype=torch.int64, device=device)  # [S, N]
@@ -55,8 +58,9 @@ class TreeSlots:
         """The trees just drafted for state `slots` [B] (no host sync). A
         tree may have fewer nodes than the slots hold (this step's batch size
         asked for fewer drafts): it fills the first ones, and verification
-        reads no node past what was scheduled."""
+        reads no node past it (`num_drafted`) nor past what was scheduled."""
         num_nodes, words = tree.num_nodes, tree.packed_mask.shape[2]
+        self.num_drafted.index_fill_(0, slots, num_nodes)
         self.parents[:, :num_nodes].index_copy_(0, slots, tree.parent_ids)
         self.depths[:, :num_nodes].index_copy_(0, slots, tree.depths.to(torch.int32))
         self.bits[:, :num_nodes, :words].index_copy_(0, slots, tree.packed_mask)
@@ -81,3 +85,4 @@ class TreeSlots:
         self.parents.index_copy_(0, slots, (node - 1).expand(slots.shape[0], -1))
         self.depths.index_copy_(0, slots, node.to(torch.int32).expand(slots.shape[0], -1))
         self.is_tree.index_fill_(0, slots, 0)
+        self.num_drafted.index_fill_(0, slots, self.num_nodes)

@@ -90,3 +90,65 @@ def test_every_tree_decode_batch_gets_a_graph_by_default(tiny_model_dir, tiny_ea
     assert sizes[-1] == 64 * 16
     plain = _sizes(tiny_model_dir, None, max_size=None, max_num_seqs=64)
     assert set(plain) <= set(sizes) and plain[-1] < 64 * 16
+
+
+class _Manager:
+    """What `CudaGraphManager._init_candidates` and `dispatch` read, from a
+    real VllmConfig (the manager itself needs CUDA to be built)."""
+
+    def __init__(self, config, query_len: int) -> None:
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+        self.vllm_config, self.compilation_config = config, config.compilation_config
+        self.cudagraph_mode = config.compilation_config.cudagraph_mode
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.decode_query_len, self.varlen_decode = query_len, False
+        self.lora_capture_cases, self.ubatch_runner = [0], None
+        self._candidates, self._capture_descs = {}, {}
+        self._lora_dispatch_map, self._max_lora_case = {}, 0
+        self._graphs_captured = True
+        for name in ("dispatch", "_resolve_effective_loras", "_maybe_ubatch_twin"):
+            setattr(self, name, getattr(CudaGraphManager, name).__get__(self))
+
+
+def test_sized_tree_decode_steps_find_a_full_graph_at_every_batch(tiny_model_dir,
+                                                                  tiny_eagle3_dir):
+    """A tree sized by batch (16 nodes up to 4 requests, 6 up to 24, 3
+    beyond): vLLM captures FULL decode graphs for each query length, but
+    dispatches a token count only to the next captured count's graphs, so
+    5 requests of 6 tokens or 60 of 3 run PIECEWISE (the next graph is one
+    of another query length). With our candidates every uniform decode
+    batch of the table replays a FULL graph of its own query length."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_specplug.patches.gpu_v2_cudagraph_utils import _init_candidates
+
+    table = [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]
+    spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": 4,
+            "num_steps": 4, "num_draft_tokens": 16, "num_speculative_tokens_per_batch_size": table}
+    config = EngineArgs(model=str(tiny_model_dir), speculative_config=spec, max_model_len=512,
+                        max_num_seqs=64).create_engine_config()
+    config.model_config.enforce_eager = False
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.max_cudagraph_capture_size = 1024
+    config.compilation_config.cudagraph_capture_sizes = None
+    config._set_cudagraph_sizes()
+    tiers = [(n, 16 if n <= 4 else 6 if n <= 24 else 3) for n in range(1, 65)]
+
+    def misses(manager) -> list[tuple[int, int]]:
+        found = [(n, q, manager.dispatch(n, n * q, q, 0)) for n, q in tiers]
+        return [(n, q) for n, q, desc in found
+                if desc.cg_mode != CUDAGraphMode.FULL or desc.uniform_token_count != q]
+
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    # vLLM's own, whether or not this process installed our patch already
+    vllm_init = getattr(CudaGraphManager._init_candidates, "__wrapped__",
+                        CudaGraphManager._init_candidates)
+    vllms, ours = _Manager(config, query_len=16), _Manager(config, query_len=16)
+    vllm_init(vllms)
+    missed = misses(vllms)  # vLLM's own dispatch: 18 of the 64 batch sizes, in 0.32
+    assert (5, 6) in missed and (60, 3) in missed and len(missed) >= 10, missed
+    _init_candidates(vllm_init)(ours)
+    assert misses(ours) == []

@@ -28,6 +28,7 @@ OUR_SCHEDULER = "vllm_specplug.integration.scheduler.SpecplugAsyncScheduler"
 MAX_TOKENS = 64
 NUM_PROMPTS = 60
 NUM_ALONE = 4
+NUM_SAMPLED = 8
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,20 @@ def _outputs(llm, prompts) -> dict:
             "alone": [generate(llm, [p], params).token_ids[0] for p in prompts[:NUM_ALONE]]}
 
 
+def sampled(llm, prompts) -> list[list[int]]:
+    """Seeded samples (temperature 0.8, top-p 0.95, seed 123, 32 tokens)."""
+    from vllm import SamplingParams
+
+    from vllm_specplug.engine import generate
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=32)
+    return generate(llm, prompts, params).token_ids
+
+
 @pytest.fixture(scope="module")
 def baseline(work, prompts) -> dict:
-    """Outputs without speculation, and the top-2 gap of each batched token."""
+    """Outputs without speculation, the top-2 gap of each batched token, and
+    seeded samples of the first prompts (`sampled`)."""
     from vllm_specplug.bench.compare import top2_gaps
     from vllm_specplug.engine import greedy_params, shutdown_llm
 
@@ -71,6 +83,7 @@ def baseline(work, prompts) -> dict:
         outputs = _outputs(llm, prompts)
         outputs["gaps"] = top2_gaps(llm.generate(prompts, greedy_params(MAX_TOKENS, logprobs=2),
                                                  use_tqdm=False))
+        outputs["sampled"] = sampled(llm, prompts[:NUM_SAMPLED])
         return outputs
     finally:
         shutdown_llm(llm)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_model_runner_v2 import (V2_RUNNER, _engine, _outputs, baseline,  # noqa: F401
-                                            prompts, work)
+from tests.gpu.test_model_runner_v2 import (NUM_SAMPLED, V2_RUNNER, _engine, _outputs,  # noqa: F401
+                                            baseline, prompts, sampled, work)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -54,30 +54,24 @@ def tree_run(request, work, prompts):  # noqa: F811
         counts = read_spec_decode_counts(llm)
         state = llm.collective_rpc("specplug_tree_attention_state")[0]
         runner = llm.collective_rpc("specplug_runner_state")[0]
-        outputs["sampled"] = [_sampled(llm, prompts[:8]) for _ in range(2)]
+        outputs["sampled"] = [sampled(llm, prompts[:NUM_SAMPLED]) for _ in range(2)]
         yield request.param, outputs, counts, state, runner
     finally:
         shutdown_llm(llm)
 
 
-def _sampled(llm, prompts) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    from vllm_specplug.engine import generate
-
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=32)
-    return generate(llm, prompts, params).token_ids
-
-
-def test_seeded_sampling_reproduces_its_output(tree_run):
-    """Stochastic verification draws its noise from each request's seed (for
-    trees, our sampler; for chains, vLLM's): the same seed, the same tokens.
-    (That the tree sampler is lossless in distribution is
-    tests/kernels/test_lossless_sampling.py.)"""
-    _, outputs, _, _, _ = tree_run
+def test_seeded_sampling_reproduces_its_output(tree_run, baseline):  # noqa: F811
+    """Seeded sampling: the same seed, the same tokens. Trees go further:
+    vLLM's sampler draws the target's token at every node (its Gumbel noise
+    keyed by seed and position) and the walk keeps the draws, so a seeded
+    request gets no speculation's own tokens, whatever the tree's size or
+    the batch (chains use vLLM's rejection sampler, which does not)."""
+    kind, outputs, _, _, _ = tree_run
     first, second = outputs["sampled"]
     assert first == second
-    assert first != [b[:32] for b in outputs["batched"][:8]]  # it sampled: not greedy
+    assert first != [b[:32] for b in outputs["batched"][:NUM_SAMPLED]]  # sampled, not greedy
+    if kind.startswith("tree"):
+        assert first == baseline["sampled"]
 
 
 def test_eagle3_runs_on_model_runner_v2_with_async_scheduling(tree_run):

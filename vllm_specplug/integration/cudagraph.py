@@ -52,3 +52,45 @@ def with_all_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int,
         return sizes
     return sorted(set(sizes) | set(decode_capture_sizes(query_len, max_num_reqs,
                                                         max_num_tokens)))
+
+
+def add_decode_candidates(candidates: dict, full_descs: list, full_mode) -> int:
+    """Model Runner V2's dispatch candidates, with a FULL decode graph of every
+    query length for every token count; returns how many were added.
+
+    With dynamic speculative decoding (`num_speculative_tokens_per_batch_size`)
+    vLLM captures uniform decode graphs for each query length of the table,
+    but gives each token count only the descriptors of the next captured
+    token count (`CudaGraphManager._init_candidates`). When that count
+    belongs to another query length, a decode step finds no FULL graph and
+    runs PIECEWISE: on the H200, 60 requests of a 6-node tree step (360
+    tokens) met only a 16-token graph at 368, and 20 of 28 such steps ran
+    PIECEWISE (tests/gpu/test_tree_eagle_cuda.py); for a 16/6/3 table, 18 of
+    64 batch sizes (tests/test_cudagraph_sizes.py). Each token
+    count here also gets, per query length, the smallest FULL graph that can
+    hold it, after its own FULL candidates and before the PIECEWISE ones.
+
+    Args:
+        candidates: {(num_tokens, num_active_loras): [descriptor]}, in place.
+        full_descs: every captured FULL descriptor.
+        full_mode: vLLM's `CUDAGraphMode.FULL`.
+    """
+    by_shape: dict[tuple, list] = {}
+    for desc in sorted(full_descs, key=lambda d: d.num_tokens):
+        if desc.uniform_token_count is not None:
+            shape = (desc.uniform_token_count, desc.num_active_loras, desc.num_ubatches)
+            by_shape.setdefault(shape, []).append(desc)
+    if len({shape[0] for shape in by_shape}) < 2:  # one query length: nothing shadows
+        return 0
+    added = 0
+    for (num_tokens, num_loras), descs in candidates.items():
+        have = {(d.uniform_token_count, d.num_active_loras, d.num_ubatches) for d in descs}
+        extra = [next((d for d in group if d.num_tokens >= num_tokens), None)
+                 for shape, group in by_shape.items()
+                 if shape[1] == num_loras and shape not in have]
+        extra = sorted((d for d in extra if d is not None), key=lambda d: d.num_tokens)
+        if extra:
+            full = [d for d in descs if d.cg_mode == full_mode]
+            descs[:] = full + extra + [d for d in descs if d.cg_mode != full_mode]
+            added += len(extra)
+    return added

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from vllm_specplug.integration.v1 import kernel_overrides
 from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, flash_attn,
-                                   gpu_model_runner, gpu_v2_model_runner, gpu_v2_model_states,
-                                   triton_attn)
+                                   gpu_model_runner, gpu_v2_cudagraph_utils, gpu_v2_model_runner,
+                                   gpu_v2_model_states, triton_attn)
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -27,4 +27,5 @@ def register_proposers() -> list[str]:
     # Model Runner V2 (CUDA only; never imported on the CPU platform).
     when_imported(gpu_v2_model_runner.MODULE, gpu_v2_model_runner.install)
     when_imported(gpu_v2_model_states.MODULE, gpu_v2_model_states.install)
+    when_imported(gpu_v2_cudagraph_utils.MODULE, gpu_v2_cudagraph_utils.install)
     return items + [f"proposer:{name}" for name in available_proposers()]

@@ -3,23 +3,39 @@
 The model state hands this to the runner as its rejection sampler
 (`ModelState.custom_sampler`, tree_state.py). It is called with vLLM's
 logits, one row per tree node (root first) of each request that verifies a
-tree and one row for the others, in `cu_num_logits` layout. Each request
-becomes a tree from its state slot's parents (`TreeSlots`; nodes past what
-was scheduled, or past what its last tree had, are cut) and goes through our greedy (temperature 0) or
-stochastic (SpecInfer-style "target only", lossless) tree verification.
-Stochastic requests take their randomness from their vLLM seed and the
-root's position, so a seeded request reproduces its output. The output has
-vLLM's layout ([B, N] tokens: the accepted path then the bonus token), so
-`post_update`, the scheduler and the metrics read it as they read chains.
+tree and one row for the others, in `cu_num_logits` layout.
 
-Accepted paths are kept for the drafter's ingest, and each path's K/V moves
-from the node's slot (`seq_len + node`) to `seq_len + depth` in every layer,
-with the compaction kernel `kernels/kv_compaction.py`.
+**Sample every node, then walk.** vLLM's own sampler draws the target's
+token at every logits row, exactly as it would without speculation: the
+same temperature, min_p, top-k and top-p, and on Model Runner V2 the same
+Gumbel noise, keyed by the request's seed and the row's position (the
+layout already moved a node's position to `seq_len + depth`). The tree is
+then walked greedily against those tokens (`verify_tree_greedy_rows`): a
+node is accepted when its parent was and its token is what the target drew
+there; the bonus token is the draw at the last accepted node. Each emitted
+token is the target's own draw in its own context, so the output is
+distributed as without speculation, and with a seed it is the very tokens
+no speculation draws, whatever the tree's size or the batch. For drafts
+taken without their probabilities this accepts as often as "target only"
+rejection sampling (SpecInfer, SGLang's `tree_speculative_sampling_target_only`):
+a child set is accepted with probability sum p(child) in both. At
+temperature 0 the draw is the argmax: greedy verification.
 
-Batches whose sampling needs vLLM's full sampler on every row (logprobs,
-logits processors: penalties, bad words, logit bias, min tokens, thinking
-budgets; grammars; sampling masks) accept no drafts this step: vLLM's own
-sampler samples each request's root row (lossless; only speculation is lost).
+Each request becomes a tree from its state slot's parents (`TreeSlots`;
+nodes past what was scheduled, or past what its last tree had, are cut).
+The output has vLLM's layout ([B, N] tokens: the accepted path then the
+bonus token), so `post_update`, the scheduler and the metrics read it as
+they read chains. Accepted paths are kept for the drafter's ingest, and
+each path's K/V moves from the node's slot (`seq_len + node`) to
+`seq_len + depth` in every layer, with the compaction kernel
+`kernels/kv_compaction.py`.
+
+Batches whose sampling needs vLLM's full sampler on every row in order
+(logprobs, logits processors: penalties, bad words, logit bias, min tokens,
+thinking budgets; grammars; sampling masks) accept no drafts this step:
+vLLM's own sampler samples each request's root row (lossless; only
+speculation is lost). Those read a request's earlier rows as its history,
+which a tree's sibling rows are not.
 """
 from __future__ import annotations
 
@@ -31,21 +47,15 @@ from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.kv_compaction import compact_kv_cache, compact_kv_layers
-from vllm_specplug.verification.metadata import NO_NODE, DraftTree
-from vllm_specplug.verification.seeded_random import seeded_uniform
-from vllm_specplug.verification.tree_greedy_rows import node_rows, verify_tree_greedy_rows
-from vllm_specplug.verification.tree_sampling import verify_tree_stochastic
-
-EMPTY = torch.empty(0, dtype=torch.int64)
+from vllm_specplug.verification.metadata import NO_NODE
+from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
 
 
 def sampling_params_need_processing(states, idx_mapping_np: np.ndarray) -> np.ndarray:
     """[B] bool: vLLM's `SamplingStates.add_request` verdict for temperature,
-    min_p, top-k and top-p alone (what tree verification applies itself)."""
+    min_p, top-k and top-p alone (what is applied to every node's row)."""
     temperature = states.temperature.np[idx_mapping_np]
     return (temperature != 0.0) & ((temperature != 1.0) | (states.min_p.np[idx_mapping_np] != 0)
                                    | (states.top_k.np[idx_mapping_np] != states.vocab_size)
@@ -53,8 +63,8 @@ def sampling_params_need_processing(states, idx_mapping_np: np.ndarray) -> np.nd
 
 
 def needs_full_sampler(sampler, idx_mapping_np: np.ndarray, has_grammar: bool) -> bool:
-    """Whether a request of the batch needs what tree verification does not
-    apply to draft nodes (see the module docstring)."""
+    """Whether a request of the batch needs what is not applied to draft
+    nodes (see the module docstring)."""
     states = sampler.sampling_states
     processors = (sampler.needs_logits_processing[idx_mapping_np]
                   & ~sampling_params_need_processing(states, idx_mapping_np))
@@ -82,77 +92,29 @@ class V2TreeRejectionSampler:
             return self._roots_only(logits, input_batch, slots, num_nans)
         num_reqs = input_batch.num_reqs
         verified = verify_tree_greedy_rows(
-            logits.argmax(-1), input_batch.input_ids, input_batch.logits_indices,
-            input_batch.cu_num_logits, slots.parents, input_batch.idx_mapping[:num_reqs],
-            slots.accepted_nodes[:num_reqs], slots.num_drafted, backend="triton")
-        temperature = self.sampler.sampling_states.temperature
-        if (temperature.np[idx_np] != 0.0).any():
-            verified = self._with_stochastic(verified, logits, input_batch, slots)
-            slots.accepted_nodes[:num_reqs] = verified.accepted_node_ids
+            self._target_tokens(logits, input_batch), input_batch.input_ids,
+            input_batch.logits_indices, input_batch.cu_num_logits, slots.parents,
+            input_batch.idx_mapping[:num_reqs], slots.accepted_nodes[:num_reqs],
+            slots.num_drafted, backend="triton")
         with torch.profiler.record_function("specplug::compact_kv"):  # bench --phases
             compact_kv(slots, input_batch, verified.accepted_node_ids, verified.num_accepted)
         return self._output(input_batch, verified.output_token_ids,
                             (verified.num_accepted + 1).to(torch.int32), num_nans)
 
-    def _trees(self, input_batch, slots) -> tuple[DraftTree, torch.Tensor]:
-        """The batch's trees (token and parent ids; what the kernels read)."""
-        idx = input_batch.idx_mapping[:input_batch.num_reqs]
-        rows, counts = node_rows(input_batch.cu_num_logits, input_batch.num_reqs,
-                                 slots.num_nodes, slots.num_drafted[idx])
-        live = torch.arange(slots.num_nodes, device=rows.device)[None] < counts[:, None]
-        token_ids = input_batch.input_ids[input_batch.logits_indices[rows]].long()
-        parents = slots.parents[idx]
-        tree = DraftTree(token_ids=torch.where(live, token_ids, 0),
-                         parent_ids=torch.where(live, parents, NO_NODE), cand_ids=EMPTY,
-                         depths=EMPTY, positions=EMPTY, attn_mask=EMPTY, packed_mask=EMPTY,
-                         first_child_ids=EMPTY, next_sibling_ids=EMPTY)
-        return tree, rows
-
-    def _with_stochastic(self, greedy, logits, input_batch, slots):
-        """Stochastic verification for the requests sampling at a temperature."""
-        tree, rows = self._trees(input_batch, slots)
-        sampled = verify_tree_stochastic(tree, self._node_probs(logits, input_batch, rows),
-                                         *self._noise(input_batch, tree, logits.shape[1]),
-                                         backend="triton", validate=False)
-        self._sample_draftless_rows(sampled, logits, input_batch)
-        states, idx = self.sampler.sampling_states, input_batch.idx_mapping[:input_batch.num_reqs]
-        is_greedy = (states.temperature.gpu[idx] == 0.0)[:, None]
-        for name in ("output_token_ids", "accepted_node_ids"):
-            setattr(sampled, name, torch.where(is_greedy, getattr(greedy, name),
-                                               getattr(sampled, name)))
-        sampled.num_accepted = torch.where(is_greedy[:, 0], greedy.num_accepted,
-                                           sampled.num_accepted)
-        return sampled
-
-    def _node_probs(self, logits, input_batch, rows) -> torch.Tensor:
-        """[B, N, V] float32: each node's distribution after temperature,
-        min_p, top-k and top-p (vLLM's own functions, per request)."""
-        states, idx_np = self.sampler.sampling_states, input_batch.idx_mapping_np
-        idx_np = idx_np[:input_batch.num_reqs]
-        expanded = input_batch.expanded_idx_mapping
-        processed = logits.float()  # a copy for bf16/fp16 logits; never written in place below
-        processed = processed.clone() if processed is logits else processed
-        states.apply_temperature(processed, expanded, idx_np)
-        states.apply_min_p(processed, expanded, idx_np)
-        top_k, top_p = states.get_top_k_top_p(expanded, idx_np)
-        if top_k is not None or top_p is not None:
-            processed = apply_top_k_top_p(processed, top_k, top_p)
-        return processed.softmax(-1)[rows]
-
-    def _noise(self, input_batch, tree, vocab_size: int):
-        """Uniforms [B, N] for acceptances and Exp(1) [B, V] for the residual
-        sample, from each request's seed and root position: seq_len minus
-        its logits rows (a tree's first query row; a prefill's last prompt
-        token, wherever its chunk began: a prefix-cache hit or a chunked
-        prefill must not change a seeded request's noise)."""
+    def _target_tokens(self, logits, input_batch) -> torch.Tensor:
+        """[num_logits] int64: vLLM's sampler's draw at every logits row, at
+        the row's (tree) position; the argmax where the temperature is 0."""
         num_reqs = input_batch.num_reqs
-        idx = input_batch.idx_mapping[:num_reqs]
-        seeds = self.sampler.sampling_states.seeds.gpu[idx]
-        cu_logits = input_batch.cu_num_logits[:num_reqs + 1].long()
-        roots = input_batch.seq_lens[:num_reqs].long() - (cu_logits[1:] - cu_logits[:-1])
-        uniform = seeded_uniform(seeds, 2 * roots, tree.token_ids.shape[1])
-        exp = -torch.log(seeded_uniform(seeds, 2 * roots + 1, vocab_size).clamp_(min=1e-20))
-        return uniform, exp
+        if (self.sampler.sampling_states.temperature.np[
+                input_batch.idx_mapping_np[:num_reqs]] == 0.0).all():
+            return logits.argmax(-1)  # what gumbel_sample returns at temperature 0
+        rows = input_batch.logits_indices
+        sampled, _ = self.sampler.sample(
+            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping[:num_reqs],
+            input_batch.idx_mapping_np[:num_reqs], input_batch.positions[rows],
+            input_batch.input_ids[rows], input_batch.expanded_local_pos,
+            input_batch.seq_lens_cpu_upper_bound.numpy())
+        return sampled
 
     def _sample_roots(self, logits, input_batch):
         """vLLM's sampler at every request's root row (its first logits row)."""
@@ -166,19 +128,6 @@ class V2TreeRejectionSampler:
             cu_num_logits=torch.from_numpy(arange).to(logits.device), num_draft_tokens=0,
             num_draft_tokens_per_req=None)
         return self.sampler(logits[roots], root_batch)
-
-    def _sample_draftless_rows(self, sampled, logits, input_batch) -> None:
-        """Requests with no draft this step (a prefill, a decode drafted
-        nothing) take vLLM's sample, in place: vLLM's runner samples a
-        batch without drafts with its own sampler, so a seeded request's
-        token must not depend on whether others in its batch had trees."""
-        num_reqs = input_batch.num_reqs
-        draftless = np.diff(input_batch.cu_num_logits_np[:num_reqs + 1]) == 1
-        if not draftless.any():
-            return
-        ids = self._sample_roots(logits, input_batch).sampled_token_ids[:num_reqs, 0]
-        rows = to_device(np.flatnonzero(draftless), logits.device)
-        sampled.output_token_ids[rows, 0] = ids[rows].to(sampled.output_token_ids.dtype)
 
     def _roots_only(self, logits, input_batch, slots, num_nans) -> SamplerOutput:
         """vLLM's sampler at every request's root row; every draft rejected."""

@@ -19,24 +19,25 @@ RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
 
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
-  # eagle3 sized by batch, no chain of ours)
+  # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
   local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
-  printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
-  if [ "$1" = sized ]; then
-    # vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 3 up to 24, 2 beyond;
-    # our tree the same way: 16 nodes, then 6, then 3
-    printf '%s\n' --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
-  else
-    printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
-  fi
-  printf '%s\n' --spec "ours-tree16={$tree}"
-  if [ "$1" = sized ]; then
-    printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}"
-  fi
+  [ "$1" != sized-only ] && printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
+  case "$1" in
+    sized|sized-only)
+      # vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 3 up to 24, 2 beyond;
+      # our tree the same way: 16 nodes, then 6, then 3
+      printf '%s\n' --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
+      [ "$1" = sized ] && printf '%s\n' --spec "ours-tree16={$tree}"
+      printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}" ;;
+    *)
+      printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
+      printf '%s\n' --spec "ours-tree16={$tree}" ;;
+  esac
   if [ "$1" = all ]; then
     printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"
   fi
+  return 0
 }
 
 tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE: the tiny model's run
@@ -86,9 +87,12 @@ case "$1" in
       grep -q "^DONE $2" "$HOME/$2.log" 2>/dev/null && break
       sleep 5
     done
+    # results under RUN_NAME when the run was started with one; the run's
+    # own output is in $HOME/out-NAME (host.sh writes its log there)
     mkdir -p "$OUT/$2"
-    cp "$RESULTS/$2"/* "$OUT/$2/" 2>/dev/null
+    cp "$RESULTS/${RUN_NAME:-$2}"/* "$OUT/$2/" 2>/dev/null
     cp "$HOME/$2.log" "$OUT/$2/run.log"
+    cp "$HOME/out-$2"/*.log "$OUT/$2/" 2>/dev/null
     grep -a "DONE\|Error\|error:" "$HOME/$2.log" | tail -5
     tail -c 2500 "$HOME/$2.log" ;;
 esac

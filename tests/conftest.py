@@ -1,11 +1,13 @@
 """Shared fixtures: the built-in tiny model and one baseline engine per session.
 
-Engines take ~30 s to start, so the baseline (no speculation) engine is shared
-by the whole session and speculative engines are module-scoped.
+The baseline (no speculation) engine is shared by the whole session and
+speculative engines are module-scoped; engine cores run in this process
+where they can (docs/testing.md).
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -13,6 +15,15 @@ from vllm_specplug.models import build_model, held_out_prompts
 from vllm_specplug.testing.engine import (generate, generate_each, greedy_params, make_llm,
                                           shutdown_llm)
 from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
+
+# Engine cores in the test process: vLLM's supported in-process mode (the
+# same EngineCore, scheduler and runner), 2-3 s an engine instead of 25 on
+# this 2-core machine. The session's baseline engine, extraction engines and
+# servers keep cores of their own (the plugin must load in the engine
+# process, speculative configs must cross to it), and an engine started
+# while another runs here gets its own too (`engine.InProcessEngines`).
+IN_PROCESS_BY_US = "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 NUM_EVAL_PROMPTS = 24
 MAX_NEW_TOKENS = 64
@@ -29,11 +40,34 @@ def engines_run_what_cpu_users_run():
     kernels interpreted (`backend="auto"`), not the PyTorch paths a CPU user
     runs: one distribution test took 172 s instead of 15. Outside
     tests/kernels the interpreter stays off unless the caller set it."""
-    from tests.kernels import conftest as kernels
-
-    if kernels.SETS_INTERPRETER:
+    kernels = sys.modules.get("tests.kernels.conftest")  # collected in this session
+    if kernels is not None and kernels.SETS_INTERPRETER:
         os.environ.pop("TRITON_INTERPRET", None)
+        # Kernels collected with the others (`pytest tests`): vLLM's Triton
+        # kernels imported meanwhile are interpreted for good in this
+        # process, so engine cores go back to processes of their own
+        # (scripts/test.sh runs tests/kernels in a pytest of its own).
+        if IN_PROCESS_BY_US:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     yield
+
+
+@pytest.fixture(autouse=True)
+def live_vllm_envs():
+    """An engine core caches vLLM's environment variables when it starts
+    (`enable_envs_cache`); in the test process that would freeze them for
+    every later test. vLLM's own switch undoes it around each test (where
+    vLLM is loaded: importing it here would load it under a kernel test's
+    Triton interpreter, which its CPU platform breaks)."""
+    _clear_vllm_envs_cache()
+    yield
+    _clear_vllm_envs_cache()
+
+
+def _clear_vllm_envs_cache() -> None:
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None:
+        envs.disable_envs_cache()
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +91,9 @@ def eval_prompts() -> list[str]:
 @pytest.fixture(scope="session")
 def baseline_llm(tiny_model_dir):
     # The probe lets tests ask the worker process whether our plugin loaded.
-    llm = make_llm(tiny_model_dir, worker_extension_cls=PROBE_QUALNAME)
+    # Its own process: the plugin must load there, and an engine alive all
+    # session in this process would send every other one to its own too.
+    llm = make_llm(tiny_model_dir, own_process=True, worker_extension_cls=PROBE_QUALNAME)
     yield llm
     shutdown_llm(llm)
 
@@ -75,7 +111,11 @@ def speculative_engines(configs: dict[str, dict]):
     """A module-scoped fixture running the module's tests once per config."""
     @pytest.fixture(scope="module", params=list(configs))
     def spec_llm(request, tiny_model_dir):
-        llm = make_llm(tiny_model_dir, configs[request.param],
+        config = configs[request.param]
+        # vLLM's n-gram proposer imports numba: loaded in this process, its
+        # llvmlite would send every later engine to a process of its own
+        numba = config is not None and config.get("method") == "ngram"
+        llm = make_llm(tiny_model_dir, config, own_process=numba,
                        worker_extension_cls=PROBE_QUALNAME)
         yield llm
         shutdown_llm(llm)

@@ -120,8 +120,12 @@ def prepare_output(options: ExtractOptions,
 def make_extraction_llm(options: ExtractOptions, info: ds.DatasetInfo):
     from vllm_specplug.engine import make_llm
 
+    # its own core process: the connector writes a finished request's file
+    # one engine step later, and an in-process core takes no step once
+    # `generate` has returned
     return make_llm(
-        options.model, dtype=info.dtype, max_model_len=options.max_model_len,
+        options.model, own_process=True, dtype=info.dtype,
+        max_model_len=options.max_model_len,
         speculative_config={
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {

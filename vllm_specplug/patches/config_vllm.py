@@ -1,6 +1,10 @@
 """Patches of `vllm.config.vllm.VllmConfig`: `_get_v2_model_runner_unsupported_features`,
 `__post_init__` and `_set_cudagraph_sizes`.
 
+`__post_init__` also settles the CPU platform's thread binding of a sharded
+target on a machine with fewer NUMA nodes than ranks, before any worker
+starts (integration/cpu_threads.py): vLLM has no hook there either.
+
 Why: our methods reach vLLM as `method="custom_class"`, which vLLM sends to
 the V1 model runner and runs without async scheduling. On CUDA our model-free
 proposers run under Model Runner V2 (`integration/v2/speculator.py`), with
@@ -68,8 +72,44 @@ def _post_init(original):
         if wanted is not NOT_OURS:
             _decide_async(self, wanted)
         _grammar_tree_scheduler(self)
+        _cpu_thread_binding(self)
 
     return post_init
+
+
+def _cpu_thread_binding(config) -> None:
+    """On vLLM's CPU platform, a sharded target on fewer NUMA nodes than
+    ranks gets its CPUs split between ranks where the user set no binding,
+    or an error naming the fix (integration/cpu_threads.py). Any config:
+    vLLM would stop on it otherwise. A binding we set for an earlier engine
+    of this process counts as unset (`OURS` remembers it), so the next
+    engine, sharded otherwise or not at all, is not given it."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    from vllm_specplug.integration.cpu_threads import ENV, OURS, thread_binding
+
+    if not current_platform.is_cpu():
+        return
+    current = os.environ.get(ENV)
+    if current is not None and current == os.environ.get(OURS):
+        current = None
+        os.environ.pop(ENV)
+        os.environ.pop(OURS)
+    parallel = config.parallel_config
+    num_ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if num_ranks <= 1:
+        return
+    import vllm.utils.cpu_resource_utils as cpu_resources
+
+    num_nodes = len(cpu_resources.get_visible_memory_node())
+    value = thread_binding(num_ranks, sorted(os.sched_getaffinity(0)), num_nodes, current)
+    if value is not None:
+        os.environ[ENV] = os.environ[OURS] = value
+        logger.warning("vllm-specplug: %d CPU ranks on %d NUMA node(s): %s=%r (one CPU list "
+                       "per rank; set it yourself to choose others)", num_ranks, num_nodes,
+                       ENV, value)
 
 
 TREE_SCHEDULER = "vllm_specplug.integration.scheduler.SpecplugTreeScheduler"

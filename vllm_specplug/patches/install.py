@@ -3,10 +3,9 @@ vLLM module it patches to be imported) and reports the registered proposer
 names. It lives here, not in `proposers/`: proposers never touch vLLM."""
 from __future__ import annotations
 
-from vllm_specplug.integration.v1 import kernel_overrides
 from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, flash_attn,
                                    gpu_model_runner, gpu_v2_cudagraph_utils, gpu_v2_model_runner,
-                                   gpu_v2_model_states, triton_attn)
+                                   gpu_v2_model_states, platforms_cpu, triton_attn)
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -18,9 +17,8 @@ def register_proposers() -> list[str]:
     # Only workers import the model runner; patch it there, when they do.
     when = when_imported(RUNNER_MODULE, gpu_model_runner.install)
     items.append(f"patch:{RUNNER_MODULE} ({when})")
-    # After the platform's own kernel overrides, which workers register right
-    # after loading plugins and before importing the model runner.
-    when_imported(RUNNER_MODULE, kernel_overrides.install)
+    # Our CPU kernels after the platform's, each time a worker registers those.
+    when_imported(platforms_cpu.MODULE, platforms_cpu.install)
     when_imported(cpu_attn.MODULE, cpu_attn.install)
     for backend in (flash_attn, triton_attn):  # CUDA tree attention
         when_imported(backend.MODULE, backend.install)

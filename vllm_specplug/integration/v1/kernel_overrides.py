@@ -11,9 +11,9 @@ logits are divided by garbage and greedy outputs stop matching no speculation
 (seen under `vllm serve` with n>1 requests; vLLM's own `ngram` and `suffix`
 too), and sampled requests never get the temperature they asked for.
 
-The override must come after the platform's (the worker registers those
-right after loading plugins), so it is installed when the worker imports the
-model runner.
+The override must come after the platform's, which each worker registers
+as it starts (again for every engine whose core runs in the caller's
+process), so it is installed right after them (patches/platforms_cpu.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,102 @@
+"""Tensor parallelism on CPU: the tiny target sharded over 2 ranks (vLLM's V1
+runner, one worker process per rank, each drafting for itself), for every
+method of ours: greedy output equal to the same sharded target's without
+speculation, and speculating. On this one-NUMA-node machine the plugin
+gives each rank its share of the CPUs (integration/cpu_threads.py;
+tests/test_cpu_threads_unit.py). Each engine runs its prompts once and stops
+before the next starts.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+
+from vllm_specplug.integration.cpu_threads import ENV, OURS, per_rank_cpus
+from vllm_specplug.metrics import read_spec_decode_counts
+from vllm_specplug.testing.compare import assert_same_tokens
+from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
+
+from tests.test_mtp_engine import MTP_TREES
+from tests.test_proposers_engine import CONFIGS as PROPOSERS
+from tests.test_tree_eagle_engine import TREES, tree_config
+
+TP = 2
+NUM_PROMPTS = 12  # of the held-out prompts: enough to speculate, at TP=2 cost
+MAX_TOKENS = 48
+# (target, speculative config) per method; the MTP layer lives in its target
+METHODS = {
+    **{name: ("tiny", config) for name, config in PROPOSERS.items()},
+    "eagle3_chain": ("tiny", ("eagle3", TREES["chain_k3"])),
+    "eagle3_tree16": ("tiny", ("eagle3", TREES["tree16_topk4"])),
+    "mtp_tree16": ("tiny-mtp", MTP_TREES["ours_tree16"]),
+}
+
+
+@contextmanager
+def _unset_binding():
+    """As a user who set no thread binding: the plugin chooses one. The
+    suite's own ("nobind", engine.set_cpu_defaults) is back afterwards."""
+    saved = {name: os.environ.pop(name, None) for name in (ENV, OURS)}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def _run(target_dir, config, prompts) -> dict:
+    with _unset_binding():
+        llm = make_llm(target_dir, config, tensor_parallel_size=TP)
+        binding = os.environ.get(ENV)
+        try:
+            before = read_spec_decode_counts(llm)
+            token_ids = generate(llm, prompts, greedy_params(MAX_TOKENS)).token_ids
+            return {"token_ids": token_ids, "binding": binding,
+                    "counts": read_spec_decode_counts(llm) - before}
+        finally:
+            shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_dir, tiny_mtp_dir):
+    return {"tiny": tiny_model_dir, "tiny-mtp": tiny_mtp_dir}
+
+
+@pytest.fixture(scope="module")
+def tp_prompts(eval_prompts):
+    return eval_prompts[:NUM_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def no_speculation(targets, tp_prompts) -> dict:
+    return {name: _run(path, None, tp_prompts) for name, path in targets.items()}
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def sharded(request, targets, tiny_eagle3_dir, tp_prompts):
+    target, config = METHODS[request.param]
+    if isinstance(config, tuple):  # an EAGLE-3 shape, on the built-in head
+        config = tree_config(tiny_eagle3_dir, *config[1])
+    return request.param, target, _run(targets[target], config, tp_prompts)
+
+
+def test_every_method_is_exact_and_speculates_on_a_sharded_target(sharded, no_speculation,
+                                                                    tp_prompts):
+    name, target, ours = sharded
+    assert_same_tokens(no_speculation[target]["token_ids"], ours["token_ids"], tp_prompts)
+    counts = ours["counts"]
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, (name, counts)
+
+
+def test_the_plugin_gave_each_rank_its_cpus(no_speculation):
+    """Without a binding of the user's, on this one-NUMA-node machine (where
+    vLLM's "auto" stops the engine), each rank got its share of the CPUs."""
+    import vllm.utils.cpu_resource_utils as cpu_resources
+
+    assert len(cpu_resources.get_visible_memory_node()) < TP, "a NUMA node per rank here"
+    assert no_speculation["tiny"]["binding"] == per_rank_cpus(sorted(os.sched_getaffinity(0)),
+                                                              TP)

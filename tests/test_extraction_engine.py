@@ -71,6 +71,32 @@ def test_hidden_states_equal_a_transformers_forward(extraction, hf_model):
         torch.testing.assert_close(item["hidden_states"], expected, atol=ATOL, rtol=RTOL)
 
 
+def test_a_sharded_target_writes_the_same_samples(extraction, tmp_path_factory):
+    """Extraction with the target over 2 ranks (CPU): one file per request,
+    the same tokens and, within fp32 reduction order, the same hidden
+    states as at one rank (the module's extraction)."""
+    import dataclasses
+
+    options, _, report, conversations = extraction
+    root = tmp_path_factory.mktemp("extract_tp2")
+    sharded = dataclasses.replace(
+        options, out=str(root / "data"), storage_root=str(root),
+        prompts=write_prompts(root / "prompts.jsonl", conversations),
+        engine_kwargs={**options.engine_kwargs, "tensor_parallel_size": 2})
+    llm = make_extraction_llm(sharded, prepare_output(sharded))
+    try:
+        assert run_extract(sharded, llm=llm).num_samples == report.num_samples
+    finally:
+        shutdown_llm(llm)
+    one, two = ds.HiddenStatesDataset(options.out), ds.HiddenStatesDataset(sharded.out)
+    assert sorted(p.name for p in (root / "data" / STAGING_DIR).iterdir()) == []  # all sharded
+    assert len(two) == len(one)
+    for a, b in zip(sorted(one, key=lambda i: i["input_ids"].tolist()),
+                    sorted(two, key=lambda i: i["input_ids"].tolist())):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        torch.testing.assert_close(b["hidden_states"], a["hidden_states"], atol=ATOL, rtol=RTOL)
+
+
 def test_tokens_are_the_template_plus_the_targets_greedy_reply(
         extraction, baseline_llm, tiny_model_dir):
     options, _, _, conversations = extraction

@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU: the tiny target sharded over 2 ranks (vLLM's V1
 runner, one worker process per rank, each drafting for itself), for every
 method of ours: greedy output equal to the same sharded target's without
-speculation, and speculating. On this one-NUMA-node machine the plugin
+speculation, and speculating (the model-free ones under their adaptive
+controller, on by default); and the fault guard on every rank. Extraction at
+TP=2: tests/test_extraction_engine.py. On this one-NUMA-node machine the plugin
 gives each rank its share of the CPUs (integration/cpu_threads.py;
 tests/test_cpu_threads_unit.py). Each engine runs its prompts once and stops
 before the next starts.
@@ -17,6 +19,7 @@ from vllm_specplug.integration.cpu_threads import ENV, OURS, per_rank_cpus
 from vllm_specplug.metrics import read_spec_decode_counts
 from vllm_specplug.testing.compare import assert_same_tokens
 from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
+from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
 from tests.test_mtp_engine import MTP_TREES
 from tests.test_proposers_engine import CONFIGS as PROPOSERS
@@ -50,13 +53,15 @@ def _unset_binding():
 
 def _run(target_dir, config, prompts) -> dict:
     with _unset_binding():
-        llm = make_llm(target_dir, config, tensor_parallel_size=TP)
+        llm = make_llm(target_dir, config, tensor_parallel_size=TP,
+                       worker_extension_cls=PROBE_QUALNAME)
         binding = os.environ.get(ENV)
         try:
             before = read_spec_decode_counts(llm)
             token_ids = generate(llm, prompts, greedy_params(MAX_TOKENS)).token_ids
             return {"token_ids": token_ids, "binding": binding,
-                    "counts": read_spec_decode_counts(llm) - before}
+                    "counts": read_spec_decode_counts(llm) - before,
+                    "adaptive": llm.collective_rpc("specplug_adaptive_stats")}
         finally:
             shutdown_llm(llm)
 
@@ -90,6 +95,10 @@ def test_every_method_is_exact_and_speculates_on_a_sharded_target(sharded, no_sp
     assert_same_tokens(no_speculation[target]["token_ids"], ours["token_ids"], tp_prompts)
     counts = ours["counts"]
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, (name, counts)
+    if name in PROPOSERS:  # the adaptive controller, on by default, decided on every rank
+        assert len(ours["adaptive"]) == TP
+        for stats in ours["adaptive"]:
+            assert stats["num_offered"] > 0 and stats["num_verified_drafts"] > 0, stats
 
 
 def test_the_plugin_gave_each_rank_its_cpus(no_speculation):
@@ -100,3 +109,28 @@ def test_the_plugin_gave_each_rank_its_cpus(no_speculation):
     assert len(cpu_resources.get_visible_memory_node()) < TP, "a NUMA node per rank here"
     assert no_speculation["tiny"]["binding"] == per_rank_cpus(sorted(os.sched_getaffinity(0)),
                                                               TP)
+
+
+def test_a_faulty_proposer_costs_speculation_not_the_sharded_engine(
+        tiny_model_dir, tmp_path, tp_prompts, no_speculation, faulty_entry_point):
+    """The fault guard on every rank: `test_faulty` raises on its 4th
+    propose call in each rank's drafter; each rank's guard counts it, the
+    step goes on without drafts, and the output stays that of no
+    speculation (tests/test_fault_isolation.py: the same at one rank)."""
+    from tests.proposer_plugins.faulty import PROBE_QUALNAME as FAULT_PROBE
+
+    config = {"method": "test_faulty", "num_speculative_tokens": 3, "fault": "propose_raises",
+              "after": 3, "times": 1, "log_file": str(tmp_path / "worker.log")}
+    with _unset_binding():
+        llm = make_llm(tiny_model_dir, config, tensor_parallel_size=TP,
+                       worker_extension_cls=FAULT_PROBE)
+        try:
+            token_ids = generate(llm, tp_prompts, greedy_params(MAX_TOKENS)).token_ids
+            states = llm.collective_rpc("specplug_fault_state")
+        finally:
+            shutdown_llm(llm)
+    assert_same_tokens(no_speculation["tiny"]["token_ids"], token_ids, tp_prompts)
+    assert len(states) == TP
+    for state in states:
+        assert state["failure_counts"] == {"propose:RuntimeError": 1}, state
+        assert not state["disabled"] and state["calls"]["propose"] > 10, state

@@ -111,6 +111,7 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._kv_cache: torch.Tensor | None = None
         self._written: set[str] = set()
+        self._tp_rank: int | None = None
 
     # ---------------- scheduler side ----------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -199,6 +200,9 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return (done or None), None
 
     def _save(self, pending: PendingSave) -> None:
+        if not self._writes_files():  # another rank writes it; the blocks go back here too
+            self._written.add(pending.req_id)
+            return
         try:
             hidden = gather_rows(self._kv_cache, pending.block_ids, self.block_size,
                                  pending.token_ids.numel())
@@ -212,6 +216,17 @@ class SpecplugHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             _write_error_marker(pending.path, f"{type(error).__name__}: {error}")
         # Reported either way: the blocks must be released.
         self._written.add(pending.req_id)
+
+    def _writes_files(self) -> bool:
+        """Only the first tensor-parallel rank writes: every rank holds the
+        whole hidden states, and a second rank's write of the same file,
+        landing after the reader took and removed it, left a stale file in
+        staging (TP=2 on CPU)."""
+        if self._tp_rank is None:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._tp_rank = get_tensor_model_parallel_rank()
+        return self._tp_rank == 0
 
     def get_finished_count(self) -> int:
         return 1

@@ -9,6 +9,14 @@ our tree mask (the alternative), on a CUDA GPU:
 `--splits-only` times the default tile without key splits (`nosplit`) and
 with the splits `num_key_splits` picks (`default`: split-K at small batches).
 
+`split_ms` is the split way (option `tree_attention="split"`, the default on
+FlashAttention 3): FlashAttention over the prefix only, with its
+log-sum-exp, then our tree-part kernel over the tree's keys, merged
+(`integration/cuda_tree_attention.split_forward` makes the same two calls);
+it replaces `flash_causal_ms` + `ours_default_ms` of the rewrite way.
+`--shape smollm2` times SmolLM2-135M's layer (9 heads, 3 KV heads, head
+size 64) instead of the 8B shape.
+
 Times are CUDA-event means over 50 launches (GPU time, no host overhead), per
 layer; a 32-layer model pays 32 of them per step. Tile configurations are
 tried so the default can be chosen from data.
@@ -36,7 +44,9 @@ from pathlib import Path
 
 import torch
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, CONTEXT = 32, 8, 128, 16, 512
+SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # heads, KV heads, head size
+HEADS, KV_HEADS, HEAD_SIZE = SHAPES["8b"]
+BLOCK_SIZE, CONTEXT = 16, 512
 BATCH_SIZES, NODES = (1, 16, 64), (8, 16, 32, 64)
 TILES = [(64, 64, 4), (64, 32, 4), (32, 64, 4), (64, 64, 8), (128, 64, 8), (128, 32, 8)]
 
@@ -97,6 +107,39 @@ def flash_ms(query, key_cache, value_cache, table, batch, nodes) -> float | None
         return None
 
 
+def split_row(query, key_cache, value_cache, table, meta, batch, nodes, want) -> dict:
+    """The split way: FlashAttention 3 over the prefix (unmasked, with its
+    log-sum-exp), then our tree part merged in place."""
+    from vllm_specplug.verification.tree_attention_split import tree_part_attention_triton
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError as error:
+        print(f"  FlashAttention unavailable: {error}")
+        return {"split_ms": None, "split_max_error": None}
+    cu_q = torch.arange(0, (batch + 1) * nodes, nodes, dtype=torch.int32, device="cuda")
+    prefix = torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda")
+    seq_lens = prefix + nodes
+    out = torch.empty_like(query)
+
+    def run() -> None:
+        _, lse = flash_attn_varlen_func(
+            query, key_cache, value_cache, max_seqlen_q=nodes, cu_seqlens_q=cu_q,
+            max_seqlen_k=CONTEXT, seqused_k=prefix, softmax_scale=HEAD_SIZE ** -0.5,
+            causal=False, block_table=table, out=out, return_softmax_lse=True, fa_version=3)
+        if lse.shape[0] != query.shape[1]:
+            lse = lse.transpose(0, 1)
+        tree_part_attention_triton(query, key_cache, value_cache, table, cu_q, seq_lens,
+                                   meta.num_nodes, meta.ancestor_bits, HEAD_SIZE ** -0.5, out,
+                                   lse)
+    try:
+        run()
+        error = float((out.float() - want.float()).abs().max())
+        return {"split_ms": gpu_ms(run), "split_max_error": error}
+    except Exception as error:  # noqa: BLE001 - one way failing must not stop the run
+        print(f"  split failed: {type(error).__name__}: {error}")
+        return {"split_ms": None, "split_max_error": None}
+
+
 def wall_ms(fn, repeats: int = 20) -> float:
     """Host + GPU: each call synchronized, as a step that waits for it."""
     fn()
@@ -150,7 +193,11 @@ def main() -> None:
                         help="also time flex with a create_block_mask-built mask")
     parser.add_argument("--splits-only", action="store_true",
                         help="only the default tile, without and with key splits")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                        help="attention layer shape (heads, KV heads, head size)")
     args = parser.parse_args()
+    global HEADS, KV_HEADS, HEAD_SIZE
+    HEADS, KV_HEADS, HEAD_SIZE = SHAPES[args.shape]
     # Every case is a new shape for Inductor; past the default limit dynamo
     # would fall back to eager flex, which materializes all T x cache scores.
     torch._dynamo.config.recompile_limit = 64
@@ -173,6 +220,8 @@ def main() -> None:
                 run()
                 row[f"ours_{name}_max_error"] = float((out.float() - want.float()).abs().max())
                 row[f"ours_{name}_ms"] = gpu_ms(run)
+            row.update(split_row(query, key_cache, value_cache, table, meta, batch, nodes,
+                                 want))
             for block_m, block_n, warps in ([] if args.splits_only else TILES):
                 out = torch.zeros_like(query)
                 run = lambda: tree_attention_triton(  # noqa: E731
@@ -191,7 +240,8 @@ def main() -> None:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tree_attention_kernel.json").write_text(json.dumps(rows, indent=1))
+    name = "tree_attention_kernel" + ("" if args.shape == "8b" else f"_{args.shape}")
+    (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

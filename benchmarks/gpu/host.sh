@@ -82,6 +82,7 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     # issue 15 checks that need no engine: kernels vs references, graphed drafting
     timeout 300 python3 -m pytest -q -rs tests/kernels/test_tree_attention.py \
       tests/kernels/test_tree_attention_flex.py tests/kernels/test_cuda_tree_attention.py \
+      tests/kernels/test_tree_attention_split.py \
       "tests/gpu/test_tree_eagle_cuda.py::test_graphed_drafting_equals_eager_drafting" 2>&1 \
       | tee "$OUT/pytest_tree.log" | quiet | tail -30 ;;
   v2-tree-tests)

@@ -7,7 +7,8 @@
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
-#            results; ROWS=sized: plus our tree sized by batch)
+#            results; ROWS=sized: plus our tree sized by batch; ROWS=split-ab: the sized
+#            rows with our tree's attention both ways, split and rewrite)
 #   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
@@ -22,14 +23,16 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
   local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
-  [ "$1" != sized-only ] && printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
+  [ "$1" != sized-only ] && [ "$1" != split-ab ] && printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
   case "$1" in
-    sized|sized-only)
+    sized|sized-only|split-ab)
       # vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 3 up to 24, 2 beyond;
       # our tree the same way: 16 nodes, then 6, then 3
       printf '%s\n' --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
       [ "$1" = sized ] && printf '%s\n' --spec "ours-tree16={$tree}"
-      printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}" ;;
+      printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}"
+      # split-ab: the same tree with the first way of tree attention (backend, then rewrite)
+      [ "$1" = split-ab ] && printf '%s\n' --spec "ours-tree-sized-rewrite={$tree, \"tree_attention\": \"rewrite\", \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}" ;;
     *)
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
       printf '%s\n' --spec "ours-tree16={$tree}" ;;

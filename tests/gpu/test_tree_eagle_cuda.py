@@ -238,3 +238,36 @@ class _OnCuda:
 
     def ingest_many(self, req_ids, hidden, token_ids, positions, counts):
         self.runtime.ingest_many(req_ids, hidden.cuda(), token_ids.cuda(), positions, counts)
+
+
+def test_split_tree_attention_serves_bf16_trees(work, prompts):  # noqa: F811
+    """In bf16 vLLM picks FlashAttention 3 (fp32 runs the Triton backend):
+    there tree steps take the split way (FlashAttention over the prefix, our
+    tree part merged by log-sum-exp) unless `tree_attention="rewrite"`. Both
+    ways compute the same attention, so the trees accept as much; a wrong
+    merge or mask would show as lost acceptance. (Per layer, the split way
+    is checked against the float32 reference in
+    tests/kernels/test_tree_attention_split.py.)"""
+    from vllm_specplug.engine import shutdown_llm
+    from vllm_specplug.metrics import read_spec_decode_counts
+
+    head = work / "tiny-eagle3"
+    if not (head / "model.safetensors").exists():
+        pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
+    runs = {}
+    for way in ("split", "rewrite"):
+        llm = _engine(work, {**TREE, "model": str(head), "tree_attention": way},
+                      dtype="bfloat16")
+        try:
+            outputs = _outputs(llm, prompts)
+            counts = read_spec_decode_counts(llm)
+            state = llm.collective_rpc("specplug_tree_attention_state")[0]
+        finally:
+            shutdown_llm(llm)
+        assert state["impl"] == "FlashAttentionImpl", state
+        runs[way] = (outputs, counts.num_accepted_tokens / counts.num_drafts, state)
+    (split, split_accepted, split_state), (_, rewrite_accepted, rewrite_state) = \
+        runs["split"], runs["rewrite"]
+    assert split_state["split_layers"] > 0 and rewrite_state["split_layers"] == 0
+    assert split_accepted > MIN_ACCEPTED["tree"], split_accepted
+    assert split_accepted > 0.9 * rewrite_accepted, (split_accepted, rewrite_accepted)

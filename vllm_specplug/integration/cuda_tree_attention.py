@@ -13,6 +13,15 @@ attention layer's impl holds the buffers: `attach`), and
 rows without a tree (chains, requests without drafts, batch padding) have
 `num_nodes = 0`, which the kernel skips.
 
+On FlashAttention 3 layers, a step whose queries fit a tree (at most its
+node count per request: every decode step, captured or not) takes the split
+way instead (`split_forward`, option `tree_attention="split"`): FlashAttention
+attends every row to its request's prefix only and returns its log-sum-exp,
+then `verification/tree_attention_split.tree_part_attention` attends each row
+to this step's tokens under its tree mask (causally for the rest) and merges
+the two. The cache is read once, where the first way reads a tree request's
+cache twice.
+
 Every vLLM 0.32 CUDA backend gives a layer's cache in one logical order,
 [num_blocks, num_kv_heads, block_size, 2 * head_size], and splits it with
 `kv_cache.transpose(1, 2).split(head_size, -1)`; we read it the same way.
@@ -22,6 +31,8 @@ from __future__ import annotations
 import torch
 
 from vllm_specplug.verification.tree_attention import KEY_SPLIT_CHOICES, tree_attention_triton
+from vllm_specplug.verification.tree_attention_split import (prefix_lens_of,
+                                                             tree_part_attention_triton)
 
 NO_WINDOW = (None, -1, (-1, -1))  # how the CPU and CUDA backends say "no sliding window"
 
@@ -96,6 +107,71 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
                               value_cache, attn_metadata.block_table, buffers.metadata,
                               impl.scale, output.view(-1, impl.num_heads, impl.head_size),
                               num_requests=num_reqs, num_splits=num_splits)
+
+
+PREFIX_LENS_ATTR = "specplug_prefix_lens"  # set on a step's attention metadata, once
+
+
+def split_applies(impl, attn_metadata, buffers) -> bool:
+    """The split way serves this layer and step: FlashAttention 3 without
+    the features it would have to pass on, and at most a tree's node count
+    of query tokens per request (host values only: the same answer at
+    capture and at every replay of a graph)."""
+    return (buffers is not None and getattr(buffers, "split_attention", False)
+            and attn_metadata is not None
+            and getattr(impl, "attn_type", DECODER) == DECODER
+            and getattr(impl, "vllm_flash_attn_version", None) == 3
+            and getattr(impl, "dcp_world_size", 1) == 1
+            and attn_metadata.causal is True
+            and getattr(attn_metadata, "mm_prefix_query_range_tensor", None) is None
+            and getattr(attn_metadata, "rswa_prefix_lens", None) is None
+            and attn_metadata.max_query_len <= buffers.metadata.max_nodes)
+
+
+def split_forward(impl, query, kv_cache, attn_metadata, output, prefix_attention=None) -> bool:
+    """FlashAttention's `forward` the split way, when it applies (returns
+    whether it ran). The K/V of this step are already in the cache (vLLM
+    writes them in `do_kv_cache_update`, before `forward`).
+    `prefix_attention` stands in for `flash_prefix_attention` (tests)."""
+    buffers = getattr(impl, TREE_ROWS_ATTR, None)
+    if not split_applies(impl, attn_metadata, buffers):
+        return False
+    check_supported(impl)
+    buffers.split_layers = getattr(buffers, "split_layers", 0) + 1  # host calls (tests)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    prefix_lens = getattr(attn_metadata, PREFIX_LENS_ATTR, None)
+    if prefix_lens is None:  # the first layer of the step (or of a capture)
+        prefix_lens = prefix_lens_of(attn_metadata.query_start_loc, attn_metadata.seq_lens)
+        setattr(attn_metadata, PREFIX_LENS_ATTR, prefix_lens)
+    num_tokens = attn_metadata.num_actual_tokens
+    query = query[:num_tokens].view(-1, impl.num_heads, impl.head_size)
+    out = output[:num_tokens].view(-1, impl.num_heads, impl.head_size)
+    lse = (prefix_attention or flash_prefix_attention)(
+        impl, query, key_cache, value_cache, attn_metadata, prefix_lens, out)
+    if lse.shape[0] != impl.num_heads:  # [T, H] -> [H, T]
+        lse = lse.transpose(0, 1)
+    tree_part_attention_triton(query, key_cache, value_cache, attn_metadata.block_table,
+                               attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                               buffers.metadata.num_nodes, buffers.metadata.ancestor_bits,
+                               impl.scale, out, lse)
+    return True
+
+
+def flash_prefix_attention(impl, query, key_cache, value_cache, attn_metadata, prefix_lens,
+                           out) -> torch.Tensor:
+    """vLLM's FlashAttention 3 over each request's first `prefix_lens` keys,
+    unmasked, as its context-parallel path calls it; returns the
+    log-sum-exp [num_heads, T]. No scheduler metadata: vLLM's was computed
+    for the causal call over all keys."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    _, lse = flash_attn_varlen_func(
+        q=query, k=key_cache, v=value_cache, out=out,
+        cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+        seqused_k=prefix_lens, max_seqlen_k=attn_metadata.max_seq_len,
+        softmax_scale=impl.scale, causal=False, block_table=attn_metadata.block_table,
+        return_softmax_lse=True, fa_version=3, num_splits=attn_metadata.max_num_splits)
+    return lse
 
 
 def move_cached_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor,

@@ -29,6 +29,7 @@ TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.v1.tree_drafter.TreeEagleDraf
 DEFAULT_NUM_STEPS = 5
 METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TREE_ATTENTION_WAYS = ("split", "rewrite")
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,18 @@ class TreeOptions(ProposerOptions):
     # bfloat16 on a GPU (the 8B-shaped head is bandwidth-bound at batch 1 and
     # compute-bound at 64). Selection only: any dtype is lossless.
     draft_dtype: str = "auto"
+    # How tree rows get their attention on FlashAttention 3 (CUDA): "split"
+    # attends to the prefix with FlashAttention and to the tree with our
+    # kernel, merged by log-sum-exp (the cache is read once); "rewrite" lets
+    # the backend attend causally, then recomputes tree rows over the whole
+    # cache. Both are exact; other backends always rewrite.
+    tree_attention: str = "split"
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
+        require(self.tree_attention in TREE_ATTENTION_WAYS, name,
+                f"tree_attention={self.tree_attention!r} must be one of "
+                f"{', '.join(TREE_ATTENTION_WAYS)}")
         require(self.draft_dtype in DRAFT_DTYPES, name,
                 f"draft_dtype={self.draft_dtype!r} must be one of {', '.join(DRAFT_DTYPES)}")
         require(self.draft_temperature > 0, name,

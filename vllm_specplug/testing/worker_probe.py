@@ -107,7 +107,9 @@ class SpecplugProbe:
                      if hasattr(m, "impl")), None)
         return {"active": buffers is not None,
                 "impl": None if impl is None else type(impl).__name__,
-                "masked_steps": 0 if buffers is None else buffers.masked_steps}
+                "masked_steps": 0 if buffers is None else buffers.masked_steps,
+                # layer calls that took the split way (eager steps and captures)
+                "split_layers": getattr(buffers, "split_layers", 0)}
 
     def specplug_registration_state(self) -> dict:
         from vllm_specplug.plugin import registration_state

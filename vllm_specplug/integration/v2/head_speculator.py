@@ -144,6 +144,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
                                f"{type(model_state).__name__}, not vllm-specplug's tree model "
                                "state; use topk=1 (a chain) for this model")
         model_state.bind(self.tree_slots)
+        self.tree_slots.split_attention = self.drafter.options.tree_attention == "split"
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
 
     @torch.inference_mode()

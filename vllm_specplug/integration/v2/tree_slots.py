@@ -41,6 +41,9 @@ class TreeSlots:
         self.metadata = TreeAttentionMetadata(zeros(max_num_reqs), zeros(max_num_reqs),
                                               zeros(max_num_reqs),
                                               zeros(max_num_reqs, num_nodes, words))
+        # FlashAttention 3 layers: prefix by FlashAttention + tree part, merged
+        # (integration/cuda_tree_attention.split_forward); set by the speculator
+        self.split_attention = False
         self.num_masked = 0  # tree rows this step (host count: 0 skips the kernel)
         self.masked_steps = 0  # steps with tree rows (tests, benchmarks)
         self.compiled: set[tuple] = set()  # layer shapes the kernel has been launched for

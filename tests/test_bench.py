@@ -173,7 +173,8 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
                  str(prompts), "--batch-sizes", "1", "4", "--limit-prompts", "1=2",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
-                 *[f"--spec={s}" for s in specs], "--phases", "--out", str(out)])
+                 *[f"--spec={s}" for s in specs], "--phases", "--host-profile",
+                 "--out", str(out)])
     assert code == 0
     result = json.loads((out / "offline.json").read_text())
     _check_phases(result["rows"])
@@ -203,6 +204,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         adaptive = rows[("specplug_ngram", b)]["adaptive"]
         assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
     assert "adaptive: method" in table
+    assert "Where the host time goes" in table and "execute_model" in table
 
 
 def _check_phases(rows) -> None:
@@ -210,7 +212,11 @@ def _check_phases(rows) -> None:
     phases, twice (the probe unwraps the runner between passes); the draft
     phase runs once a step, only where something drafts."""
     for row in rows:
-        assert set(row["phases"]) == {"timed", "profiled"}, row["phases"]
+        assert set(row["phases"]) == {"timed", "profiled", "host_profiled"}, row["phases"]
+        # --host-profile: the runner's own step methods are among the costliest
+        profile = row["phases"]["host_profiled"]["host_profile"]
+        assert any("execute_model" in f["function"] for f in profile["cumulative"]), profile
+        assert profile["own"][0]["own_ms"] > 0 and profile["own"][0]["calls"] > 0
         for measured in row["phases"].values():
             phases = measured["phases"]
             assert measured["num_steps"] > 0 and measured["wall_ms"] > 0

@@ -130,14 +130,14 @@ def adaptive_delta(total: dict | None, before: dict | None, after: dict | None
     return out
 
 
-def _probe_phases(llm, row: OfflineRow, prompts, params) -> None:
-    """One more pass over one batch with the phase probe (bench/phases.py)."""
+def _probe_phases(llm, row: OfflineRow, prompts, params, host_profile: bool = False) -> None:
+    """More passes over one batch with the phase probe (bench/phases.py)."""
     from vllm_specplug.bench.phases import probe
 
     prompts = prompts[:max(row.batch_size, 4)]
     try:
         row.phases = probe(llm, lambda: run_conversations(llm, prompts, row.batch_size,
-                                                          params))
+                                                          params), host_profile)
     except Exception as error:  # the probe informs; the measured rows stand
         row.phases = {"error": f"{type(error).__name__}: {error}"}
 
@@ -175,12 +175,13 @@ def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, p
 def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
                 prompt_limits: dict[int, int] | None = None, phases: bool = False,
-                **engine_kwargs) -> list[OfflineRow]:
+                host_profile: bool = False, **engine_kwargs) -> list[OfflineRow]:
     """One row per (spec, batch size). The first spec is the baseline; a spec
     whose engine fails gets rows with `error` set and the others go on.
     `prompt_limits` {batch size: N} runs only the first N prompts at that
     batch size (batch 1 of a whole set takes long). With `phases`, each row
-    also gets where its steps' time went, after its last repeat."""
+    also gets where its steps' time went, after its last repeat; with
+    `host_profile` too, the functions its host time went to."""
     limits = prompt_limits or {}
     schedule = _schedule(specs, repeats, order)
     engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
@@ -200,8 +201,8 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 if engines[s] is not None:
                     _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,
                              keep_tokens=repeat == 0)
-                    if phases and repeat == repeats - 1:
-                        _probe_phases(engines[s], row, prompts, params)
+                    if (phases or host_profile) and repeat == repeats - 1:
+                        _probe_phases(engines[s], row, prompts, params, host_profile)
                 progress.update(1)
             if last_use[s] == step:
                 stacks[s].close()  # sequential order: free the engine now

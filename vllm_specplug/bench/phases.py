@@ -17,9 +17,17 @@ Our own code marks finer ranges (`specplug::compact_kv`, `specplug::ingest`,
 `specplug::draft_tree`, `specplug::decode_step`) with `torch.profiler.record_function`; the profiler
 reports them too. Under async scheduling the host runs ahead of the GPU, so
 a phase's host time and its GPU time are different things: both are given.
+
+With `host_profile`, a third pass runs under Python's cProfile (in the
+worker's main thread, where the runner's calls run): the functions that take
+the most host time per step, by their own time and by their cumulative
+time. cProfile slows every Python call, so compare its rows with each
+other, not with the timed pass.
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 from contextlib import ExitStack
@@ -34,6 +42,7 @@ V1_PHASES = {"forward": ("", "_model_forward"), "verify": ("", "_sample"),
 STEP_METHODS = ("execute_model", "sample_tokens")
 MARK_PREFIX = "specplug::"
 LAUNCH_NAMES = ("LaunchKernel", "GraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+NUM_TOP_FUNCTIONS = 25  # per ranking of a host profile
 
 
 @dataclass
@@ -41,10 +50,12 @@ class PhaseProbe:
     """Wrapped methods of one worker's model runner, and what they measured."""
     runner: object
     profile_gpu: bool
+    profile_host: bool = False
     host_seconds: dict = field(default_factory=lambda: defaultdict(float))
     num_calls: dict = field(default_factory=lambda: defaultdict(int))
     wrapped: list = field(default_factory=list)  # (object, method name)
     profiler: object = None
+    host_profiler: cProfile.Profile | None = None
     started: float = 0.0
 
     def start(self) -> None:
@@ -53,12 +64,17 @@ class PhaseProbe:
         if self.profile_gpu:
             self.profiler = torch.profiler.profile(activities=_activities())
             self.profiler.__enter__()
+        if self.profile_host:
+            self.host_profiler = cProfile.Profile()
+            self.host_profiler.enable()
         self.started = time.perf_counter()
 
     def stop(self) -> dict:
         """Per decode step: host ms and calls per phase; with the profiler,
         GPU ms and launches per phase (and per `specplug::` range)."""
         wall = time.perf_counter() - self.started
+        if self.host_profiler is not None:
+            self.host_profiler.disable()
         if self.profiler is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -76,6 +92,8 @@ class PhaseProbe:
                 entry = result["phases"].setdefault(phase, {})
                 entry["gpu_ms"] = gpu_us / 1e3 / num_steps
                 entry["launches"] = launches / num_steps
+        if self.host_profiler is not None:
+            result["host_profile"] = host_profile_summary(self.host_profiler, num_steps)
         return result
 
     def _wrap(self, target, method: str, phases: list[str]) -> None:
@@ -142,10 +160,24 @@ def _num_launches(event) -> int:
     return count
 
 
-def start_probe(worker, profile_gpu: bool) -> None:
+def host_profile_summary(profiler: cProfile.Profile, num_steps: int) -> dict:
+    """{"own": [...], "cumulative": [...]}: the top functions by own and by
+    cumulative host time, each {"function", "calls", "own_ms", "cum_ms"}
+    per step."""
+    rows = []
+    for (path, line, name), (_, num_calls, own, cumulative, _) in \
+            pstats.Stats(profiler).stats.items():
+        where = "/".join(path.split("/")[-3:]) if path != "~" else "builtin"
+        rows.append({"function": f"{where}:{line}({name})", "calls": num_calls / num_steps,
+                     "own_ms": 1e3 * own / num_steps, "cum_ms": 1e3 * cumulative / num_steps})
+    top = lambda key: sorted(rows, key=lambda r: -r[key])[:NUM_TOP_FUNCTIONS]  # noqa: E731
+    return {"own": top("own_ms"), "cumulative": top("cum_ms")}
+
+
+def start_probe(worker, profile_gpu: bool, profile_host: bool = False) -> None:
     if getattr(worker, "specplug_probe", None) is not None:
         raise RuntimeError("a phase probe is already running on this worker")
-    worker.specplug_probe = PhaseProbe(worker.model_runner, profile_gpu)
+    worker.specplug_probe = PhaseProbe(worker.model_runner, profile_gpu, profile_host)
     worker.specplug_probe.start()
 
 
@@ -157,16 +189,18 @@ def stop_probe(worker) -> dict:
     return probe.stop()
 
 
-def probe(llm, generate_once) -> dict:
+def probe(llm, generate_once, host_profile: bool = False) -> dict:
     """`generate_once()` twice under the phase probe of `llm`'s worker
     (`WorkerInfo` extension): {"timed": host times without the profiler,
-    "profiled": GPU times and launches under it (it slows the host)}."""
+    "profiled": GPU times and launches under it (it slows the host)}; with
+    `host_profile` a third time, under cProfile ("host_profiled")."""
     measured = {}
-    for profile_gpu in (False, True):
-        llm.collective_rpc("specplug_phases_start", args=(profile_gpu,))
+    passes = [("timed", False, False), ("profiled", True, False)]
+    for key, profile_gpu, profile_host in passes + (
+            [("host_profiled", False, True)] if host_profile else []):
+        llm.collective_rpc("specplug_phases_start", args=(profile_gpu, profile_host))
         try:
             generate_once()
         finally:
-            measured["profiled" if profile_gpu else "timed"] = llm.collective_rpc(
-                "specplug_phases_stop")[0]
+            measured[key] = llm.collective_rpc("specplug_phases_stop")[0]
     return measured

@@ -120,6 +120,27 @@ def format_phases_table(rows) -> str:
     return "\n".join(lines)
 
 
+HOST_PROFILE_LINES = 12  # functions shown per row and ranking
+
+
+def format_host_profiles(rows) -> str:
+    """Per row with a host profile (bench/phases.py): the functions with the
+    most own host time per step, then the most cumulative."""
+    lines = ["Where the host time goes (cProfile in the worker, ms per step; it slows "
+             "every call, so compare rows with each other)"]
+    for row in rows:
+        summary = (row.phases.get("host_profiled") or {}).get("host_profile")
+        if not summary:
+            continue
+        lines.append(f"\n{row.name}, batch {row.batch_size}")
+        for ranking in ("own", "cumulative"):
+            lines.append(f"{'  by ' + ranking + ' time:':<72}{'own ms':>8}{'cum ms':>9}"
+                         f"{'calls':>8}")
+            lines += [f"    {f['function'][-68:]:<68}{f['own_ms']:>8.3f}{f['cum_ms']:>9.3f}"
+                      f"{f['calls']:>8.1f}" for f in summary[ranking][:HOST_PROFILE_LINES]]
+    return "\n".join(lines)
+
+
 def _phase(row, key: str) -> dict:
     return (row.phases.get(key) or {}).get("phases", {})
 

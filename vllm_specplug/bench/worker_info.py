@@ -15,10 +15,10 @@ class WorkerInfo:
     def specplug_adaptive_stats(self) -> dict | None:
         return adaptive_stats(self)
 
-    def specplug_phases_start(self, profile_gpu: bool) -> None:
+    def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
 
-        start_probe(self, profile_gpu)
+        start_probe(self, profile_gpu, profile_host)
 
     def specplug_phases_stop(self) -> dict:
         from vllm_specplug.bench.phases import stop_probe

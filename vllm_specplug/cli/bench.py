@@ -58,6 +58,10 @@ def add_parser(sub) -> None:
                          help="after the last repeat, one more pass per row with a probe "
                          "in the worker: host ms, GPU ms and launches per step for the "
                          "forward, verify and draft phases (a second table)")
+    offline.add_argument("--host-profile", action="store_true",
+                         help="with --phases, a third pass under cProfile in the worker: "
+                         "the functions each row's host time per step goes to (a third "
+                         "table; cProfile slows the host, compare rows with each other)")
     offline.add_argument("--max-model-len", type=int, default=2048)
     offline.add_argument("--dtype", default="auto", help="default: the model's own")
     offline.add_argument("--engine-args", default="{}",
@@ -173,7 +177,7 @@ def run_offline_command(args) -> int:
                             seed=0)
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
                        order=args.order, prompt_limits=limits, phases=args.phases,
-                       max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
+                       host_profile=args.host_profile, max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
     settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
                 "num_turns": sum(p.num_turns for p in prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -184,10 +188,14 @@ def run_offline_command(args) -> int:
           f"{args.repeats} repeat(s) {args.order}; tok/s = median, x none = median "
           "of per-repeat ratios [min-max]")
     table = format_offline_table(rows)
-    if args.phases:
+    if args.phases or args.host_profile:
         from vllm_specplug.bench.report import format_phases_table
 
         table += "\n\n" + format_phases_table(rows)
+    if args.host_profile:
+        from vllm_specplug.bench.report import format_host_profiles
+
+        table += "\n\n" + format_host_profiles(rows)
     return _finish(rows, table, args.out, "offline", settings)
 
 

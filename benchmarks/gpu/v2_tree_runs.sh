@@ -8,7 +8,8 @@
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
 #            results; ROWS=sized: plus our tree sized by batch; ROWS=split-ab: the sized
-#            rows with our tree's attention both ways, split and rewrite)
+#            rows with our tree's attention both ways, split and rewrite; HOST_PROFILE=1:
+#            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
@@ -63,7 +64,7 @@ run() {
       mapfile -t S < <(specs "${ROWS:-three}" "${HEAD:-.gpu/heads/smollm2-eagle3}")
       bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
-        --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases \
+        --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases ${HOST_PROFILE:+--host-profile} \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
         --out "$RESULTS/${RUN_NAME:-$1}" ;;
     steps8b)

@@ -135,8 +135,8 @@ def test_step_tree_shape_follows_the_drafts_vllm_asks_for():
     assert step_tree_shape(tree, None) == tree and step_tree_shape(tree, 15) == tree
     assert step_tree_shape(tree, 40) == tree
     assert step_tree_shape(tree, 5) == (4, 4, 6)
-    assert step_tree_shape(tree, 2) == (4, 2, 3)
-    assert step_tree_shape(tree, 0) == (4, 1, 2)  # still ingests; vLLM drops the draft
+    assert step_tree_shape(tree, 2) == (2, 2, 3)  # no wider than the nodes it keeps
+    assert step_tree_shape(tree, 0) == (1, 1, 2)  # still ingests; vLLM drops the draft
     assert step_tree_shape(chain, 3) == (1, 3, 4)
 
 
@@ -195,6 +195,26 @@ def test_fused_decode_step_equals_ingest_then_draft(shape):
     for name in ("keys", "values", "valid", "last_out", "last_logits"):
         assert torch.equal(getattr(fused, name), getattr(separate, name)), name
     assert fused.valid[1, :14].all() and not fused.valid[1, 14:].any()
+
+
+@pytest.mark.parametrize("num_nodes", [2, 3, 4])
+def test_a_beam_as_wide_as_the_kept_nodes_drafts_the_same_tree(num_nodes):
+    """`step_tree_shape` narrows topk to num_nodes - 1: the tree a 4-wide
+    search keeps is the one the narrow search keeps (same nodes, same
+    parents, same order), on a random head."""
+    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+
+    runtimes, step = _fused_step_runtimes(seed=num_nodes)
+    runtime = runtimes[0]
+    runtime.ingest_padded(step["slots"], step["target_hidden"], step["next_token_ids"],
+                          step["positions"], step["cuts"], max_position=63)
+    narrow = step_tree_shape((4, 4, 16), num_nodes - 1)
+    assert narrow == (num_nodes - 1, num_nodes - 1, num_nodes)
+    wide = (4, *narrow[1:])
+    trees = [runtime.draft_slots(step["slots"], step["root_token_ids"], step["root_positions"],
+                                 64, *shape) for shape in (wide, narrow)]
+    for name in ("token_ids", "parent_ids", "depths", "positions", "packed_mask"):
+        assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
 
 
 def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():

@@ -120,6 +120,24 @@ def test_the_tree_part_reads_the_tree_mask(device):
     assert not differs[6:16].any()  # the chain, decode and prefill rows are unchanged
 
 
+def test_tiles_sized_by_the_steps_longest_query(device):
+    """Slots sized for 16-node trees, a step of at most 6 query tokens: the
+    kernel's tiles follow the step (`max_query_len`), the result does not."""
+    from functools import partial
+
+    from vllm_specplug.verification.tree_attention import TreeAttentionMetadata
+
+    case = make_case(4, 2, 16, 4, torch.float32, device)
+    meta = case[-1]
+    wide = TreeAttentionMetadata(meta.first_token, meta.seq_lens, meta.num_nodes,
+                                 torch.nn.functional.pad(meta.ancestor_bits, (0, 0, 0, 10)))
+    want = expected(case, 0.3)
+    for most in (None, MAX_NODES):
+        got = split((*case[:-1], wide), 0.3,
+                    partial(tree_part_attention_triton, max_query_len=most))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_prefix_lens_skip_padding_rows():
     query_start = torch.tensor([0, 3, 4, 4, 4], dtype=torch.int32)
     seq_lens = torch.tensor([10, 5, 0, 0], dtype=torch.int32)

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specplug.verification.tree_attention import KEY_SPLIT_CHOICES, tree_attention_triton
+from vllm_specplug.verification.tree_attention import (KEY_SPLIT_CHOICES, num_key_splits,
+                                                       tree_attention_triton)
 from vllm_specplug.verification.tree_attention_split import (prefix_lens_of,
                                                              tree_part_attention_triton)
 
@@ -153,8 +154,19 @@ def split_forward(impl, query, kv_cache, attn_metadata, output, prefix_attention
     tree_part_attention_triton(query, key_cache, value_cache, attn_metadata.block_table,
                                attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                buffers.metadata.num_nodes, buffers.metadata.ancestor_bits,
-                               impl.scale, out, lse)
+                               impl.scale, out, lse, max_query_len=attn_metadata.max_query_len)
     return True
+
+
+def prefix_num_splits(num_reqs: int, num_kv_heads: int, max_num_splits: int, device) -> int:
+    """Key splits for the prefix call: none once the batch's (request, KV
+    head) pairs fill a quarter of the SMs, up to 16 below (as our rewrite
+    kernel splits, `num_key_splits`), never above vLLM's bound for CUDA
+    graphs. vLLM's own call takes its bound (32 by default) with scheduler
+    metadata that trims it per step; ours has none, and 32 splits of a
+    short prefix at batch 64 would be 32 partial rows and a combine."""
+    splits = num_key_splits(num_reqs * num_kv_heads, device)
+    return splits if max_num_splits <= 0 else min(splits, max_num_splits)
 
 
 def flash_prefix_attention(impl, query, key_cache, value_cache, attn_metadata, prefix_lens,
@@ -170,7 +182,9 @@ def flash_prefix_attention(impl, query, key_cache, value_cache, attn_metadata, p
         cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
         seqused_k=prefix_lens, max_seqlen_k=attn_metadata.max_seq_len,
         softmax_scale=impl.scale, causal=False, block_table=attn_metadata.block_table,
-        return_softmax_lse=True, fa_version=3, num_splits=attn_metadata.max_num_splits)
+        return_softmax_lse=True, fa_version=3,
+        num_splits=prefix_num_splits(prefix_lens.shape[0], impl.num_kv_heads,
+                                     attn_metadata.max_num_splits, query.device))
     return lse
 
 

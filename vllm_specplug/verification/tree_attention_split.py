@@ -100,19 +100,23 @@ def tree_part_attention_reference(query, key_cache, value_cache, block_table, qu
 
 def tree_part_attention_triton(query, key_cache, value_cache, block_table, query_start_loc,
                                seq_lens, tree_nodes, ancestor_bits, scale: float, output,
-                               lse, num_warps: int = 4) -> None:
+                               lse, max_query_len: int | None = None,
+                               num_warps: int = 4) -> None:
     """Launch over every request of `seq_lens` (padding rows, whose prefix
     would be negative, are skipped in the kernel); requests at or past
-    tree_nodes' rows are chains. At most `ancestor_bits.shape[1]` query
-    tokens per request (the caller checks the step's max_query_len)."""
+    tree_nodes' rows are chains. At most `max_query_len` query tokens per
+    request (default and limit: the tree's node count,
+    `ancestor_bits.shape[1]`): the tiles cover that many, so a step of
+    3-token queries does not pay for 16-node tiles."""
     from vllm_specplug.kernels.tree_part_attention import tree_part_attention_kernel
 
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_nodes = ancestor_bits.shape[1]
-    block_m = min(MAX_ROW_TILE, max(MIN_DOT, next_power_of_2(max_nodes * group)))
-    row_tiles = -(-max_nodes * group // block_m)
+    most = max_nodes if max_query_len is None else min(max_query_len, max_nodes)
+    block_m = min(MAX_ROW_TILE, max(MIN_DOT, next_power_of_2(most * group)))
+    row_tiles = -(-most * group // block_m)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     tree_part_attention_kernel[(seq_lens.shape[0], num_kv_heads, row_tiles)](
         query, key_cache, value_cache, output, lse, block_table, query_start_loc, seq_lens,
@@ -124,7 +128,7 @@ def tree_part_attention_triton(query, key_cache, value_cache, block_table, query
         block_table.stride(0), max_nodes, ancestor_bits.shape[2], head_size,
         GROUP=group, HEAD_PAD=max(MIN_DOT, next_power_of_2(head_size)),
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_N=max(MIN_DOT, next_power_of_2(max_nodes)), PRECISION=precision,
+        BLOCK_N=max(MIN_DOT, next_power_of_2(most)), PRECISION=precision,
         UPCAST=triton_interpreted(), num_warps=num_warps)
 
 

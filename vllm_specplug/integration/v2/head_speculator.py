@@ -55,14 +55,19 @@ def step_tree_shape(shape: tuple[int, int, int],
     request at this batch size, so the tree has that many nodes past the root
     (at least one: at 0 the drafter still ingests, to stay in sync, and vLLM
     schedules none of its drafts), and no more drafting steps than it can be
-    deep. When the batch then shrinks, vLLM schedules more drafts than the
+    deep, nor wider than it can keep. When the batch then shrinks, vLLM schedules more drafts than the
     tree has; tree verification stops at each slot's drafted nodes
     (`TreeSlots.num_drafted`), vLLM's own sampler rejects a chain's missing
     drafts."""
     topk, num_steps, num_nodes = shape
     if num_drafts is not None:
         num_nodes = max(2, min(num_nodes, num_drafts + 1))
-    return topk, min(num_steps, num_nodes - 1), num_nodes
+    # EAGLE-2 keeps the best num_nodes - 1 nodes by path score, and a path's
+    # score never rises: a kept node's parent is kept, and at most
+    # num_nodes - 1 nodes outrank it at its depth or among its siblings. So
+    # a beam and a top-k of num_nodes - 1 draft the same tree as wider ones
+    # (ties aside), with fewer rows: a 3-node tree expands 2 x 2, not 4 x 4.
+    return min(topk, num_nodes - 1), min(num_steps, num_nodes - 1), num_nodes
 
 
 class StepInputs:

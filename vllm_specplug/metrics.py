@@ -5,7 +5,10 @@ vLLM exports `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
 `vllm/v1/spec_decode/metrics.py`), offline through `LLM.get_metrics()` and
 online as Prometheus text on a server's `/metrics`. Counters are cumulative
 per process, so callers take a snapshot before and after the work they measure
-and subtract.
+and subtract. Several engines in one process: each new engine's stat logger
+takes vLLM's Prometheus registry over (it unregisters the collectors before
+it), so an older engine is read with `read_engine_counts` and the collectors
+it had (`vllm_collectors`, taken right after it was made).
 """
 from __future__ import annotations
 
@@ -78,6 +81,28 @@ def read_spec_decode_counts(llm) -> SpecDecodeCounts:
         elif key in totals:
             totals[key] += int(metric.value)
     return SpecDecodeCounts(accepted_per_pos=tuple(per_pos), **totals)
+
+
+def vllm_collectors() -> list:
+    """vLLM's Prometheus collectors registered now: right after an `LLM` is
+    made, that engine's own (it unregistered the ones before it)."""
+    from prometheus_client import REGISTRY
+
+    return [collector for collector in list(REGISTRY._collector_to_names)
+            if getattr(collector, "_name", "").startswith("vllm:")]
+
+
+def read_engine_counts(llm, collectors: list | None) -> SpecDecodeCounts:
+    """`read_spec_decode_counts` of the engine whose collectors these are,
+    put back into the registry first (None: the registry as it is)."""
+    if collectors is not None:
+        from prometheus_client import REGISTRY
+        from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+        unregister_vllm_metrics()
+        for collector in collectors:
+            REGISTRY.register(collector)
+    return read_spec_decode_counts(llm)
 
 
 def parse_prometheus_counts(text: str) -> SpecDecodeCounts:

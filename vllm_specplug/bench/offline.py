@@ -30,7 +30,7 @@ from vllm_specplug.bench.prompts import BenchPrompt, bench_prompt_of_input
 from vllm_specplug.bench.specs import NamedSpec
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME, engine_record
 from vllm_specplug.engine import generate, running_llm
-from vllm_specplug.metrics import SpecDecodeCounts, read_spec_decode_counts
+from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts, vllm_collectors
 
 logger = logging.getLogger("vllm_specplug.bench")
 NUM_WARMUP_PROMPTS = 2
@@ -99,10 +99,14 @@ def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params
     return token_ids, seconds
 
 
-def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool) -> None:
-    before, adaptive_before = read_spec_decode_counts(llm), _adaptive_stats(llm)
+def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
+             collectors: list | None = None) -> None:
+    """One repeat of `row`; `collectors`: the engine's own metrics (several
+    engines run interleaved in this process, and the newest holds the
+    registry: without them an older engine's repeats would go uncounted)."""
+    before, adaptive_before = read_engine_counts(llm, collectors), _adaptive_stats(llm)
     token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params)
-    row.counts = row.counts + (read_spec_decode_counts(llm) - before)
+    row.counts = row.counts + (read_engine_counts(llm, collectors) - before)
     row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))
     row.tokens_per_second.append(sum(len(t) for t in token_ids) / seconds)
     if keep_tokens:
@@ -190,6 +194,7 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
     rows = [[OfflineRow(s.name, b) for b in batch_sizes] for s in specs]
     last_use = {s: i for i, (_, s) in enumerate(schedule)}
     engines: dict[int, object] = {}
+    collectors: dict[int, list] = {}  # each engine's own Prometheus collectors
     with ExitStack() as all_engines, tqdm(total=len(schedule) * len(batch_sizes),
                                           desc="bench", unit="run") as progress:
         stacks = {s: all_engines.enter_context(ExitStack()) for s in range(len(specs))}
@@ -197,10 +202,11 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
             progress.set_postfix_str(f"{specs[s].name} repeat {repeat + 1}")
             if s not in engines:
                 engines[s] = _start(stacks[s], model, specs[s], engine_kwargs, prompts, rows[s])
+                collectors[s] = vllm_collectors()
             for row in rows[s]:
                 if engines[s] is not None:
                     _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,
-                             keep_tokens=repeat == 0)
+                             keep_tokens=repeat == 0, collectors=collectors[s])
                     if (phases or host_profile) and repeat == repeats - 1:
                         _probe_phases(engines[s], row, prompts, params, host_profile)
                 progress.update(1)

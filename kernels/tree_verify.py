@@ -48,11 +48,10 @@ def verify_tree_greedy_kernel(token_ptr, parent_ptr, target_argmax_ptr,
 def verify_tree_greedy_rows_kernel(target_argmax_ptr, input_ids_ptr, logits_indices_ptr,
                                    cu_num_logits_ptr, parent_ptr, idx_mapping_ptr,
                                    slot_num_nodes_ptr, out_token_ptr, num_accepted_ptr,
-                                   accepted_node_ptr, N, N_PAD: tl.constexpr,
-                                   CAP_NODES: tl.constexpr):
+                                   accepted_node_ptr, N, N_PAD: tl.constexpr):
     """Greedy verification read straight from the runner's flat logits rows:
     request b's node n is row cu_num_logits[b] + n (nodes past its row count
-    are cut, and with CAP_NODES nodes past its slot's drafted count
+    are cut, and so are nodes past its slot's drafted count
     slot_num_nodes[idx_mapping[b]]), its token the input id at that row's
     logits index and its parent the state slot's (idx_mapping[b]). Each
     output row is written once, padded with -1."""
@@ -61,8 +60,8 @@ def verify_tree_greedy_rows_kernel(target_argmax_ptr, input_ids_ptr, logits_indi
     first = tl.load(cu_num_logits_ptr + b).to(tl.int64)
     count = tl.load(cu_num_logits_ptr + b + 1).to(tl.int64) - first
     slot = tl.load(idx_mapping_ptr + b).to(tl.int64)
-    if CAP_NODES:  # rows past the drafted tree hold stale or padding drafts
-        count = tl.minimum(count, tl.load(slot_num_nodes_ptr + slot).to(tl.int64))
+    # rows past the drafted tree hold stale or padding drafts
+    count = tl.minimum(count, tl.load(slot_num_nodes_ptr + slot).to(tl.int64))
     live = n < count
     row = first + tl.minimum(n, count - 1)
     token = tl.load(input_ids_ptr + tl.load(logits_indices_ptr + row, mask=live, other=0),

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from vllm_specplug.integration.cpu_threads import ENV, OURS, per_rank_cpus
+from vllm_specplug.integration.cpu_threads import ENV, OURS, per_rank_cpus, thread_binding
 from vllm_specplug.metrics import read_spec_decode_counts
 from vllm_specplug.testing.compare import assert_same_tokens
 from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
@@ -102,13 +102,16 @@ def test_every_method_is_exact_and_speculates_on_a_sharded_target(sharded, no_sp
 
 
 def test_the_plugin_gave_each_rank_its_cpus(no_speculation):
-    """Without a binding of the user's, on this one-NUMA-node machine (where
-    vLLM's "auto" stops the engine), each rank got its share of the CPUs."""
+    """Without a binding of the user's, on a machine with fewer NUMA nodes
+    than ranks (this one: vLLM's "auto" would stop the engine) each rank got
+    its share of the CPUs; with a node per rank, vLLM's own binding stays."""
     import vllm.utils.cpu_resource_utils as cpu_resources
 
-    assert len(cpu_resources.get_visible_memory_node()) < TP, "a NUMA node per rank here"
-    assert no_speculation["tiny"]["binding"] == per_rank_cpus(sorted(os.sched_getaffinity(0)),
-                                                              TP)
+    cpus = sorted(os.sched_getaffinity(0))
+    num_nodes = len(cpu_resources.get_visible_memory_node())
+    want = per_rank_cpus(cpus, TP) if num_nodes < TP else None
+    assert thread_binding(TP, cpus, num_nodes, None) == want
+    assert no_speculation["tiny"]["binding"] == want
 
 
 def test_a_faulty_proposer_costs_speculation_not_the_sharded_engine(

@@ -63,25 +63,22 @@ class InProcessEngines:
     def start(self, options: dict, own_process: bool):
         from vllm import LLM
 
+        if not self.requested():  # vLLM's default: every core has its own process
+            return LLM(**options)
         reason = self._own_process_reason(own_process)
         if reason is None:
             llm = LLM(**options)
             self.live.add(llm)
-        else:
-            if self.requested():
-                logger.info("vllm-specplug: this engine's core runs in its own process "
-                            "(%s)", reason)
-            with _multiprocessing_on():
-                llm = LLM(**options)
-        return llm
+            return llm
+        logger.info("vllm-specplug: this engine's core runs in its own process (%s)", reason)
+        with _multiprocessing_on():
+            return LLM(**options)
 
     def _own_process_reason(self, own_process: bool) -> str | None:
         """Why this engine's core must run in a process of its own (None:
         it may run here)."""
         if own_process:
             return "asked"
-        if not self.requested():
-            return "VLLM_ENABLE_V1_MULTIPROCESSING is on"
         if len(self.live):
             return "another engine's core runs in this process"
         if "llvmlite" in sys.modules:  # numba's, e.g. under vLLM's n-gram proposer

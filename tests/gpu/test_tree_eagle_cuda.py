@@ -109,13 +109,13 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
         assert 5 < counts.num_draft_tokens / counts.num_drafts < 15, counts
 
 
+@pytest.mark.parametrize("tree_run", ["tree-sized"], indirect=True)
 def test_sized_trees_replay_full_graphs_at_each_size(tree_run):
     """vLLM captures decode graphs for every query length of the table; the
     6-node tier's uniform decode steps (5+ requests, 6 tokens each) replay
     them. (A GPU run found that tier's forward at 66 launches a step.)"""
     kind, outputs, _, _, _ = tree_run
-    if kind != "tree-sized":
-        pytest.skip("the sized tree's run only")
+    assert kind == "tree-sized"
     graphs = outputs["graphs"]
     # 6-token decode steps of 5+ requests; 48 could also be 3 requests of 16
     tier = [g for g in graphs if g["num_tokens"] % 6 == 0 and g["num_tokens"] >= 30

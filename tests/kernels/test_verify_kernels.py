@@ -130,7 +130,11 @@ def flat_rows(tree, argmax, counts, seed):
     input_ids[token_rows] = torch.tensor([int(tree.token_ids[b, n]) for b, n in live],
                                          dtype=torch.int32)
     target = torch.tensor([int(argmax[b, n]) for b, n in live], dtype=torch.int64)
-    return target, input_ids, token_rows, cu, parents, slots.int()
+    # every third request's slot drafted 2 nodes fewer than it holds (the
+    # batch grew between drafting and verifying): its rows past them are cut
+    drafted = torch.full((batch + 3,), num_nodes, dtype=torch.int32)
+    drafted[slots[::3]] = max(1, num_nodes - 2)
+    return target, input_ids, token_rows, cu, parents, slots.int(), drafted
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -160,7 +164,8 @@ def test_greedy_rows_stop_at_the_slots_drafted_nodes(backend, device):
     assert capped.num_accepted.tolist() == [2]
     assert capped.output_token_ids[0, :3].tolist() == [21, 22, 13]  # 13: the target's bonus
     assert capped.accepted_node_ids[0].tolist() == [0, 1, 2] + [-1] * 5
-    stale = verify_tree_greedy_rows(*args, backend=backend)  # what the cap prevents
+    uncapped = torch.full_like(slots.num_drafted, 8)  # what the cap prevents
+    stale = verify_tree_greedy_rows(*args, slot_num_nodes=uncapped, backend=backend)
     assert stale.num_accepted.tolist() == [7]
 
 
@@ -173,13 +178,15 @@ def test_greedy_rows_kernel_equals_reference(batch, topk, depth, num_nodes, devi
     *_, tree = random_tree(batch, topk, depth, num_nodes, 111, seed=batch, device="cpu")
     _, argmax = target_following_tree(tree, 111, follow=0.8, seed=batch)
     counts = [num_nodes - (b % 3) * (b % num_nodes) // 2 if b % 4 else 1 for b in range(batch)]
-    args = [t.to(device) for t in flat_rows(tree, argmax, counts, batch)]
-    ref = verify_tree_greedy_rows(*args, backend="torch")
+    *args, drafted = [t.to(device) for t in flat_rows(tree, argmax, counts, batch)]
+    ref = verify_tree_greedy_rows(*args, slot_num_nodes=drafted, backend="torch")
     buffer = torch.full((batch, num_nodes), 7, dtype=torch.int64, device=device)
-    ours = verify_tree_greedy_rows(*args, accepted_node_ids=buffer, backend="triton")
+    ours = verify_tree_greedy_rows(*args, accepted_node_ids=buffer, slot_num_nodes=drafted,
+                                   backend="triton")
     assert_outputs_equal(ours, ref)
     assert ours.accepted_node_ids.data_ptr() == buffer.data_ptr()
-    full = [b for b in range(batch) if counts[b] == num_nodes]
+    full = [b for b in range(batch)
+            if counts[b] == num_nodes and int(drafted[args[-1][b]]) == num_nodes]
     direct = verify_tree_greedy(tree, argmax, backend="torch")
     for name in ("output_token_ids", "num_accepted", "accepted_node_ids"):
         assert torch.equal(getattr(ref, name)[full].cpu(), getattr(direct, name)[full])

@@ -12,6 +12,8 @@ the sizes to add; `patches/config_vllm.py` adds them for our methods.
 """
 from __future__ import annotations
 
+import bisect
+
 # vLLM's request-count grid for decode sizes (config/vllm.py, _set_cudagraph_sizes)
 SMALL_REQUEST_COUNTS = (1, 2, 4)
 FINE_STEP, COARSE_STEP, COARSE_FROM = 8, 16, 256
@@ -82,13 +84,14 @@ def add_decode_candidates(candidates: dict, full_descs: list, full_mode) -> int:
             by_shape.setdefault(shape, []).append(desc)
     if len({shape[0] for shape in by_shape}) < 2:  # one query length: nothing shadows
         return 0
+    sizes = {shape: [d.num_tokens for d in group] for shape, group in by_shape.items()}
     added = 0
     for (num_tokens, num_loras), descs in candidates.items():
         have = {(d.uniform_token_count, d.num_active_loras, d.num_ubatches) for d in descs}
-        extra = [next((d for d in group if d.num_tokens >= num_tokens), None)
-                 for shape, group in by_shape.items()
-                 if shape[1] == num_loras and shape not in have]
-        extra = sorted((d for d in extra if d is not None), key=lambda d: d.num_tokens)
+        extra = [group[i] for shape, group in by_shape.items()
+                 if shape[1] == num_loras and shape not in have
+                 and (i := bisect.bisect_left(sizes[shape], num_tokens)) < len(group)]
+        extra.sort(key=lambda d: d.num_tokens)
         if extra:
             full = [d for d in descs if d.cg_mode == full_mode]
             descs[:] = full + extra + [d for d in descs if d.cg_mode != full_mode]

@@ -39,12 +39,11 @@ def node_rows(cu_num_logits: torch.Tensor, num_reqs: int, num_nodes: int,
 
 def verify_tree_greedy_rows_reference(target_argmax, input_ids, logits_indices,
                                       cu_num_logits, parents, idx_mapping,
-                                      slot_num_nodes=None) -> VerifyOutput:
+                                      slot_num_nodes) -> VerifyOutput:
     """Plain-PyTorch specification: gather the trees, verify them."""
     num_reqs, num_nodes = idx_mapping.shape[0], parents.shape[1]
     idx = idx_mapping.long()
-    rows, counts = node_rows(cu_num_logits, num_reqs, num_nodes,
-                             None if slot_num_nodes is None else slot_num_nodes[idx])
+    rows, counts = node_rows(cu_num_logits, num_reqs, num_nodes, slot_num_nodes[idx])
     tokens = input_ids[logits_indices[rows]].long()
     tree = tree_from_parents(tokens, parents[idx], counts,
                              torch.zeros_like(counts))
@@ -54,8 +53,8 @@ def verify_tree_greedy_rows_reference(target_argmax, input_ids, logits_indices,
 def verify_tree_greedy_rows(target_argmax: torch.Tensor, input_ids: torch.Tensor,
                             logits_indices: torch.Tensor, cu_num_logits: torch.Tensor,
                             parents: torch.Tensor, idx_mapping: torch.Tensor,
-                            accepted_node_ids: torch.Tensor | None = None,
-                            slot_num_nodes: torch.Tensor | None = None,
+                            accepted_node_ids: torch.Tensor | None = None, *,
+                            slot_num_nodes: torch.Tensor,
                             backend: Backend = "auto") -> VerifyOutput:
     """Greedy verification of every request's tree, from flat rows.
 
@@ -68,8 +67,8 @@ def verify_tree_greedy_rows(target_argmax: torch.Tensor, input_ids: torch.Tensor
         idx_mapping: [B] int32/int64, each request's state slot.
         accepted_node_ids: optional [B, N] int64 buffer the path is written to
             (and returned as the output's `accepted_node_ids`).
-        slot_num_nodes: optional [S] int32, the nodes of each slot's last
-            tree (root included); nodes past it are cut.
+        slot_num_nodes: [S] int32, the nodes of each slot's last tree (root
+            included); nodes past it are cut.
     Returns:
         VerifyOutput: accepted tokens + bonus, their count, the accepted path.
     """
@@ -95,8 +94,7 @@ def verify_tree_greedy_rows(target_argmax: torch.Tensor, input_ids: torch.Tensor
         return out
     verify_tree_greedy_rows_kernel[(num_reqs,)](
         target_argmax, input_ids, logits_indices, cu_num_logits, parents.contiguous(),
-        idx_mapping, parents if slot_num_nodes is None else slot_num_nodes,
-        out.output_token_ids, out.num_accepted, accepted_node_ids, num_nodes,
-        N_PAD=next_power_of_2(num_nodes), CAP_NODES=slot_num_nodes is not None)
+        idx_mapping, slot_num_nodes, out.output_token_ids, out.num_accepted,
+        accepted_node_ids, num_nodes, N_PAD=next_power_of_2(num_nodes))
     return out
 

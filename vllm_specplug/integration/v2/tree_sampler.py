@@ -95,7 +95,7 @@ class V2TreeRejectionSampler:
             self._target_tokens(logits, input_batch), input_batch.input_ids,
             input_batch.logits_indices, input_batch.cu_num_logits, slots.parents,
             input_batch.idx_mapping[:num_reqs], slots.accepted_nodes[:num_reqs],
-            slots.num_drafted, backend="triton")
+            slot_num_nodes=slots.num_drafted, backend="triton")
         with torch.profiler.record_function("specplug::compact_kv"):  # bench --phases
             compact_kv(slots, input_batch, verified.accepted_node_ids, verified.num_accepted)
         return self._output(input_batch, verified.output_token_ids,

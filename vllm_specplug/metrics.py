@@ -97,9 +97,9 @@ def read_engine_counts(llm, collectors: list | None) -> SpecDecodeCounts:
     put back into the registry first (None: the registry as it is)."""
     if collectors is not None:
         from prometheus_client import REGISTRY
-        from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-        unregister_vllm_metrics()
+        for collector in vllm_collectors():  # as vLLM's `unregister_vllm_metrics`
+            REGISTRY.unregister(collector)
         for collector in collectors:
             REGISTRY.register(collector)
     return read_spec_decode_counts(llm)

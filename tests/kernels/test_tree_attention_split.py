@@ -181,7 +181,7 @@ def test_split_forward_serves_a_step_that_fits_the_tree(device):
     impl, metadata, kv_cache = fa3_layer(case)
     output = torch.full_like(case[0], 7.0).view(case[0].shape[0], -1)
     assert split_forward(impl, case[0].view(output.shape), kv_cache, metadata, output,
-                         prefix_attention=flash_stand_in)
+                         flash_stand_in)
     want = expected(case, 0.3)
     torch.testing.assert_close(output.view_as(want), want, atol=2e-5, rtol=2e-5)
     # the step's prefix lengths are computed once, for every layer after the first
@@ -198,7 +198,7 @@ def test_split_forward_leaves_other_steps_to_the_backend(device, overrides, vers
     impl.vllm_flash_attn_version = version
     output = torch.full_like(case[0], 7.0)
     assert not split_forward(impl, case[0], kv_cache, metadata, output,
-                             prefix_attention=flash_stand_in)
+                             flash_stand_in)
     assert torch.equal(output, torch.full_like(output, 7.0))
 
 
@@ -212,11 +212,12 @@ def test_split_forward_with_flash_attention_equals_masked_attention(heads, kv_he
     """The real FlashAttention 3 prefix call (bf16), merged with our tree
     part, against the float32 reference of the masked attention."""
     from vllm_specplug.integration.cuda_tree_attention import split_forward
+    from vllm_specplug.patches.flash_attn import flash_prefix_attention
 
     case = make_case(heads, kv_heads, head_size, block_size, torch.bfloat16, "cuda")
     impl, metadata, kv_cache = fa3_layer(case)
     impl.scale = head_size ** -0.5
     output = torch.full_like(case[0], 7.0)
-    assert split_forward(impl, case[0], kv_cache, metadata, output)
+    assert split_forward(impl, case[0], kv_cache, metadata, output, flash_prefix_attention)
     want = expected(case, impl.scale)
     torch.testing.assert_close(output.float(), want.float(), atol=2e-2, rtol=2e-2)

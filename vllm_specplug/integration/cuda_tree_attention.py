@@ -129,11 +129,15 @@ def split_applies(impl, attn_metadata, buffers) -> bool:
             and attn_metadata.max_query_len <= buffers.metadata.max_nodes)
 
 
-def split_forward(impl, query, kv_cache, attn_metadata, output, prefix_attention=None) -> bool:
+def split_forward(impl, query, kv_cache, attn_metadata, output, prefix_attention) -> bool:
     """FlashAttention's `forward` the split way, when it applies (returns
     whether it ran). The K/V of this step are already in the cache (vLLM
     writes them in `do_kv_cache_update`, before `forward`).
-    `prefix_attention` stands in for `flash_prefix_attention` (tests)."""
+    `prefix_attention(impl, query, key_cache, value_cache, attn_metadata,
+    prefix_lens, out) -> lse`: vLLM's FlashAttention over each request's
+    first `prefix_lens` keys, unmasked, writing `out` and returning the
+    log-sum-exp [num_heads, T] (`patches/flash_attn.flash_prefix_attention`;
+    a plain-PyTorch stand-in in the CPU tests)."""
     buffers = getattr(impl, TREE_ROWS_ATTR, None)
     if not split_applies(impl, attn_metadata, buffers):
         return False
@@ -147,8 +151,7 @@ def split_forward(impl, query, kv_cache, attn_metadata, output, prefix_attention
     num_tokens = attn_metadata.num_actual_tokens
     query = query[:num_tokens].view(-1, impl.num_heads, impl.head_size)
     out = output[:num_tokens].view(-1, impl.num_heads, impl.head_size)
-    lse = (prefix_attention or flash_prefix_attention)(
-        impl, query, key_cache, value_cache, attn_metadata, prefix_lens, out)
+    lse = prefix_attention(impl, query, key_cache, value_cache, attn_metadata, prefix_lens, out)
     if lse.shape[0] != impl.num_heads:  # [T, H] -> [H, T]
         lse = lse.transpose(0, 1)
     tree_part_attention_triton(query, key_cache, value_cache, attn_metadata.block_table,
@@ -167,25 +170,6 @@ def prefix_num_splits(num_reqs: int, num_kv_heads: int, max_num_splits: int, dev
     short prefix at batch 64 would be 32 partial rows and a combine."""
     splits = num_key_splits(num_reqs * num_kv_heads, device)
     return splits if max_num_splits <= 0 else min(splits, max_num_splits)
-
-
-def flash_prefix_attention(impl, query, key_cache, value_cache, attn_metadata, prefix_lens,
-                           out) -> torch.Tensor:
-    """vLLM's FlashAttention 3 over each request's first `prefix_lens` keys,
-    unmasked, as its context-parallel path calls it; returns the
-    log-sum-exp [num_heads, T]. No scheduler metadata: vLLM's was computed
-    for the causal call over all keys."""
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-    _, lse = flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, out=out,
-        cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
-        seqused_k=prefix_lens, max_seqlen_k=attn_metadata.max_seq_len,
-        softmax_scale=impl.scale, causal=False, block_table=attn_metadata.block_table,
-        return_softmax_lse=True, fa_version=3,
-        num_splits=prefix_num_splits(prefix_lens.shape[0], impl.num_kv_heads,
-                                     attn_metadata.max_num_splits, query.device))
-    return lse
 
 
 def move_cached_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor,

@@ -4,7 +4,7 @@ kernel over this step's tokens, merged by log-sum-exp.
 The first way (`tree_attention.py`) lets the backend attend causally over
 every key, then recomputes each tree row over every key again: a tree step
 reads its requests' whole cache twice per layer. Here the backend's kernel
-(FlashAttention, `flash_prefix_attention` in integration/cuda_tree_attention.py)
+(FlashAttention, `flash_prefix_attention` in patches/flash_attn.py)
 attends every query row to the prefix only (keys cached before the step's
 first query token, no mask) and returns its log-sum-exp; then
 `tree_part_attention` attends each row to its request's query tokens (at

@@ -133,3 +133,29 @@ def test_ancestor_mask_is_the_root_path():
                 path.add(node)
                 node = parents[node]
             assert set(np.flatnonzero(mask[t, i])) == path
+
+
+@pytest.mark.parametrize("topk,depth", [(1, 3), (3, 1), (4, 4)])
+def test_pooling_step_by_step_equals_pooling_all_steps(topk, depth):
+    """`extend_draft_pool` (what a drafting pass calls once a step) pools the
+    same candidates, scores and parents as `flatten_draft_steps` over every
+    step at once, at every step of an EAGLE-2 loop."""
+    from vllm_specplug.verification.metadata import ROOT_PARENT
+    from vllm_specplug.verification.synthetic import random_topk
+    from vllm_specplug.verification.tree_build import (extend_draft_pool, flatten_draft_steps,
+                                                       next_beam)
+
+    generator = torch.Generator().manual_seed(topk * 10 + depth)
+    tokens, logprobs, beams, pool = [], [], [], None
+    beam = torch.full((3, 1), ROOT_PARENT, dtype=torch.long)
+    for _ in range(depth):
+        step_tokens, step_logprobs = random_topk(3, beam.shape[1], topk, 50, generator)
+        tokens.append(step_tokens)
+        logprobs.append(step_logprobs)
+        beams.append(beam)
+        offset = 0 if pool is None else pool.scores.shape[1]
+        pool = extend_draft_pool(pool, step_tokens, step_logprobs, beam)
+        want = flatten_draft_steps(tokens, logprobs, beams)
+        for name in ("token_ids", "scores", "parent_ids"):
+            assert torch.equal(getattr(pool, name), getattr(want, name)), name
+        beam = next_beam(pool.scores[:, offset:], offset, topk)

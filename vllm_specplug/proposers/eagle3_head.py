@@ -38,7 +38,7 @@ from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layou
 from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, chain_tree,
-                                                   flatten_draft_steps,
+                                                   extend_draft_pool,
                                                    next_beam)
 
 
@@ -380,9 +380,9 @@ class HeadRuntime:
         ctx = self._context(slots, num_keys)
         positions, cos, sin = self._depth_rope(root_positions, num_steps - 1)
         logprobs, draft_ids = self._topk(pool.last_logits[slots], topk)  # [B, k]
-        tokens, scores = [layer.to_target(draft_ids)[:, None]], [logprobs[:, None]]
-        beams = [torch.full((batch, 1), ROOT_PARENT, dtype=torch.long, device=slots.device)]
-        pooled = flatten_draft_steps(tokens, scores, beams)
+        root = torch.full((batch, 1), ROOT_PARENT, dtype=torch.long, device=slots.device)
+        pooled = extend_draft_pool(None, layer.to_target(draft_ids)[:, None],
+                                   logprobs[:, None], root)
         beam, offset = next_beam(pooled.scores, 0, topk), pooled.scores.shape[1]
         parent_out = pool.last_out[slots][:, None].expand(batch, topk, -1)
         path_kv = (pool.keys.new_zeros(batch, topk, layer.num_kv_heads, 0, layer.head_dim),) * 2
@@ -391,10 +391,7 @@ class HeadRuntime:
                                         path_kv, positions[:, depth - 1],
                                         (cos[:, depth - 1], sin[:, depth - 1]))
             logprobs, draft_ids = self._topk(self._logits(out), topk)  # [B, k, k]
-            tokens.append(layer.to_target(draft_ids))
-            scores.append(logprobs)
-            beams.append(beam)
-            pooled = flatten_draft_steps(tokens, scores, beams)
+            pooled = extend_draft_pool(pooled, layer.to_target(draft_ids), logprobs, beam)
             beam = next_beam(pooled.scores[:, offset:], offset, topk)
             row = (beam - offset) // topk  # which expanded node each new beam node came from
             offset = pooled.scores.shape[1]

@@ -42,6 +42,28 @@ def flatten_draft_steps(step_token_ids: list[torch.Tensor],
                            torch.cat(parents, 1))
 
 
+def extend_draft_pool(pool: DraftCandidates | None, token_ids: torch.Tensor,
+                      logprobs: torch.Tensor, beam_ids: torch.Tensor) -> DraftCandidates:
+    """`flatten_draft_steps` one step at a time: the candidates pooled so far
+    (None before step 0) and step d's [B, R_d, K] top-k, their log-probs and
+    the [B, R_d] pooled ids of the nodes it expanded (ROOT_PARENT at step
+    0). A drafting pass calls this once a step, where re-pooling every step
+    from the start costs a few launches per earlier step (the pass is
+    launch-bound on the GPU)."""
+    if pool is None:
+        parent_scores = torch.zeros_like(beam_ids, dtype=logprobs.dtype)
+    else:
+        parent_scores = pool.scores.gather(1, beam_ids.clamp(min=0))
+    step = DraftCandidates(token_ids.flatten(1),
+                           (parent_scores[..., None] + logprobs).flatten(1),
+                           beam_ids[..., None].expand_as(token_ids).flatten(1))
+    if pool is None:
+        return step
+    return DraftCandidates(*(torch.cat([old, new], dim=1) for old, new in (
+        (pool.token_ids, step.token_ids), (pool.scores, step.scores),
+        (pool.parent_ids, step.parent_ids))))
+
+
 def next_beam(step_scores: torch.Tensor, step_offset: int, topk: int) -> torch.Tensor:
     """[B, topk] pooled ids of the best candidates of the last step: the nodes
     the draft expands next (EAGLE-2 keeps the best k of k*k)."""

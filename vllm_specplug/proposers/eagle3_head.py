@@ -28,9 +28,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vllm_specplug.proposers.draft_layers import as_draft_layer
+from vllm_specplug.proposers.draft_topk import draft_topk
 from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView, HeadCachePool
 from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, keys_bucket,
                                                   padded, padded_batch, run_draft_pass,
@@ -402,5 +402,6 @@ class HeadRuntime:
                                 validate=False)
 
     def _topk(self, logits: torch.Tensor, topk: int):
-        """Top-k draft ids and their log-probs (path-score increments)."""
-        return F.log_softmax(logits.float() / self.draft_temperature, dim=-1).topk(topk, dim=-1)
+        """Top-k draft ids and their log-probs (path-score increments): one
+        kernel per call on CUDA (`proposers/draft_topk.py`)."""
+        return draft_topk(logits, topk, self.draft_temperature)

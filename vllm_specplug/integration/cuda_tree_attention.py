@@ -123,7 +123,7 @@ def split_applies(impl, attn_metadata, buffers) -> bool:
             and getattr(impl, "attn_type", DECODER) == DECODER
             and getattr(impl, "vllm_flash_attn_version", None) == 3
             and getattr(impl, "dcp_world_size", 1) == 1
-            and attn_metadata.causal is True
+            and getattr(attn_metadata, "causal", True) is True
             and getattr(attn_metadata, "mm_prefix_query_range_tensor", None) is None
             and getattr(attn_metadata, "rswa_prefix_lens", None) is None
             and attn_metadata.max_query_len <= buffers.metadata.max_nodes)

@@ -31,6 +31,25 @@ def _visible(bits_ptr, node, pos, seq_len, kv_len, row_live, NUM_NODES, NUM_WORD
 
 
 @triton.jit
+def load_paged_kv(k_cache_ptr, v_cache_ptr, table, pos, live, kv_head, d, d_live,
+                  k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+                  BLOCK_SIZE: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_PAD] of one KV head at positions `pos` of a
+    request's paged cache (`table`: its block-table row); zeros where not
+    `live`."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    offset = (pos % BLOCK_SIZE).to(tl.int64)
+    tile = live[:, None] & d_live[None, :]
+    k = tl.load(k_cache_ptr + (block * k_stride_b + offset * k_stride_s
+                               + kv_head * k_stride_h)[:, None] + d[None, :],
+                mask=tile, other=0.0)
+    v = tl.load(v_cache_ptr + (block * v_stride_b + offset * v_stride_s
+                               + kv_head * v_stride_h)[:, None] + d[None, :],
+                mask=tile, other=0.0)
+    return k, v
+
+
+@triton.jit
 def tree_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
                           first_token_ptr, seq_len_ptr, num_nodes_ptr, bits_ptr, scale,
                           q_stride_t, q_stride_h, out_stride_t, out_stride_h,
@@ -74,16 +93,9 @@ def tree_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        in_kv = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=in_kv, other=0).to(tl.int64)
-        offset = (pos % BLOCK_SIZE).to(tl.int64)
-        tile = in_kv[:, None] & d_live[None, :]
-        k = tl.load(k_cache_ptr + (block * k_stride_b + offset * k_stride_s
-                                   + kv_head * k_stride_h)[:, None] + d[None, :],
-                    mask=tile, other=0.0)
-        v = tl.load(v_cache_ptr + (block * v_stride_b + offset * v_stride_s
-                                   + kv_head * v_stride_h)[:, None] + d[None, :],
-                    mask=tile, other=0.0)
+        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, table, pos, pos < kv_end, kv_head, d,
+                             d_live, k_stride_b, k_stride_s, k_stride_h, v_stride_b,
+                             v_stride_s, v_stride_h, BLOCK_SIZE)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

@@ -19,6 +19,8 @@ m % GROUP; the request's query tokens are at most BLOCK_N keys, one tile.
 import triton
 import triton.language as tl
 
+from vllm_specplug.kernels.tree_attention import load_paged_kv
+
 WORD_BITS = tl.constexpr(32)
 
 
@@ -70,17 +72,9 @@ def tree_part_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr
                 + d[None, :], mask=tile, other=0.0)
     j = tl.arange(0, BLOCK_N)
     key_live = j < num_rows
-    pos = prefix + j
-    block = tl.load(block_table_ptr + b * block_table_stride + pos // BLOCK_SIZE,
-                    mask=key_live, other=0).to(tl.int64)
-    offset = (pos % BLOCK_SIZE).to(tl.int64)
-    key_tile = key_live[:, None] & d_live[None, :]
-    k = tl.load(k_cache_ptr + (block * k_stride_b + offset * k_stride_s
-                               + kv_head * k_stride_h)[:, None] + d[None, :],
-                mask=key_tile, other=0.0)
-    v = tl.load(v_cache_ptr + (block * v_stride_b + offset * v_stride_s
-                               + kv_head * v_stride_h)[:, None] + d[None, :],
-                mask=key_tile, other=0.0)
+    k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_table_ptr + b * block_table_stride,
+                         prefix + j, key_live, kv_head, d, d_live, k_stride_b, k_stride_s,
+                         k_stride_h, v_stride_b, v_stride_s, v_stride_h, BLOCK_SIZE)
     if UPCAST:  # the Triton interpreter's bf16 dot is wrong: compute in float32
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale

@@ -159,7 +159,7 @@ def fa3_layer(case, **metadata_overrides):
     from vllm_specplug.integration.cuda_tree_attention import TREE_ROWS_ATTR
 
     query, key_cache, value_cache, block_table, query_start, seq_lens, meta = case
-    buffers = SimpleNamespace(split_attention=True, metadata=meta)
+    buffers = SimpleNamespace(split_attention=True, metadata=meta, split_layers=0)
     impl = SimpleNamespace(num_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
                            head_size=query.shape[2], scale=0.3, sliding_window=(-1, -1),
                            logits_soft_cap=0, alibi_slopes=None, sinks=None,

@@ -142,7 +142,7 @@ def split_forward(impl, query, kv_cache, attn_metadata, output, prefix_attention
     if not split_applies(impl, attn_metadata, buffers):
         return False
     check_supported(impl)
-    buffers.split_layers = getattr(buffers, "split_layers", 0) + 1  # host calls (tests)
+    buffers.split_layers += 1
     key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
     prefix_lens = getattr(attn_metadata, PREFIX_LENS_ATTR, None)
     if prefix_lens is None:  # the first layer of the step (or of a capture)

@@ -27,8 +27,7 @@ def draft_topk(logits: torch.Tensor, k: int, temperature: float = 1.0,
                backend: Backend = "auto"):
     """(logprobs, ids), each [..., k]: see the module docstring."""
     if resolve_backend(backend, logits) == "torch":
-        values, ids = draft_topk_reference(logits, k, temperature)
-        return values, ids
+        return draft_topk_reference(logits, k, temperature)
     from vllm_specplug.kernels.draft_topk import draft_topk_kernel
 
     vocab_size = logits.shape[-1]

@@ -44,6 +44,7 @@ class TreeSlots:
         # FlashAttention 3 layers: prefix by FlashAttention + tree part, merged
         # (integration/cuda_tree_attention.split_forward); set by the speculator
         self.split_attention = False
+        self.split_layers = 0  # layer calls that took the split way (tests, benchmarks)
         self.num_masked = 0  # tree rows this step (host count: 0 skips the kernel)
         self.masked_steps = 0  # steps with tree rows (tests, benchmarks)
         self.compiled: set[tuple] = set()  # layer shapes the kernel has been launched for

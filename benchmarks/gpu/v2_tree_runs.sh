@@ -8,7 +8,8 @@
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
 #            results; ROWS=sized: plus our tree sized by batch; ROWS=split-ab: the sized
-#            rows with our tree's attention both ways, split and rewrite; HOST_PROFILE=1:
+#            rows with our tree's attention both ways, split and rewrite; ROWS=chain-ab: the
+#            sized rows plus our chain sized the same way as vLLM's; HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
@@ -24,16 +25,20 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
   local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
-  [ "$1" != sized-only ] && [ "$1" != split-ab ] && printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
+  case "$1" in sized-only|split-ab|chain-ab) ;; *) printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" ;; esac
+  local sized_k='"num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]'
   case "$1" in
-    sized|sized-only|split-ab)
+    sized|sized-only|split-ab|chain-ab)
       # vLLM's dynamic speculative decoding: 5 drafts up to 4 requests, 3 up to 24, 2 beyond;
       # our tree the same way: 16 nodes, then 6, then 3
       printf '%s\n' --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
       [ "$1" = sized ] && printf '%s\n' --spec "ours-tree16={$tree}"
       printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}"
       # split-ab: the same tree with the first way of tree attention (backend, then rewrite)
-      [ "$1" = split-ab ] && printf '%s\n' --spec "ours-tree-sized-rewrite={$tree, \"tree_attention\": \"rewrite\", \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}" ;;
+      [ "$1" = split-ab ] && printf '%s\n' --spec "ours-tree-sized-rewrite={$tree, \"tree_attention\": \"rewrite\", \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}"
+      # chain-ab: our chain with vLLM's table (issue 26: our chain >= vLLM's at the same K)
+      [ "$1" = chain-ab ] && printf '%s\n' --spec "ours-chain-sized={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, $sized_k}"
+      true ;;
     *)
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
       printf '%s\n' --spec "ours-tree16={$tree}" ;;

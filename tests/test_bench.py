@@ -113,6 +113,7 @@ def test_installed_environment_has_the_alias():
     (["bench", "offline", "--model", "tiny", "--spec", "{oops"], "not JSON"),
     (["bench", "offline", "--model", "tiny", "--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["bench", "offline", "--model", "tiny", "--limit-prompts", "1:4"], "expected BATCH=N"),
+    (["bench", "offline", "--model", "tiny", "--warmup-runs", "-1"], "--warmup-runs must be >= 0"),
     (["bench", "offline", "--model", "tiny", "--prompts", "gsm8k.jsonl"], "gsm8k.jsonl"),
     (["bench", "offline", "--model", "/nonexistent/model", "--prompts", "held-out"],
      "/nonexistent/model"),
@@ -177,6 +178,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
                  *[f"--spec={s}" for s in specs], "--phases", "--host-profile",
+                 "--warmup-runs", "1",
                  "--out", str(out)])
     assert code == 0
     result = json.loads((out / "offline.json").read_text())
@@ -199,9 +201,12 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         if drafted:  # repeat-and-edit prompts copy whole lines: real acceptance
             assert row["counts"]["mean_acceptance_length"] > 1.5
     assert result["settings"]["specs"]["specplug_ngram"] == NGRAM
-    for b in (1, 4):  # vLLM's counters saw every verified draft of both repeats
+    assert result["settings"]["warmup_runs"] == 1
+    for b in (1, 4):  # vLLM's counters saw every verified draft of both repeats, and
+        # none of the warm-up's (a third run of the same batch, counted by neither)
         row = rows[("specplug_ngram", b)]
-        assert row["counts"]["num_drafts"] >= 0.9 * row["adaptive"]["num_verified_drafts"], row
+        verified = row["adaptive"]["num_verified_drafts"]
+        assert 0.9 * verified <= row["counts"]["num_drafts"] <= 1.1 * verified, row
     assert (out / "offline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "offline.txt").read_text()
     assert "specplug_ngram" in table and "cpu_model_runner/" in table

@@ -7,6 +7,15 @@ falls on every row alike; a row's ratio to no speculation is taken per repeat
 (repeat r over the baseline's repeat r) and reported as median and range.
 `order="sequential"` runs one engine at a time instead (less memory).
 
+**Warm-up**: with `warmup_runs`, each engine first runs every batch size's
+prompts that many times, unmeasured, at the measured settings. Engines
+compile kernels and capture graphs the first time a shape comes (vLLM's
+Triton kernels and FlashAttention's splits; the EAGLE head of
+vllm-specplug captures its passes lazily, per padded batch, key bucket and
+tree shape): a first measured run then pays for them: on the H100 our rows'
+first repeat at batch 16 and 64 ran at 0.45-0.7x of their later ones
+(docs/results/v2_chain_ab_h100).
+
 For each config and batch size the prompts run in consecutive batches of that
 size; a conversation of several turns (MT-Bench) runs turn by turn, each turn
 after the model's own answers. Under greedy sampling a row also counts the
@@ -176,16 +185,29 @@ def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, p
     return llm
 
 
+def _warm_up(llm, rows: list[OfflineRow], prompts, limits: dict[int, int], params,
+             runs: int) -> None:
+    """`runs` unmeasured passes of each row's batch: the shapes a measured
+    repeat meets compile and capture here (counts are read around each
+    measured repeat, so these never reach a row)."""
+    for row in rows:
+        for _ in range(runs):
+            run_conversations(llm, prompts[:limits.get(row.batch_size)], row.batch_size,
+                              params)
+
+
 def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
                 prompt_limits: dict[int, int] | None = None, phases: bool = False,
-                host_profile: bool = False, **engine_kwargs) -> list[OfflineRow]:
+                host_profile: bool = False, warmup_runs: int = 0,
+                **engine_kwargs) -> list[OfflineRow]:
     """One row per (spec, batch size). The first spec is the baseline; a spec
     whose engine fails gets rows with `error` set and the others go on.
     `prompt_limits` {batch size: N} runs only the first N prompts at that
     batch size (batch 1 of a whole set takes long). With `phases`, each row
     also gets where its steps' time went, after its last repeat; with
-    `host_profile` too, the functions its host time went to."""
+    `host_profile` too, the functions its host time went to. `warmup_runs`:
+    unmeasured passes of every batch size when an engine has started."""
     limits = prompt_limits or {}
     schedule = _schedule(specs, repeats, order)
     engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
@@ -203,6 +225,9 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
             if s not in engines:
                 engines[s] = _start(stacks[s], model, specs[s], engine_kwargs, prompts, rows[s])
                 collectors[s] = vllm_collectors()
+                if engines[s] is not None and warmup_runs:
+                    progress.set_postfix_str(f"{specs[s].name} warm-up")
+                    _warm_up(engines[s], rows[s], prompts, limits, params, warmup_runs)
             for row in rows[s]:
                 if engines[s] is not None:
                     _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,

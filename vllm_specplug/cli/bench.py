@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
     offline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     offline.add_argument("--repeats", type=int, default=3,
                          help="report the median ratio to no speculation and its range")
+    offline.add_argument("--warmup-runs", type=int, default=1,
+                         help="unmeasured passes of each batch size when an engine has "
+                         "started: shapes seen first compile kernels and capture graphs "
+                         "there, not in a measured repeat (0: none)")
     offline.add_argument("--order", choices=("interleaved", "sequential"),
                          default="interleaved", help="interleaved: all engines start, "
                          "then each repeat runs every spec in turn (drift falls on every "
@@ -158,6 +162,8 @@ def run_offline_command(args) -> int:
 
     try:
         _positive(args, "batch_sizes", "repeats", "max_tokens")
+        if args.warmup_runs < 0:
+            raise ValueError("--warmup-runs must be >= 0 (0: no warm-up)")
         specs = named_specs(args.spec)
         limits = _prompt_limits(args.limit_prompts)
         engine_kwargs = json.loads(args.engine_args)
@@ -177,11 +183,13 @@ def run_offline_command(args) -> int:
                             seed=0)
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
                        order=args.order, prompt_limits=limits, phases=args.phases,
-                       host_profile=args.host_profile, max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
+                       host_profile=args.host_profile, warmup_runs=args.warmup_runs,
+                       max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
     settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
                 "num_turns": sum(p.num_turns for p in prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "repeats": args.repeats, "order": args.order, "prompt_limits": limits,
+                "repeats": args.repeats, "warmup_runs": args.warmup_runs,
+                "order": args.order, "prompt_limits": limits,
                 "specs": {s.name: s.config for s in specs}}
     print(f"\n{model}: {len(prompts)} prompts ({settings['num_turns']} turns), "
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "

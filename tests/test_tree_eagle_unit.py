@@ -43,6 +43,27 @@ def test_bad_options_name_the_field(tiny_model_dir, tiny_eagle3_dir, options, fi
     assert field in engine_args_error(tiny_model_dir, spec)
 
 
+def test_adaptive_verification_is_for_chains_only(tiny_eagle3_dir):
+    """vLLM's `enable_adaptive_verification` ranks chain positions by the
+    confidences a chain's drafting pass fills: a tree, or a model-free
+    method (which has `adaptive`), is refused in the front end, naming the
+    fix; an EAGLE-3 chain passes it on to vLLM."""
+    from vllm_specplug.integration.config import translate
+
+    head = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir),
+            "enable_adaptive_verification": True}
+    vllm_config, selection = translate({**head, "topk": 1, "num_steps": 3})
+    assert vllm_config["enable_adaptive_verification"] is True
+    assert selection.method == "specplug_eagle3"
+    for config in ({**head, "topk": 4, "num_steps": 4, "num_draft_tokens": 16},
+                   {"method": "specplug_ngram", "num_speculative_tokens": 3,
+                    "enable_adaptive_verification": True}):
+        with pytest.raises(ProposerConfigError,
+                           match=r"enable_adaptive_verification=true needs a chain .*"
+                                 r"Set topk=1 or drop enable_adaptive_verification"):
+            translate(config)
+
+
 def test_missing_head_directory_is_named(tiny_model_dir, tmp_path):
     spec = {"method": "specplug_eagle3", "model": str(tmp_path / "nope")}
     assert "config.json" in engine_args_error(tiny_model_dir, spec)
@@ -418,6 +439,32 @@ def test_chain_pass_equals_the_tree_search_at_top_1(drafter, num_steps, num_draf
     for field in tree.__dataclass_fields__:
         assert torch.equal(getattr(chain, field), getattr(tree, field)), field
     assert (chain.token_ids[:, 1:] != roots[:, None]).any()  # it drafted something
+
+
+def test_a_chains_drafting_pass_shows_each_draft_steps_logits_to_its_hook():
+    """`draft_logits_hook` (vLLM's acceptance estimator on Model Runner V2)
+    sees, at draft step d, the logits whose argmax is draft token d, for the
+    pass's slots, and nothing in a tree's pass."""
+    torch.manual_seed(4)
+    runtime, width = _runtime("eagle3")
+    for req_id, length in {"a": 7, "b": 19}.items():
+        runtime.ingest(req_id, torch.randn(length, width), torch.randint(0, 50, (length,)),
+                       torch.arange(length))
+    slots = torch.tensor([runtime.pool.slot_of["a"], runtime.pool.slot_of["b"]])
+    seen = []
+    runtime.draft_logits_hook = lambda logits, at, step: seen.append((step, logits, at))
+    roots, positions = torch.tensor([3, 4]), torch.tensor([7, 19])
+    with torch.inference_mode():
+        chain = runtime._draft_pass(slots, roots, positions, 64, 1, 5, 6)
+    assert [step for step, _, _ in seen] == [0, 1, 2, 3, 4]
+    for step, logits, at in seen:
+        assert torch.equal(at, slots)
+        drafted = runtime.layer.to_target(logits.argmax(-1))
+        assert torch.equal(drafted, chain.token_ids[:, step + 1]), step
+    seen.clear()
+    with torch.inference_mode():
+        runtime._draft_pass(slots, roots, positions, 64, 2, 3, 5)
+    assert not seen
 
 
 def test_fused_projections_share_the_heads_memory():

@@ -5,7 +5,8 @@ Here (CPU, built-in models cached):
 
     .venv/bin/python benchmarks/gpu/bench_tree_cuda.py prepare --work .gpu/work
 
-adds the built-in EAGLE-3 head (`tiny-eagle3`) to the work folder of
+adds the built-in EAGLE-3 head (`tiny-eagle3`) and the tiny target with an
+MTP layer (`tiny-mtp`, tests/gpu/test_mtp_cuda.py) to the work folder of
 `bench_model_runner_v2.py prepare`. On the staged GPU host (docs/gpu.md):
 
     python3 benchmarks/gpu/bench_tree_cuda.py tiny  --work .gpu/work --results R
@@ -70,10 +71,11 @@ def prepare(work: Path) -> None:
     from vllm_specplug.models import held_out_prompts
     from vllm_specplug.models.heads import build_head
 
-    shutil.copytree(build_head("tiny-eagle3"), work / "tiny-eagle3", dirs_exist_ok=True)
+    for name in ("tiny-eagle3", "tiny-mtp"):
+        shutil.copytree(build_head(name), work / name, dirs_exist_ok=True)
     # the held-out prompts as a bench file (`host.sh tiny-bench`)
     write_bench_prompts(work / "held_out.jsonl", held_out_prompts(160))
-    print(f"wrote {work}/tiny-eagle3 and {work}/held_out.jsonl")
+    print(f"wrote {work}/tiny-eagle3, {work}/tiny-mtp and {work}/held_out.jsonl")
 
 
 def _engine(model, spec, **kwargs):

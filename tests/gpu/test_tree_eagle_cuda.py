@@ -30,10 +30,14 @@ CHAIN = {"method": "specplug_eagle3", "topk": 1, "num_steps": 5, "num_draft_toke
 # rows hold stale drafts: verification must stop at the drafted nodes)
 SIZED_CHAIN = {**CHAIN, "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 1024, 2]]}
 SIZED_TREE = {**TREE, "num_speculative_tokens_per_batch_size": [[1, 4, 15], [5, 1024, 5]]}
-SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN, "tree-sized": SIZED_TREE}
+# vLLM's adaptive verification over our chain's confidences (issue 27)
+ADAPTIVE_CHAIN = {**CHAIN, "enable_adaptive_verification": True}
+SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN, "tree-sized": SIZED_TREE,
+         "chain-adaptive": ADAPTIVE_CHAIN}
 # accepted tokens per drafting step a trained head reaches on held-out
 # prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
-MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3, "tree-sized": 1.5}
+MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3, "tree-sized": 1.5,
+                "chain-adaptive": 1.3}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -54,6 +58,7 @@ def tree_run(request, work, prompts):  # noqa: F811
         counts = read_spec_decode_counts(llm)
         state = llm.collective_rpc("specplug_tree_attention_state")[0]
         runner = llm.collective_rpc("specplug_runner_state")[0]
+        runner["adaptive"] = llm.collective_rpc("specplug_adaptive_verification_state")[0]
         outputs["sampled"] = [sampled(llm, prompts[:NUM_SAMPLED]) for _ in range(2)]
         yield request.param, outputs, counts, state, runner
     finally:
@@ -107,6 +112,16 @@ def test_tree_eagle_is_lossless_on_cuda(tree_run, baseline):  # noqa: F811
         assert 2 < counts.num_draft_tokens / counts.num_drafts < 5, counts
     if kind == "tree-sized":  # alone: 15 drafts a step; batched: 5 while over 4 requests run
         assert 5 < counts.num_draft_tokens / counts.num_drafts < 15, counts
+
+
+@pytest.mark.parametrize("tree_run", ["chain-adaptive"], indirect=True)
+def test_adaptive_verification_ranks_our_chains_drafts(tree_run):
+    """With `enable_adaptive_verification`, vLLM made its manager for our
+    speculator, and our drafting pass fed vLLM's estimator for every request
+    it drafted for (losslessness: test_tree_eagle_is_lossless_on_cuda)."""
+    adaptive = tree_run[4]["adaptive"]
+    assert adaptive["manager"] and adaptive["estimator"], adaptive
+    assert adaptive["slots_with_features"] >= 8, adaptive
 
 
 @pytest.mark.parametrize("tree_run", ["tree-sized"], indirect=True)

@@ -22,6 +22,8 @@ from vllm_specplug.registry import (UnknownProposerError, available_proposers,
 
 SELECTION_ATTR = "specplug_selection"
 ADAPTIVE_OPTION = "adaptive"
+# vLLM's SpeculativeConfig field for its adaptive verification (Model Runner V2)
+ADAPTIVE_VERIFICATION_FIELD = "enable_adaptive_verification"
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
             "required (the most draft tokens per request per step)")
     if hasattr(parsed, "resolved"):
         parsed = parsed.resolved(rest.get("num_speculative_tokens"))
+    check_adaptive_verification(method, cls, parsed, rest)
     selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
                                   max_failures, adaptive)
     return {**rest, "num_speculative_tokens": num_spec, "method": "custom_class",
@@ -117,6 +120,19 @@ def parse_adaptive(method: str, value: Any, supported: bool) -> str:
             "supported for this method yet (only the model-free methods adapt their "
             f"draft lengths); leave {ADAPTIVE_OPTION} out or set it to false")
     return "on" if value else "off"
+
+
+def check_adaptive_verification(method: str, cls, options, rest: dict[str, Any]) -> None:
+    """vLLM's `enable_adaptive_verification` only where the proposer fills
+    the draft confidences it reads (EAGLE-3 and MTP chains)."""
+    if not rest.get(ADAPTIVE_VERIFICATION_FIELD) or cls.fills_draft_confidences(options):
+        return
+    raise ProposerConfigError(
+        f"speculative_config for method {method!r}: {ADAPTIVE_VERIFICATION_FIELD}=true needs "
+        "a chain of specplug_eagle3 or specplug_mtp (topk=1) on Model Runner V2 (CUDA); "
+        "trees verify every node they keep, and the model-free methods choose their draft "
+        f"lengths with the {ADAPTIVE_OPTION!r} option instead. Set topk=1 or drop "
+        f"{ADAPTIVE_VERIFICATION_FIELD}")
 
 
 def check_target(selection: ProposerSelection, target_hf) -> None:

@@ -187,6 +187,14 @@ class Proposer(ABC):
         return num_speculative_tokens
 
     @classmethod
+    def fills_draft_confidences(cls, options: ProposerOptions) -> bool:
+        """Whether, on Model Runner V2, it fills the per-position confidences
+        of vLLM's adaptive verification (`enable_adaptive_verification`):
+        vLLM then admits a step's best draft slots under its measured cost
+        curve. Model-free methods cut their drafts with `adaptive` instead."""
+        return False
+
+    @classmethod
     def check_target(cls, name: str, options: ProposerOptions, target_hf) -> None:
         """Front-end check against the target's HF config (before the engine
         starts); raise ProposerConfigError naming the field."""

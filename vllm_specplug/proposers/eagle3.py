@@ -162,6 +162,13 @@ class TreeProposer(Proposer):
     supports_adaptive: ClassVar[bool] = False  # trees: not yet (issue 27)
 
     @classmethod
+    def fills_draft_confidences(cls, options: TreeOptions) -> bool:
+        """Chains do: vLLM's acceptance estimator reads each draft step's
+        logits inside the graphed drafting pass. A tree's nodes are not
+        chain positions, and its size is its own budget."""
+        return options.topk == 1
+
+    @classmethod
     def vllm_num_speculative_tokens(cls, options: TreeOptions,
                                     num_speculative_tokens: int | None) -> int:
         """What vLLM's scheduler must allow per step: every tree node but the root."""

@@ -89,6 +89,11 @@ class HeadRuntime:
         self.num_slots = num_slots
         self.pool: HeadCachePool | None = None  # made at the first ingest (dtype, device)
         self.graphs = PassGraphs() if cuda_graphs else None
+        # Called inside a chain's drafting pass with each draft step's logits
+        # (logits [B, V_draft], slots [B], draft step d): a runner's
+        # acceptance estimate (vLLM's adaptive verification) reads them
+        # there, in the same graph. Set it before the first pass.
+        self.draft_logits_hook: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
 
     def forget(self, req_id: str) -> None:
         if self.pool is not None:
@@ -361,15 +366,24 @@ class HeadRuntime:
         reduces to at k = 1, in a fraction of the kernels)."""
         pool, layer, batch = self.pool, self.layer, slots.shape[0]
         ctx = self._context(slots, num_keys)
-        tokens = [root_token_ids, layer.to_target(pool.last_logits[slots].argmax(-1))]
+        tokens = [root_token_ids, layer.to_target(self._chain_logits(
+            pool.last_logits[slots], slots, 0).argmax(-1))]
         parent_out = pool.last_out[slots][:, None]  # [B, 1, H]
         path_kv = (pool.keys.new_zeros(batch, 1, layer.num_kv_heads, 0, layer.head_dim),) * 2
         positions, cos, sin = self._depth_rope(root_positions, num_draft_tokens - 2)
         for d in range(num_draft_tokens - 2):  # depths 1..N-2
             parent_out, path_kv = self._expand(ctx, tokens[-1][:, None], parent_out, path_kv,
                                                positions[:, d], (cos[:, d], sin[:, d]))
-            tokens.append(layer.to_target(self._logits(parent_out[:, 0]).argmax(-1)))
+            logits = self._chain_logits(self._logits(parent_out[:, 0]), slots, d + 1)
+            tokens.append(layer.to_target(logits.argmax(-1)))
         return chain_tree(torch.stack(tokens, 1), root_positions)
+
+    def _chain_logits(self, logits: torch.Tensor, slots: torch.Tensor,
+                      draft_step: int) -> torch.Tensor:
+        """A chain's draft-step logits [B, V_draft], shown to the hook first."""
+        if self.draft_logits_hook is not None:
+            self.draft_logits_hook(logits, slots, draft_step)
+        return logits
 
     def _draft_tree_pass(self, slots: torch.Tensor, root_token_ids: torch.Tensor,
                          root_positions: torch.Tensor, num_keys: int, topk: int,

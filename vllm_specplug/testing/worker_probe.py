@@ -37,6 +37,18 @@ class SpecplugProbe:
         stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
         return None if stats is None else stats.as_dict()
 
+    def specplug_adaptive_verification_state(self) -> dict:
+        """vLLM's adaptive verification as the runner runs it: whether it
+        made the manager, and how far our speculator's acceptance estimator
+        got (state slots with draft-step features, refits)."""
+        runner = self.model_runner
+        estimator = getattr(getattr(runner, "speculator", None), "acceptance_estimator", None)
+        return {"manager": getattr(runner, "adaptive_verification", None) is not None,
+                "estimator": estimator is not None,
+                "slots_with_features": 0 if estimator is None else
+                int(estimator.features.ne(0).any(1).sum()),
+                "refits": 0 if estimator is None else estimator._refits}
+
     def specplug_prefix_adoptions(self) -> int | None:
         """Requests our Model Runner V2 head speculator started on saved head
         rows of prefix-cached blocks (None without that speculator or with

@@ -9,7 +9,9 @@
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
 #            results; ROWS=sized: plus our tree sized by batch; ROWS=split-ab: the sized
 #            rows with our tree's attention both ways, split and rewrite; ROWS=chain-ab: the
-#            sized rows plus our chain sized the same way as vLLM's; HOST_PROFILE=1:
+#            sized rows plus our chain sized the same way as vLLM's; ROWS=adaptive: vLLM's
+#            eagle3 K=5 fixed, sized and with its adaptive verification, our chain K=5 with
+#            the same adaptive verification and our tree sized (issue 27); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
@@ -39,6 +41,13 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # chain-ab: our chain with vLLM's table (issue 26: our chain >= vLLM's at the same K)
       [ "$1" = chain-ab ] && printf '%s\n' --spec "ours-chain-sized={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, $sized_k}"
       true ;;
+    adaptive)
+      # vLLM's adaptive verification: its estimator and cost curves rank each step's drafts
+      local av='"enable_adaptive_verification": true'
+      printf '%s\n' --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, $sized_k}"
+      printf '%s\n' --spec "vllm-eagle3-K5-adaptive={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, $av}"
+      printf '%s\n' --spec "ours-chain-K5-adaptive={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, $av}"
+      printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}" ;;
     *)
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
       printf '%s\n' --spec "ours-tree16={$tree}" ;;

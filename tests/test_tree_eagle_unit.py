@@ -467,6 +467,30 @@ def test_a_chains_drafting_pass_shows_each_draft_steps_logits_to_its_hook():
     assert not seen
 
 
+def test_a_preallocated_pool_keeps_its_rows_and_stays_within_its_budget():
+    """`HeadCachePool.preallocate` (Model Runner V2 sizes the head's pool at
+    load): as many positions as the budget holds for every slot, up to what
+    is asked, never less than held; rows already written stay; a later
+    `reserve` past it still grows the pool."""
+    from vllm_specplug.proposers.head_cache import MIN_CAPACITY, HeadCachePool
+
+    pool = HeadCachePool(2, 4, 5, 11, torch.float32, torch.device("cpu"), num_slots=4)
+    per_position = pool.bytes_per_slot_position
+    assert per_position == 2 * 2 * 4 * 4 + 1
+    pool.keys[1, :, :3] = 7.0
+    pool.valid[1, :3] = True
+    version = pool.version
+    assert pool.preallocate(6, 2000, budget_bytes=6 * per_position * 1000) == 1000
+    assert (pool.num_slots, pool.capacity) == (6, 1000) and pool.version == version + 1
+    assert pool.keys[1, :, :3].eq(7.0).all() and pool.valid[1].sum() == 3
+    assert pool.preallocate(6, 600, budget_bytes=10 ** 9) == 1000  # never shrinks
+    assert pool.preallocate(6, 5000, budget_bytes=10 ** 9) == 5000  # all that was asked
+    fresh = HeadCachePool(2, 4, 5, 11, torch.float32, torch.device("cpu"))
+    assert fresh.preallocate(8, 4096, budget_bytes=0) == MIN_CAPACITY  # no budget: as made
+    fresh.reserve(8, 700)
+    assert fresh.capacity == 4 * MIN_CAPACITY
+
+
 def test_fused_projections_share_the_heads_memory():
     """The runtime's fused q/k/v and gate/up weights are the head's
     parameters (views into one tensor each), not copies: an 8B-shaped head

@@ -59,6 +59,7 @@ def tree_run(request, work, prompts):  # noqa: F811
         state = llm.collective_rpc("specplug_tree_attention_state")[0]
         runner = llm.collective_rpc("specplug_runner_state")[0]
         runner["adaptive"] = llm.collective_rpc("specplug_adaptive_verification_state")[0]
+        runner["pool"] = llm.collective_rpc("specplug_head_pool_state")[0]
         outputs["sampled"] = [sampled(llm, prompts[:NUM_SAMPLED]) for _ in range(2)]
         yield request.param, outputs, counts, state, runner
     finally:
@@ -84,6 +85,11 @@ def test_eagle3_runs_on_model_runner_v2_with_async_scheduling(tree_run):
     assert runner["runner"] == V2_RUNNER, runner
     assert runner["speculator"] == "SpecplugV2HeadSpeculator", runner
     assert runner["async_scheduling"], runner
+    # the head's pool was sized at load for every request's whole length (the
+    # tiny model's fit the budget): it never grew in service (one allocation
+    # after the first, version 1), so no graph of the head was captured twice
+    pool = runner["pool"]
+    assert pool["capacity"] >= pool["max_positions"] and pool["version"] == 1, pool
 
 
 def test_tree_attention_runs_in_the_cuda_backend(tree_run):

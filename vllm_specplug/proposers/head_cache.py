@@ -88,6 +88,26 @@ class HeadCachePool:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def bytes_per_slot_position(self) -> int:
+        """Memory one position of one slot takes (K and V of every KV head, valid bit)."""
+        kvh, hd, _, _ = self.shape
+        return 2 * kvh * hd * self.keys.element_size() + 1
+
+    def preallocate(self, num_slots: int, num_positions: int, budget_bytes: int) -> int:
+        """Room for `num_slots` requests of `num_positions` positions now, as
+        far as `budget_bytes` of keys and values go (never less than held).
+        Growing later reallocates: the old and new pools coexist for a
+        moment, and every graph that read the old one is captured again. A
+        pool made before the engine measures its memory is counted as the
+        model's. Returns the capacity."""
+        per_position = num_slots * self.bytes_per_slot_position
+        fits = budget_bytes // per_position if per_position else num_positions
+        capacity = max(self.capacity, min(num_positions, fits))
+        if num_slots > self.num_slots or capacity > self.capacity:
+            self._allocate(max(num_slots, self.num_slots), capacity)
+        return self.capacity
+
     def reserve(self, num_slots: int, num_positions: int) -> None:
         """Room for `num_slots` requests of `num_positions` positions (doubling)."""
         if num_slots > self.num_slots or num_positions > self.capacity:

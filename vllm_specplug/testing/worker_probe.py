@@ -49,6 +49,16 @@ class SpecplugProbe:
                 int(estimator.features.ne(0).any(1).sum()),
                 "refits": 0 if estimator is None else estimator._refits}
 
+    def specplug_head_pool_state(self) -> dict | None:
+        """Our Model Runner V2 head speculator's cache pool: slots, capacity
+        and reallocations (None without that speculator)."""
+        speculator = getattr(self.model_runner, "speculator", None)
+        pool = getattr(getattr(speculator, "runtime", None), "pool", None)
+        if pool is None:
+            return None
+        return {"num_slots": pool.num_slots, "capacity": pool.capacity,
+                "version": pool.version, "max_positions": speculator.max_positions}
+
     def specplug_prefix_adoptions(self) -> int | None:
         """Requests our Model Runner V2 head speculator started on saved head
         rows of prefix-cached blocks (None without that speculator or with

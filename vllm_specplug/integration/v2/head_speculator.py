@@ -48,6 +48,13 @@ from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.tree_rows import VerifiedRows, verified_rows
 
 
+# Share of the GPU's memory the head's cache pool takes at load, at most
+# (max_num_seqs x max_model_len positions when they fit: 100 MB for
+# SmolLM2's head at 64 x 2048; an 8B-shaped head's 4 KB a position at 256 x
+# 8192 would be 8.6 GB, so it starts at what 4% holds and grows from there)
+HEAD_POOL_MEMORY_SHARE = 0.04
+
+
 def step_tree_shape(shape: tuple[int, int, int],
                     num_drafts: int | None) -> tuple[int, int, int]:
     """(topk, num_steps, num_draft_tokens) of this step's trees, from the
@@ -103,6 +110,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.device = device
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens
+        # positions the head's pool may hold per request (a step's drafts included)
+        self.max_positions = (vllm_config.model_config.max_model_len
+                              + self.num_speculative_steps + 1)
         num_nodes = self.drafter.options.num_draft_tokens
         self.tree_slots = (TreeSlots(self.max_num_reqs, num_nodes, device)
                            if self.drafter.is_tree else None)
@@ -189,7 +199,15 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         from vllm_specplug.integration import cuda_tree_attention
 
         self.runtime = self.drafter.load_model(target_model, self.max_num_reqs)
-        self.runtime.make_pool(self.max_num_reqs, self.drafter.draft_dtype, self.device)
+        pool = self.runtime.make_pool(self.max_num_reqs, self.drafter.draft_dtype, self.device)
+        # Sized now, while the engine has not yet measured its memory: the
+        # pool counts as the model's, not taken from the KV cache later.
+        # Growing in service would hold two pools at once and recapture every
+        # graph of the head (each first step at a new size stalled).
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            pool.preallocate(self.max_num_reqs, self.max_positions,
+                             int(HEAD_POOL_MEMORY_SHARE * total))
         if self.acceptance_estimator is not None:
             self.runtime.draft_logits_hook = self._predict_acceptance
         if self.tree_slots is None:

@@ -17,6 +17,8 @@ EXTENSION_POINTS = {
     "vllm_specplug/integration/scheduler.py": "Scheduler / AsyncScheduler subclasses (scheduler_cls)",
     "vllm_specplug/integration/v1/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
     "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
+    "vllm_specplug/integration/v2/draft_confidences.py":
+        "the acceptance estimator of vLLM's adaptive verification (enable_adaptive_verification)",
     "vllm_specplug/integration/v2/tree_sampler.py":
         "the rejection sampler a ModelState supplies (custom_sampler)",
     "vllm_specplug/testing/scheduler_sim.py": "test harness: vLLM's real scheduler classes",

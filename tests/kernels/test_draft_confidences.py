@@ -1,6 +1,6 @@
 """Our chains' draft confidences for vLLM's adaptive verification (issue 27):
-`SpecplugV2HeadSpeculator._predict_acceptance` hands each draft step's
-logits to vLLM's `OnlineAcceptanceEstimator` inside our drafting pass, with
+`DraftConfidences.predict` hands each draft step's logits to vLLM's
+`OnlineAcceptanceEstimator` inside our drafting pass, with
 our pass's layout (state slots as int64, a padded batch whose last rows
 repeat the last request, the step as a 0-dim view). Its kernels run here
 (under the interpreter on CPU) against what they should compute, in plain
@@ -9,12 +9,11 @@ at the request's temperature, in batch row b, column k."""
 from __future__ import annotations
 
 import importlib
-import types
 
 import pytest
 import torch
 
-from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+from vllm_specplug.integration.v2.draft_confidences import DraftConfidences
 
 NUM_STEPS, MAX_NUM_REQS, PADDED = 3, 6, 8
 
@@ -47,29 +46,37 @@ def estimator_cls(monkeypatch):
 
 
 def test_draft_confidences_are_vllms_estimate_in_batch_order(device, estimator_cls):
-    estimator = estimator_cls(MAX_NUM_REQS, NUM_STEPS, torch.device(device))
+    confidences = DraftConfidences(MAX_NUM_REQS, NUM_STEPS, PADDED, torch.device(device))
+    # the estimator of the module loaded over the real Triton (see `estimator_cls`)
+    estimator = confidences.estimator = estimator_cls(MAX_NUM_REQS, NUM_STEPS,
+                                                      torch.device(device))
     temperature = torch.tensor([0.0, 0.5, 1.0, 0.0, 0.0, 2.0], device=device)
-    speculator = types.SimpleNamespace(
-        acceptance_estimator=estimator, num_speculative_steps=NUM_STEPS,
-        draft_steps=torch.arange(NUM_STEPS, device=device), temperature=temperature,
-        draft_token_confidence_probs=torch.ones(PADDED, NUM_STEPS, device=device))
+    confidences.temperature.copy_(temperature)
     # three requests in state slots 5, 1, 2, padded to 8 rows by repeating the last
     slots = torch.tensor([5, 1, 2] + [2] * 5, device=device)
     torch.manual_seed(0)
     for step in range(NUM_STEPS + 1):  # a pass one step deeper than K: nothing written
         logits = torch.randn(PADDED, 300, device=device) * 3
         logits[3:] = logits[2]
-        before = speculator.draft_token_confidence_probs.clone()
-        SpecplugV2HeadSpeculator._predict_acceptance(speculator, logits, slots, step)
-        confidences = speculator.draft_token_confidence_probs
+        before = confidences.confidence_probs.clone()
+        confidences.predict(logits, slots, step)
+        probs = confidences.confidence_probs
         if step == NUM_STEPS:
-            assert torch.equal(confidences, before)
+            assert torch.equal(probs, before)
             continue
         want = _expected(estimator, logits, temperature[slots], step)
-        torch.testing.assert_close(confidences[:, step], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(probs[:, step], want, rtol=1e-5, atol=1e-6)
         # the estimator keeps its features by state slot, for the verdict's refit
         feature = torch.logit(torch.softmax(logits[:3].float() / torch.tensor(
             [2.0, 0.5, 1.0], device=device)[:, None], -1).max(-1).values)  # slots 5, 1, 2
         torch.testing.assert_close(estimator.features[slots[:3], step], feature,
                                    rtol=1e-4, atol=1e-4)
-        assert torch.equal(confidences[:, step + 1:], before[:, step + 1:])
+        assert torch.equal(probs[:, step + 1:], before[:, step + 1:])
+    # the verdicts: accepted 2, 0 and 1 drafts, then one rejection each but the
+    # last (whose third draft was cut). Observed per position: a request's
+    # accepted drafts and its first rejected one
+    new_temperature = torch.full((MAX_NUM_REQS,), 0.7, device=device)
+    confidences.observe(slots[:3], torch.tensor([3, 1, 2], device=device),
+                        torch.tensor([1, 1, 0], device=device), new_temperature)
+    assert estimator.counts.tolist() == [3.0, 1.0, 1.0]
+    assert torch.equal(confidences.temperature, new_temperature)

@@ -133,52 +133,30 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
 
     def _init_adaptive_verification(self, spec_config, device: torch.device) -> None:
         """vLLM's adaptive verification (`enable_adaptive_verification`, chains
-        only: integration/config.check_adaptive_verification). Each step
-        vLLM's manager admits the batch's best draft slots under its measured
-        cost curve, ranked by the survival products of the confidences in
-        `draft_token_confidence_probs` [padded batch, K] (batch order). Ours
-        come from vLLM's own estimator (`OnlineAcceptanceEstimator`: a
-        logistic fit of acceptance on each draft distribution's top-1 log-odds,
-        refitted online), fed inside our graphed drafting pass with each
-        draft step's logits (`_predict_acceptance`) and graded with each
-        step's verification (`_observe_verification`), as vLLM's `eagle3` does."""
+        only): `DraftConfidences` fills the confidences vLLM's manager ranks."""
         self.enable_adaptive_verification = bool(
             getattr(spec_config, ADAPTIVE_VERIFICATION_FIELD, False))
-        # rows past max_num_reqs: a padded pass's last rows write there
+        self.confidences = None
+        # read by vLLM only with adaptive verification; rows past max_num_reqs:
+        # a padded pass's last rows write there
         self.draft_token_confidence_probs = torch.ones(
             padded_batch(self.max_num_reqs), self.num_speculative_steps, dtype=torch.float32,
             device=device)
-        self.acceptance_estimator = None
         if not self.enable_adaptive_verification:
             return
         if self.drafter.is_tree:
             raise ValueError(f"{self.method}: {ADAPTIVE_VERIFICATION_FIELD} needs a chain "
                              "(topk=1); a tree verifies every node it keeps")
-        from vllm.v1.worker.gpu.spec_decode.acceptance_estimator import (
-            OnlineAcceptanceEstimator)
+        from vllm_specplug.integration.v2.draft_confidences import DraftConfidences
 
-        self.acceptance_estimator = OnlineAcceptanceEstimator(
-            self.max_num_reqs, self.num_speculative_steps, device)
-        self.draft_steps = torch.arange(self.num_speculative_steps, device=device)  # [K]
-        self.temperature = torch.zeros(self.max_num_reqs, dtype=torch.float32,
-                                       device=device)  # [S] the requests' sampling temperature
+        self.confidences = DraftConfidences(self.max_num_reqs, self.num_speculative_steps,
+                                            padded_batch(self.max_num_reqs), device)
+        self.draft_token_confidence_probs = self.confidences.confidence_probs
 
-    def _predict_acceptance(self, logits: torch.Tensor, slots: torch.Tensor,
-                            draft_step: int) -> None:
-        """Inside a chain's drafting pass (HeadRuntime.draft_logits_hook):
-        draft step `draft_step`'s logits [B, V_draft] of state `slots` [B]
-        become its acceptance estimate, in row b of the confidences."""
-        if draft_step < self.num_speculative_steps:
-            self.acceptance_estimator.predict(logits, slots, self.draft_steps[draft_step],
-                                              self.draft_token_confidence_probs,
-                                              self.temperature)
-
-    def _observe_verification(self, input_batch, num_sampled: torch.Tensor,
-                              num_rejected: torch.Tensor, temperature: torch.Tensor) -> None:
-        """Before drafting: the last drafts' verdicts refine the estimator
-        (vLLM calls this `observe_verification` on its own speculators)."""
-        self.temperature.copy_(temperature)
-        self.acceptance_estimator.step(input_batch.idx_mapping, num_sampled, num_rejected)
+    @property
+    def acceptance_estimator(self):
+        """vLLM's estimator behind our confidences (None: adaptive verification off)."""
+        return None if self.confidences is None else self.confidences.estimator
 
     @property
     def guard(self):
@@ -208,8 +186,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             total = torch.cuda.get_device_properties(self.device).total_memory
             pool.preallocate(self.max_num_reqs, self.max_positions,
                              int(HEAD_POOL_MEMORY_SHARE * total))
-        if self.acceptance_estimator is not None:
-            self.runtime.draft_logits_hook = self._predict_acceptance
+        if self.confidences is not None:
+            self.runtime.draft_logits_hook = self.confidences.predict
         if self.tree_slots is None:
             return
         if not hasattr(model_state, "bind"):
@@ -244,9 +222,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if dummy_run or self.runtime is None:  # profiling, warm-up, DP padding
             return drafts
         started = time.perf_counter()
-        if self.acceptance_estimator is not None and not self.guard.disabled:
+        if self.confidences is not None and not self.guard.disabled:
             self.guard.call("observe_verification", input_batch.req_ids,
-                            self._observe_verification, input_batch, num_sampled,
+                            self.confidences.observe, input_batch.idx_mapping, num_sampled,
                             num_rejected, temperature)
         ok = not self.guard.disabled and self.guard.call(
             "propose", input_batch.req_ids, self._step, input_batch,

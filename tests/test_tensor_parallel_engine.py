@@ -26,7 +26,7 @@ from tests.test_proposers_engine import CONFIGS as PROPOSERS
 from tests.test_tree_eagle_engine import TREES, tree_config
 
 TP = 2
-NUM_PROMPTS = 12  # of the held-out prompts: enough to speculate, at TP=2 cost
+NUM_PROMPTS = 8  # of the held-out prompts: enough to speculate, at TP=2 cost
 MAX_TOKENS = 48
 # (target, speculative config) per method; the MTP layer lives in its target
 METHODS = {

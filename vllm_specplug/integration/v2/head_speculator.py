@@ -137,12 +137,11 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.enable_adaptive_verification = bool(
             getattr(spec_config, ADAPTIVE_VERIFICATION_FIELD, False))
         self.confidences = None
-        # read by vLLM only with adaptive verification; rows past max_num_reqs:
-        # a padded pass's last rows write there
-        self.draft_token_confidence_probs = torch.ones(
-            padded_batch(self.max_num_reqs), self.num_speculative_steps, dtype=torch.float32,
-            device=device)
-        if not self.enable_adaptive_verification:
+        # rows past max_num_reqs: a padded pass's last rows write there
+        num_rows = padded_batch(self.max_num_reqs)
+        if not self.enable_adaptive_verification:  # vLLM reads them only when it is on
+            self.draft_token_confidence_probs = torch.ones(
+                num_rows, self.num_speculative_steps, dtype=torch.float32, device=device)
             return
         if self.drafter.is_tree:
             raise ValueError(f"{self.method}: {ADAPTIVE_VERIFICATION_FIELD} needs a chain "
@@ -150,7 +149,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         from vllm_specplug.integration.v2.draft_confidences import DraftConfidences
 
         self.confidences = DraftConfidences(self.max_num_reqs, self.num_speculative_steps,
-                                            padded_batch(self.max_num_reqs), device)
+                                            num_rows, device)
         self.draft_token_confidence_probs = self.confidences.confidence_probs
 
     @property

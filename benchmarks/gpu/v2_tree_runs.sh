@@ -14,6 +14,8 @@
 #            the same adaptive verification and our tree sized (issue 27); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
+#   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
+#            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
 # records runner and speculator per row).
@@ -72,6 +74,16 @@ run() {
     tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
     # the same minus tree 32, fewer prompts: fits one 10-minute call
     tiny3) tiny_bench tiny3 three 8 32 64 96 1100 ;;
+    tiny-mtp)
+      local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
+      bash benchmarks/gpu/host.sh tiny-bench --model "$W/tiny-mtp" \
+        --spec 'vllm-mtp-K5={"method": "mtp", "num_speculative_tokens": 5}' \
+        --spec 'ours-mtp-chain-K5={"method": "specplug_mtp", "topk": 1, "num_steps": 5}' \
+        --spec "ours-mtp-tree16={$mtp_tree, \"num_draft_tokens\": 16}" \
+        --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 \
+        --repeats 3 --max-tokens 96 --dtype float32 --phases \
+        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1100}}' \
+        --out "$RESULTS/${RUN_NAME:-tiny-mtp}" ;;
     smollm2|smollm2-humaneval)
       # smollm2: MT-Bench (both turns); smollm2-humaneval: HumanEval
       local prompts=mt-bench; [ "$1" = smollm2-humaneval ] && prompts=humaneval

@@ -148,6 +148,33 @@ def test_turns_follow_the_models_own_answers(tiny_model_dir, tmp_path):
         read_bench_prompts(path)
 
 
+def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
+    """`exact` tells a flip of the baseline's own fp32 near-tie (another
+    batch shape may make it with or without speculation) from a real
+    difference, by the baseline's top-2 gap where a request first differs;
+    only real differences fail the command."""
+    from vllm_specplug.bench.offline import OfflineRow, _compare_to_baseline
+    from vllm_specplug.bench.report import _exact_text
+    from vllm_specplug.cli.bench import _finish
+
+    base = OfflineRow("none", 4, tokens_per_second=[10.0], token_ids=[[1, 2, 3], [4, 5, 6]],
+                      top2_gaps=[[0.5, 1e-5, 0.7], [0.3, 0.2, 0.1]])
+    tie = OfflineRow("tie", 4, tokens_per_second=[20.0], token_ids=[[1, 9, 9], [4, 5, 6]])
+    real = OfflineRow("real", 4, tokens_per_second=[20.0], token_ids=[[1, 9, 9], [4, 5, 7]])
+    unknown = OfflineRow("unknown", 2, tokens_per_second=[5.0], token_ids=[[1, 9, 9]])
+    other_base = OfflineRow("none", 2, tokens_per_second=[5.0], token_ids=[[1, 2, 3]])
+    rows = [base, tie, real, other_base, unknown]
+    _compare_to_baseline(rows, "none", greedy=True)
+    assert (tie.num_mismatches, tie.num_near_ties) == (1, 1)
+    assert (real.num_mismatches, real.num_near_ties) == (2, 1)
+    assert (unknown.num_mismatches, unknown.num_near_ties) == (1, None)  # no gaps: not a tie
+    assert [_exact_text(r.num_mismatches, r.num_near_ties) for r in rows] == [
+        "yes", "tie(1)", "NO(1)+1t", "yes", "NO(1)"]
+    assert _finish([base, tie], "", None, "offline", {}) == 0
+    assert _finish([base, tie, real], "", None, "offline", {}) == 1
+    assert _finish([other_base, unknown], "", None, "offline", {}) == 1
+
+
 def test_public_sets_are_fetched_with_their_hash():
     from vllm_specplug.bench.sets import load_public_set
 
@@ -191,6 +218,8 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     assert sorted(rows) == sorted((n, b) for n in names for b in (1, 4))
     for (name, _), row in rows.items():
         assert row["error"] is None and row["num_mismatches"] == 0
+        # the baseline's extra pass with logprobs=2 gave gaps (no difference to class)
+        assert row["num_near_ties"] == 0
         assert len(row["tokens_per_second"]) == 2 and len(row["ratios"]) == 2
         engine = row["engine"]
         assert engine["engine_args"]["enforce_eager"] is True

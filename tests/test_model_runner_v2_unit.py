@@ -155,8 +155,10 @@ def test_explicit_choices_are_kept(tiny_model_dir, as_if_cuda_with_v2):
 def test_tree_eagle_on_cuda_gets_v2_runner_and_async_scheduling(
         tiny_model_dir, tiny_eagle3_dir, as_if_cuda_with_v2, topk):
     """Chains and trees run on Model Runner V2 (integration/v2/), with
-    vLLM's AsyncScheduler; the CPU platform keeps them on the V1 runner."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    async scheduling under our `AsyncScheduler` subclass that checks
+    grammars per tree node (issue 30); the CPU platform keeps them on the V1
+    runner."""
+    from vllm_specplug.integration.scheduler import SpecplugTreeAsyncScheduler
 
     spec = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": topk,
             "num_steps": 3, "num_draft_tokens": 4}
@@ -165,8 +167,12 @@ def test_tree_eagle_on_cuda_gets_v2_runner_and_async_scheduling(
     assert "speculative method 'custom_class'" not in \
         config._get_v2_model_runner_unsupported_features()
     assert config.scheduler_config.async_scheduling
-    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+    assert config.scheduler_config.get_scheduler_cls() is SpecplugTreeAsyncScheduler
     assert config.speculative_config.num_speculative_tokens == 3  # nodes but the root
+    named = _config(tiny_model_dir, spec,
+                    scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler")
+    assert named.scheduler_config.scheduler_cls == \
+        "vllm.v1.core.sched.async_scheduler.AsyncScheduler"  # the user's choice is kept
 
 
 def test_tree_eagle_on_cpu_keeps_v1_runner(tiny_model_dir, tiny_eagle3_dir):

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: the tiny target sharded over 2 ranks (vLLM's V1
 runner, one worker process per rank, each drafting for itself), for every
-method of ours: greedy output equal to the same sharded target's without
+kind of method of ours (model-free through `specplug_hybrid`, EAGLE-3 chain
+and tree, MTP tree): greedy output equal to the same sharded target's without
 speculation, and speculating (the model-free ones under their adaptive
 controller, on by default); and the fault guard on every rank. Extraction at
 TP=2: tests/test_extraction_engine.py. On this one-NUMA-node machine the plugin
@@ -28,9 +29,13 @@ from tests.test_tree_eagle_engine import TREES, tree_config
 TP = 2
 NUM_PROMPTS = 8  # of the held-out prompts: enough to speculate, at TP=2 cost
 MAX_TOKENS = 48
-# (target, speculative config) per method; the MTP layer lives in its target
+# (target, speculative config) per method; the MTP layer lives in its target.
+# Of the model-free methods, hybrid: it drafts with both the n-gram and the
+# suffix proposers (each rank its own), so it covers both at TP=2 for the cost
+# of one engine (each TP=2 engine costs 20-25 s of start-up here; ngram and
+# suffix alone run on one rank in tests/test_proposers_engine.py).
 METHODS = {
-    **{name: ("tiny", config) for name, config in PROPOSERS.items()},
+    "specplug_hybrid": ("tiny", PROPOSERS["specplug_hybrid"]),
     "eagle3_chain": ("tiny", ("eagle3", TREES["chain_k3"])),
     "eagle3_tree16": ("tiny", ("eagle3", TREES["tree16_topk4"])),
     "mtp_tree16": ("tiny-mtp", MTP_TREES["ours_tree16"]),

@@ -262,3 +262,30 @@ def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():
     # block 8 handed out fresh (a new owner): its rows are gone
     prefix.schedule(output(running=[("b", [8])]), slots.get, computed, pool)
     assert 8 not in prefix.store.blocks and 7 in prefix.store.blocks
+
+
+def test_drafts_vllm_marks_invalid_are_never_accepted():
+    """A request under a reasoning section's chain rules: vLLM marks its
+    drafts past the valid chain prefix invalid by logits row
+    (`invalid_drafts`); the walk reads those nodes' tokens as -1."""
+    from vllm_specplug.integration.v2.tree_sampler import node_token_ids
+    from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
+
+    # one request, a chain of 3 drafts [7, 8, 9] after the root token 5; the
+    # target agrees with every draft (argmax at row i = the token of node i + 1)
+    input_ids = torch.tensor([5, 7, 8, 9], dtype=torch.int32)
+    logits_indices = torch.arange(4)
+    target = torch.tensor([7, 8, 9, 4])
+    args = (logits_indices, torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([[-1, 0, 1, 2]]), torch.tensor([0], dtype=torch.int32))
+    slot_num_nodes = torch.tensor([4], dtype=torch.int32)
+    walk = lambda ids: verify_tree_greedy_rows(  # noqa: E731
+        target, ids, *args, slot_num_nodes=slot_num_nodes, backend="torch")
+    assert node_token_ids(input_ids, logits_indices, None) is input_ids
+    assert walk(input_ids).num_accepted.tolist() == [3]
+    invalid = torch.tensor([False, False, True, True])  # drafts past the first: invalid
+    masked = node_token_ids(input_ids, logits_indices, invalid)
+    assert input_ids.tolist() == [5, 7, 8, 9]  # the step's own ids untouched
+    out = walk(masked)
+    assert out.num_accepted.tolist() == [1]
+    assert out.output_token_ids[0, :2].tolist() == [7, 8]  # node 1, then the bonus at it

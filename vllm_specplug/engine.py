@@ -15,7 +15,7 @@ import sys
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -179,6 +179,7 @@ class GenerationResult:
     token_ids: list[list[int]]
     texts: list[str]
     seconds: float
+    outputs: list = field(default_factory=list, repr=False)  # vLLM's RequestOutputs
 
     @property
     def num_output_tokens(self) -> int:
@@ -197,4 +198,4 @@ def generate(llm, prompts: list, sampling_params, use_tqdm: bool = False
     outputs = llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
     return GenerationResult([list(o.outputs[0].token_ids) for o in outputs],
-                            [o.outputs[0].text for o in outputs], seconds)
+                            [o.outputs[0].text for o in outputs], seconds, list(outputs))

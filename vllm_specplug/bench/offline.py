@@ -19,7 +19,12 @@ first repeat at batch 16 and 64 ran at 0.45-0.7x of their later ones
 For each config and batch size the prompts run in consecutive batches of that
 size; a conversation of several turns (MT-Bench) runs turn by turn, each turn
 after the model's own answers. Under greedy sampling a row also counts the
-requests whose tokens differ from the baseline's at the same batch size.
+requests whose tokens differ from the baseline's at the same batch size, and
+how many of them first differ at a **near-tie** of the baseline (its top-2
+log-probabilities there within `NEAR_TIE_GAP`, from one more unmeasured pass
+of the baseline with `logprobs=2`): another batch shape may flip such a
+token with or without speculation (fp32 on a GPU), anything else is a real
+difference.
 
 Engines use vLLM's serving defaults (CUDA graphs or compilation, the model's
 dtype) unless the caller passes other `vllm.LLM` arguments; what each engine
@@ -34,7 +39,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from vllm_specplug.bench.compare import token_mismatches
+from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatches, top2_gaps
 from vllm_specplug.bench.prompts import BenchPrompt, bench_prompt_of_input
 from vllm_specplug.bench.specs import NamedSpec
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME, engine_record
@@ -54,6 +59,8 @@ class OfflineRow:
     ratios: list[float] = field(default_factory=list)  # repeat r / baseline's repeat r
     counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     num_mismatches: int | None = None  # None: not compared (sampling, or failed)
+    # of those, the ones whose first difference is a near-tie of the baseline
+    num_near_ties: int | None = None   # None: the baseline's gaps are unknown
     speedup: float = float("nan")      # median of `ratios`
     error: str | None = None
     engine: dict = field(default_factory=dict)  # arguments, runner, speculator
@@ -61,6 +68,8 @@ class OfflineRow:
     # the adaptive controller's counts over this row's repeats (None: off)
     adaptive: dict | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # baseline rows: per request, per token, log p(top-1) - log p(top-2)
+    top2_gaps: list[list[float]] = field(default_factory=list, repr=False)
 
     @property
     def median_tokens_per_second(self) -> float:
@@ -87,10 +96,12 @@ def serving_defaults(engine_kwargs: dict, num_engines: int = 1) -> dict:
     return options
 
 
-def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params
+def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params,
+                      gaps: list[list[float]] | None = None
                       ) -> tuple[list[list[int]], float]:
     """Every prompt's tokens over all its turns, and the seconds spent generating
-    (templating between turns is not timed)."""
+    (templating between turns is not timed). `gaps` (with `params.logprobs`
+    >= 2): filled with each prompt's top-2 gaps, token by token."""
     tokenizer = llm.get_tokenizer()
     answers: list[list[str]] = [[] for _ in prompts]
     token_ids: list[list[int]] = [[] for _ in prompts]
@@ -105,6 +116,10 @@ def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params
                                     result.texts):
                 token_ids[i] += ids
                 answers[i].append(text)
+            if gaps is not None:
+                for i, per_token in zip(active[start:start + batch_size],
+                                        top2_gaps(result.outputs)):
+                    gaps[i] += per_token
     return token_ids, seconds
 
 
@@ -141,6 +156,18 @@ def adaptive_delta(total: dict | None, before: dict | None, after: dict | None
             out[key] = value - before[key] + (total or {}).get(key, 0)
     out["mean_kept_per_request"] = out["num_kept"] / max(out["num_requests"], 1)
     return out
+
+
+def _record_top2_gaps(llm, row: OfflineRow, prompts, params) -> None:
+    """One more pass of the baseline's batch with `logprobs=2`: its top-2 gap
+    at every token. A request whose tokens in this pass differ from the
+    measured ones keeps no gaps (an unknown gap never counts as a tie)."""
+    gaps: list[list[float]] = [[] for _ in prompts]
+    with_logprobs = params.clone()
+    with_logprobs.logprobs = 2
+    token_ids, _ = run_conversations(llm, prompts, row.batch_size, with_logprobs, gaps)
+    row.top2_gaps = [g if ids == measured else []
+                     for g, ids, measured in zip(gaps, token_ids, row.token_ids)]
 
 
 def _probe_phases(llm, row: OfflineRow, prompts, params, host_profile: bool = False) -> None:
@@ -232,6 +259,9 @@ def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
                 if engines[s] is not None:
                     _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,
                              keep_tokens=repeat == 0, collectors=collectors[s])
+                    if repeat == 0 and s == 0 and params.temperature == 0:
+                        _record_top2_gaps(engines[s], row, prompts[:limits.get(row.batch_size)],
+                                          params)
                     if (phases or host_profile) and repeat == repeats - 1:
                         _probe_phases(engines[s], row, prompts, params, host_profile)
                 progress.update(1)
@@ -253,6 +283,9 @@ def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) ->
         row.speedup = statistics.median(row.ratios)
         if greedy:
             row.num_mismatches = len(token_mismatches(ref.token_ids, row.token_ids))
+            if ref.top2_gaps and len(ref.token_ids) == len(row.token_ids):
+                found = divergences(ref.token_ids, row.token_ids, ref.top2_gaps)
+                row.num_near_ties = sum(d["gap"] < NEAR_TIE_GAP for d in found)
 
 
 def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],

@@ -11,10 +11,17 @@ from pathlib import Path
 from vllm_specplug.metrics import SpecDecodeCounts
 
 
-def _exact_text(num_mismatches: int | None) -> str:
+def _exact_text(num_mismatches: int | None, num_near_ties: int | None = None) -> str:
+    """yes; tie(n): every difference first comes at a near-tie of the
+    baseline; NO(n): n requests differ elsewhere (+m at near-ties)."""
     if num_mismatches is None:
         return "-"
-    return "yes" if num_mismatches == 0 else f"NO({num_mismatches})"
+    if num_mismatches == 0:
+        return "yes"
+    ties = num_near_ties or 0
+    if ties == num_mismatches:
+        return f"tie({ties})"
+    return f"NO({num_mismatches - ties})" + (f"+{ties}t" if ties else "")
 
 
 def accepted_positions(counts: SpecDecodeCounts) -> list[float]:
@@ -63,7 +70,8 @@ def format_offline_table(rows) -> str:
         length, per_pos = _acceptance_text(row.counts)
         lines.append(f"{row.name:<{w}}{row.batch_size:>6}{row.median_tokens_per_second:>9.1f}"
                      f"{row.min_tokens_per_second:>9.1f}{_ratio_text(row):>18}{length:>11}"
-                     f"{row.counts.num_drafts:>8}{_exact_text(row.num_mismatches):>8}  "
+                     f"{row.counts.num_drafts:>8}"
+                     f"{_exact_text(row.num_mismatches, row.num_near_ties):>8}  "
                      f"{_engine_text(row):<34}{per_pos}")
     adaptive = format_adaptive_table(rows)
     return "\n".join(lines + ([""] + [adaptive] if adaptive else []))

@@ -176,3 +176,47 @@ class SpecplugTreeScheduler(TreeGrammarScheduler, Scheduler):
     """vLLM's sync `Scheduler` with grammar-aware draft trees
     (integration/grammar_trees.py); our tree methods get it on the V1
     runner unless the user names a scheduler."""
+
+
+class SpecplugTreeAsyncScheduler(TreeGrammarScheduler, AsyncScheduler):
+    """vLLM's `AsyncScheduler` with grammar-aware draft trees; our tree
+    methods get it on Model Runner V2 unless the user names a scheduler.
+
+    Under async scheduling a step is scheduled before its drafts exist: its
+    slots are placeholders, and for requests with structured output the
+    engine core defers the step's bitmask until the drafts arrive
+    (`update_draft_token_ids_in_output`). A tree's nodes then keep their
+    slots, all of them (the slots are computed anyway): an invalid node gets
+    its parent's row, which forbids its token, so it is never accepted, and
+    every other node the row of its own path (`get_grammar_bitmask`). The
+    tree sampler on V2 walks trees over those rows
+    (integration/v2/tree_sampler.py). Requests whose grammar starts after a
+    reasoning section go through vLLM's code on the tree's chain prefix."""
+
+    def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output) -> None:
+        tree_parents = getattr(draft_token_ids, TREE_PARENTS_ATTR, None) or {}
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        trees = self._grammar_trees()
+        rest: tuple[list, list] = ([], [])
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            trees.pop(req_id, None)
+            request, parents = self.requests.get(req_id), tree_parents.get(req_id)
+            num_slots = len(scheduled.get(req_id) or ())
+            drafts = list(drafts[:num_slots])
+            if (parents is None or not num_slots or request is None or request.is_finished()
+                    or request.is_prefill_chunk or not request.use_structured_output):
+                rest[0].append(req_id)
+                rest[1].append(drafts)
+            elif tuple(self.structured_output_manager._get_constraint_bounds(
+                    request, drafts)) != (0, 0):
+                # vLLM's chain rules on the chain prefix; the nodes past it are
+                # padding, invalid to the worker (`num_acceptable_drafts`)
+                chain = chain_prefix_length(parents)
+                rest[0].append(req_id)
+                rest[1].append(drafts[:chain] + [PLACEHOLDER_TOKEN_ID] * (num_slots - chain))
+            else:
+                trees[req_id] = list(parents[:num_slots + 1])
+                scheduled[req_id] = drafts
+        for req_id in [r for r in trees if r not in self.requests]:
+            del trees[req_id]
+        super().update_draft_token_ids_in_output(DraftTokenIds(*rest), scheduler_output)

@@ -113,12 +113,14 @@ def _cpu_thread_binding(config) -> None:
 
 
 TREE_SCHEDULER = "vllm_specplug.integration.scheduler.SpecplugTreeScheduler"
+TREE_ASYNC_SCHEDULER = "vllm_specplug.integration.scheduler.SpecplugTreeAsyncScheduler"
 
 
 def _grammar_tree_scheduler(config) -> None:
-    """Our tree methods on the sync scheduler (the V1 runner) get
-    `SpecplugTreeScheduler`, which checks grammars per tree node
-    (integration/grammar_trees.py), unless the user named a scheduler."""
+    """Our tree methods get a scheduler that checks grammars per tree node
+    (integration/grammar_trees.py), unless the user named one:
+    `SpecplugTreeScheduler` on the sync path (the V1 runner),
+    `SpecplugTreeAsyncScheduler` under async scheduling (Model Runner V2)."""
     from vllm_specplug.integration.config import selection_of
     from vllm_specplug.proposers.eagle3 import TreeProposer
     from vllm_specplug.registry import get_proposer_class
@@ -126,10 +128,11 @@ def _grammar_tree_scheduler(config) -> None:
     spec = getattr(config, "speculative_config", None)
     selection = selection_of(spec) if spec is not None else None
     scheduler = config.scheduler_config
-    if (selection is None or scheduler.async_scheduling or scheduler.scheduler_cls
+    if (selection is None or scheduler.scheduler_cls
             or not issubclass(get_proposer_class(selection.method), TreeProposer)):
         return
-    scheduler.scheduler_cls = TREE_SCHEDULER
+    scheduler.scheduler_cls = TREE_ASYNC_SCHEDULER if scheduler.async_scheduling \
+        else TREE_SCHEDULER
 
 
 def _decide_async(config, wanted) -> None:

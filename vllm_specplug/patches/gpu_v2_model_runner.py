@@ -9,7 +9,9 @@ speculative config selects one of our proposers we build ours instead:
 for tree methods (`specplug_eagle3`, `specplug_mtp`). For the first we report
 the true draft lengths: to the sync scheduler as the drafts themselves
 (`take_draft_token_ids`), to the async one on the step output
-(`sample_tokens`, read by `SpecplugAsyncScheduler`). The second needs the
+(`sample_tokens`, read by `SpecplugAsyncScheduler`); trees go to the
+scheduler with their parents (`take_draft_token_ids`, for the grammar check
+of `SpecplugTreeAsyncScheduler`). The second needs the
 target: `load_model` hands it over once loaded (vLLM does so only for its own
 `DraftModelSpeculator`s) and switches on the target's auxiliary hidden states
 for EAGLE-3 heads (vLLM decides that from a fixed list of methods), and
@@ -53,7 +55,7 @@ def _take_draft_token_ids(original):
     def take_draft_token_ids(self):
         speculator = _ours(self)
         if speculator is None:
-            return original(self)
+            return _with_tree_parents(self, original(self))
         from vllm.v1.outputs import DraftTokenIds
 
         taken = speculator.take_drafts()
@@ -63,6 +65,22 @@ def _take_draft_token_ids(original):
         return DraftTokenIds(req_ids, drafts) if req_ids else None
 
     return take_draft_token_ids
+
+
+def _with_tree_parents(runner, drafts):
+    """Our trees' drafts go to the scheduler with each tree's parents, for
+    its grammar check per node (`SpecplugTreeAsyncScheduler`)."""
+    from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+    from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+
+    speculator = getattr(runner, "speculator", None)
+    if drafts is None or not isinstance(speculator, SpecplugV2HeadSpeculator):
+        return drafts
+    parents = speculator.take_tree_parents()
+    if parents:
+        setattr(drafts, TREE_PARENTS_ATTR,
+                {req_id: parents[req_id] for req_id in drafts.req_ids if req_id in parents})
+    return drafts
 
 
 def _sample_tokens(original):
@@ -130,7 +148,8 @@ def install() -> list[str]:
                          reason="build vllm-specplug's speculator in Model Runner V2")
     patch_registry.apply(GPUModelRunner, "take_draft_token_ids",
                          _take_draft_token_ids(GPUModelRunner.take_draft_token_ids),
-                         reason="report vllm-specplug drafts at their true lengths")
+                         reason="report vllm-specplug drafts at their true lengths, "
+                                "trees with their parents")
     patch_registry.apply(GPUModelRunner, "sample_tokens",
                          _sample_tokens(GPUModelRunner.sample_tokens),
                          reason="draft lengths for SpecplugAsyncScheduler")

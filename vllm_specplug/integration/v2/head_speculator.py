@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
@@ -116,6 +117,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         num_nodes = self.drafter.options.num_draft_tokens
         self.tree_slots = (TreeSlots(self.max_num_reqs, num_nodes, device)
                            if self.drafter.is_tree else None)
+        self.grammar_parents = (GrammarParents(device) if self.tree_slots is not None
+                                and device.type == "cuda" else None)
         # rows past max_num_reqs: a fused step's padding writes there (see _emit)
         self.drafts = torch.zeros(padded_batch(self.max_num_reqs), self.num_speculative_steps,
                                   dtype=torch.int64, device=device)
@@ -235,9 +238,27 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             drafts.copy_(last_sampled.view(-1)[slots][:, None].expand_as(drafts))
             if self.tree_slots is not None:
                 self.tree_slots.forget(slots)
+        if self.grammar_parents is not None:
+            self._keep_parents_for_grammar(input_batch)
         self.stats.host_seconds += time.perf_counter() - started
         self.stats.num_steps += 1
         return drafts
+
+    def _keep_parents_for_grammar(self, input_batch) -> None:
+        """With structured output in the batch, the scheduler checks each
+        node of these trees in its own path's grammar state: their parents
+        go to the host beside vLLM's copy of the drafts (grammar_parents.py)."""
+        if not input_batch.has_structured_output_reqs:
+            self.grammar_parents.clear()
+            return
+        num_reqs = input_batch.num_reqs
+        self.grammar_parents.record(input_batch.req_ids[:num_reqs], self.tree_slots.parents[
+            input_batch.idx_mapping[:num_reqs]])
+
+    def take_tree_parents(self) -> dict[str, list[int]]:
+        """{req_id: parents, root included} of the trees last drafted for a
+        batch with structured output (`take_draft_token_ids`); {} otherwise."""
+        return self.grammar_parents.take() if self.grammar_parents is not None else {}
 
     def _step(self, input_batch, hidden, aux, num_rejected, last_sampled, next_prefill,
               drafts, shape: tuple[int, int, int]) -> None:

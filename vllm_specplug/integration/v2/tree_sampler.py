@@ -30,12 +30,21 @@ each path's K/V moves from the node's slot (`seq_len + node`) to
 `seq_len + depth` in every layer, with the compaction kernel
 `kernels/kv_compaction.py`.
 
+**Structured output.** With our tree scheduler (`SpecplugTreeAsyncScheduler`,
+the default for tree methods) every node's row arrives masked by the
+grammar state of its own path, and an invalid node's row by its parent's,
+which forbids the node's token (integration/grammar_trees.py): the draws
+and the walk above then stay exact, unchanged. Drafts that vLLM marks
+invalid (`invalid_drafts`: a reasoning section's chain rules) are never
+accepted. Under a scheduler of the user's, which masks drafts as a list,
+batches with structured output are treated as below.
+
 Batches whose sampling needs vLLM's full sampler on every row in order
 (logprobs, logits processors: penalties, bad words, logit bias, min tokens,
-thinking budgets; grammars; sampling masks) accept no drafts this step:
-vLLM's own sampler samples each request's root row (lossless; only
-speculation is lost). Those read a request's earlier rows as its history,
-which a tree's sibling rows are not.
+thinking budgets; sampling masks) accept no drafts this step: vLLM's own
+sampler samples each request's root row (lossless; only speculation is
+lost). Those read a request's earlier rows as its history, which a tree's
+sibling rows are not.
 """
 from __future__ import annotations
 
@@ -78,9 +87,11 @@ class V2TreeRejectionSampler:
     # shape (the runner's warm-up reads this flag of every rejection sampler)
     enable_adaptive_verification = False
 
-    def __init__(self, sampler, state) -> None:
+    def __init__(self, sampler, state, grammar_rows_per_node: bool = False) -> None:
         self.sampler = sampler  # vLLM's Sampler: sampling states, request states
         self.state = state  # the tree model state; its `tree_slots` is bound at load
+        # the scheduler masks each node's row on its own path (a TreeGrammarScheduler)
+        self.grammar_rows_per_node = grammar_rows_per_node
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None,
                  invalid_drafts=None) -> SamplerOutput:
@@ -88,11 +99,13 @@ class V2TreeRejectionSampler:
         slots = self.state.tree_slots
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
         idx_np = input_batch.idx_mapping_np[:input_batch.num_reqs]
-        if needs_full_sampler(self.sampler, idx_np, invalid_drafts is not None):
+        list_masks = input_batch.has_structured_output_reqs and not self.grammar_rows_per_node
+        if needs_full_sampler(self.sampler, idx_np, list_masks):
             return self._roots_only(logits, input_batch, slots, num_nans)
         num_reqs = input_batch.num_reqs
         verified = verify_tree_greedy_rows(
-            self._target_tokens(logits, input_batch), input_batch.input_ids,
+            self._target_tokens(logits, input_batch),
+            node_token_ids(input_batch.input_ids, input_batch.logits_indices, invalid_drafts),
             input_batch.logits_indices, input_batch.cu_num_logits, slots.parents,
             input_batch.idx_mapping[:num_reqs], slots.accepted_nodes[:num_reqs],
             slot_num_nodes=slots.num_drafted, backend="triton")
@@ -152,6 +165,18 @@ class V2TreeRejectionSampler:
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
+
+
+def node_token_ids(input_ids: torch.Tensor, logits_indices: torch.Tensor,
+                   invalid_drafts: torch.Tensor | None) -> torch.Tensor:
+    """The input ids the walk reads each node's token from, with the drafts
+    vLLM marked invalid (`invalid_drafts` [num_logits] bool, by logits row:
+    the draft at that row's position) set to -1, which no draw equals."""
+    if invalid_drafts is None:
+        return input_ids
+    ids = input_ids.clone()
+    ids[logits_indices[invalid_drafts]] = -1
+    return ids
 
 
 def compact_kv(slots, input_batch, accepted_nodes: torch.Tensor,

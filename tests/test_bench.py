@@ -114,6 +114,10 @@ def test_installed_environment_has_the_alias():
     (["bench", "offline", "--model", "tiny", "--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["bench", "offline", "--model", "tiny", "--limit-prompts", "1:4"], "expected BATCH=N"),
     (["bench", "offline", "--model", "tiny", "--warmup-runs", "-1"], "--warmup-runs must be >= 0"),
+    (["bench", "offline", "--model", "tiny", "--json-schema", "/nonexistent/s.json"],
+     "--json-schema /nonexistent/s.json: no such file"),
+    (["bench", "offline", "--model", "tiny", "--json-schema", "setup.py"],
+     "--json-schema setup.py: not JSON"),
     (["bench", "offline", "--model", "tiny", "--prompts", "gsm8k.jsonl"], "gsm8k.jsonl"),
     (["bench", "offline", "--model", "/nonexistent/model", "--prompts", "held-out"],
      "/nonexistent/model"),
@@ -126,6 +130,13 @@ def test_installed_environment_has_the_alias():
 def test_bench_errors_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_json_schema_that_is_not_an_object_is_refused(tmp_path, capsys):
+    path = tmp_path / "schema.json"
+    path.write_text('["name", "age"]')
+    assert main(["bench", "offline", "--model", "tiny", "--json-schema", str(path)]) == 2
+    assert "a JSON schema is an object" in capsys.readouterr().err
 
 
 def test_turns_follow_the_models_own_answers(tiny_model_dir, tmp_path):

@@ -5,6 +5,7 @@
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
+#   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30)
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
 #            results; ROWS=sized: plus our tree sized by batch; ROWS=split-ab: the sized
@@ -60,13 +61,13 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
   return 0
 }
 
-tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE: the tiny model's run
+tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]: the tiny model's run
   mapfile -t S < <(specs "$2" "$W/tiny-eagle3")
   bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
     --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
     --max-tokens "$6" --dtype float32 --phases \
     --engine-args "{\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
-    --out "$RESULTS/$1"
+    --out "$RESULTS/$1" "${@:8}"
 }
 
 run() {
@@ -74,6 +75,9 @@ run() {
     tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
     # the same minus tree 32, fewer prompts: fits one 10-minute call
     tiny3) tiny_bench tiny3 three 8 32 64 96 1100 ;;
+    # the same under a JSON schema (issue 30; compare with tiny3)
+    tiny3-schema) tiny_bench tiny3-schema three 8 32 64 96 1100 \
+      --json-schema benchmarks/json_schema.json ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
       bash benchmarks/gpu/host.sh tiny-bench --model "$W/tiny-mtp" \

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 BUILTIN_PROMPT_SETS = ("held-out", "repeat-edit")  # the built-in tiny model's
 PUBLIC_PROMPT_SETS = ("mt-bench", "humaneval")     # chat sets, from the package index
@@ -66,6 +67,10 @@ def add_parser(sub) -> None:
                          help="with --phases, a third pass under cProfile in the worker: "
                          "the functions each row's host time per step goes to (a third "
                          "table; cProfile slows the host, compare rows with each other)")
+    offline.add_argument("--json-schema", default=None, metavar="FILE",
+                         help="every request's output under this JSON schema (vLLM's "
+                         "structured outputs, its default backend): speculation under a "
+                         "grammar")
     offline.add_argument("--max-model-len", type=int, default=2048)
     offline.add_argument("--dtype", default="auto", help="default: the model's own")
     offline.add_argument("--engine-args", default="{}",
@@ -152,6 +157,22 @@ def _finish(rows, table: str, out: str | None, mode: str, settings: dict) -> int
     return 1 if failed else 0
 
 
+def _json_schema(path: str | None) -> dict | None:
+    """--json-schema FILE: a JSON object (the schema), or None without it."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--json-schema {path}: no such file") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--json-schema {path}: not JSON ({error})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object, e.g. "
+                         '{"type": "object", "properties": {...}}')
+    return schema
+
+
 def run_offline_command(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.bench.offline import run_offline
@@ -175,14 +196,17 @@ def run_offline_command(args) -> int:
         if model.startswith(("/", ".", "~")) and not os.path.isdir(model):
             raise ValueError(f"--model {model}: no such directory (a local model "
                              "directory, a hub id, or a built-in name such as 'tiny')")
+        schema = _json_schema(args.json_schema)
         prompts = _load_prompts(args)
     except (SpecError, PromptFileError, AssetError, MissingDependencyError, ValueError,
             FileNotFoundError) as error:
         return _fail(error)
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=0)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0,
+                            structured_outputs=StructuredOutputsParams(json=schema)
+                            if schema is not None else None)
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
                        order=args.order, prompt_limits=limits, phases=args.phases,
                        host_profile=args.host_profile, warmup_runs=args.warmup_runs,
@@ -191,7 +215,7 @@ def run_offline_command(args) -> int:
                 "num_turns": sum(p.num_turns for p in prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "repeats": args.repeats, "warmup_runs": args.warmup_runs,
-                "order": args.order, "prompt_limits": limits,
+                "order": args.order, "prompt_limits": limits, "json_schema": schema,
                 "specs": {s.name: s.config for s in specs}}
     print(f"\n{model}: {len(prompts)} prompts ({settings['num_turns']} turns), "
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "

@@ -40,6 +40,9 @@ case "${1:-}" in
     fi
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade \
       --target "$HOME/vsite" . 2>&1 | tail -3
+    # vLLM validates every structured-output request through lm-format-enforcer,
+    # which imports interegular: not among the staged packages (docs/gpu.md)
+    [ -d .gpu/extra/interegular ] && cp -r .gpu/extra/interegular "$HOME/vsite/"
     python3 -c "import vllm, vllm_specplug, torch, importlib.util as u
 print('vllm', vllm.__version__, 'torch', torch.__version__,
       'arctic', u.find_spec('arctic_inference') is not None)" ;;

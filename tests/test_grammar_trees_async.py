@@ -1,0 +1,131 @@
+"""Grammar-aware trees under async scheduling (Model Runner V2's path, issue
+30), on vLLM's real `AsyncScheduler` and `StructuredOutputManager` with the
+tiny model's tokenizer and xgrammar: the step the engine core defers for
+structured output (`update_draft_token_ids_in_output`, then
+`get_grammar_bitmask`). The CPU platform turns async scheduling off, so the
+scheduler is driven directly (as tests/test_scheduler_hook.py does); the
+engine runs on the GPU: tests/gpu/test_grammar_trees_cuda.py.
+
+The tree is the unit test's (test_grammar_trees_unit.py): language
+"abd" | "bc", root children "a" and "b", "c" under "b", "a" under "a".
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+from vllm_specplug.integration.scheduler import SpecplugTreeAsyncScheduler
+from vllm_specplug.testing import scheduler_sim as sim
+
+K = 4
+DRAFT_CHARS, PARENTS = "abca", [-1, 0, 0, 2, 1]
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_model_dir) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "abcd"}
+    assert tokenizer.decode(list(ids.values())) == "abcd"  # one token a letter
+    return ids
+
+
+def _scheduler(scheduler_cls, model_dir):
+    return sim.make_scheduler(scheduler_cls, str(model_dir), async_scheduling=True,
+                              num_speculative_tokens=K)
+
+
+def _add(scheduler, req_id: str):
+    """A decoding request under the regex, its grammar compiled."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(regex="abd|bc"))
+    params.structured_outputs._backend = "xgrammar"  # vLLM's default, as its front end picks
+    request = Request(req_id, PROMPT, params, None)
+    scheduler.structured_output_manager.grammar_init(request)
+    for _ in range(600):  # compiled in vLLM's executor
+        if request.structured_output_request.grammar is not None:
+            break
+        time.sleep(0.05)
+    request.num_computed_tokens = len(PROMPT)  # past its prefill: decoding
+    scheduler.requests[req_id] = request
+    return request
+
+
+def _step_output(req_ids: list[str]):
+    """The scheduler output of a decode step with K placeholder drafts each."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    output.num_scheduled_tokens = {r: K + 1 for r in req_ids}
+    output.total_num_scheduled_tokens = (K + 1) * len(req_ids)
+    output.scheduled_spec_decode_tokens = {r: [-1] * K for r in req_ids}
+    output.has_structured_output_requests = True
+    return output
+
+
+def _drafts(req_ids: list[str], tokens: dict[str, int], with_parents: set[str]):
+    from vllm.v1.outputs import DraftTokenIds
+
+    drafts = DraftTokenIds(list(req_ids), [[tokens[c] for c in DRAFT_CHARS] for _ in req_ids])
+    setattr(drafts, TREE_PARENTS_ATTR, {r: list(PARENTS) for r in with_parents})
+    return drafts
+
+
+def _path_row(scheduler, request, path: list[int]) -> torch.Tensor:
+    """The bitmask row after `path`, from a fresh grammar of the same request."""
+    import xgrammar as xgr
+
+    grammar = scheduler.structured_output_manager.backend.compile_grammar(
+        *request.structured_output_request.structured_output_key)
+    assert grammar.accept_tokens("fresh", path)
+    row = xgr.allocate_token_bitmask(1, 4096)
+    grammar.fill_bitmask(row, 0)
+    return row[0]
+
+
+def test_each_node_is_masked_on_its_own_path_in_the_deferred_step(tiny_model_dir, tokens):
+    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    request = _add(scheduler, "tree")
+    output = _step_output(["tree"])
+    scheduler.update_draft_token_ids_in_output(_drafts(["tree"], tokens, {"tree"}), output)
+    a, b, c = tokens["a"], tokens["b"], tokens["c"]
+    # every node keeps its slot (the worker computed them): none cut, none invalid
+    assert output.scheduled_spec_decode_tokens["tree"] == [a, b, c, a]
+    assert not output.num_invalid_spec_tokens
+    grammar_output = scheduler.get_grammar_bitmask(output)
+    rows = torch.from_numpy(grammar_output.grammar_bitmask[:len(PARENTS)])
+    assert torch.equal(rows[0], _path_row(scheduler, request, []))
+    assert torch.equal(rows[1], _path_row(scheduler, request, [a]))
+    assert torch.equal(rows[2], _path_row(scheduler, request, [b]))  # its own path: "c" next
+    assert torch.equal(rows[3], _path_row(scheduler, request, [b, c]))
+    assert torch.equal(rows[4], rows[1])  # "aa" is invalid: its parent's row forbids it
+    assert not (int(rows[1][a // 32]) >> (a % 32)) & 1
+    assert grammar_output.num_acceptable_drafts == [K]
+    grammar = request.structured_output_request.grammar
+    assert grammar.num_processed_tokens == 0  # the walk rolled the grammar back
+
+
+def test_vllm_reads_the_same_tree_as_a_list(tiny_model_dir, tokens):
+    """What the async scheduler does without our subclass, and what ours
+    does for a request whose drafts came without parents: vLLM's chain
+    rules (the list is cut at "c", and "b"'s row is taken after "a b")."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    for scheduler_cls in (AsyncScheduler, SpecplugTreeAsyncScheduler):
+        scheduler = _scheduler(scheduler_cls, tiny_model_dir)
+        request = _add(scheduler, "list")
+        output = _step_output(["list"])
+        scheduler.update_draft_token_ids_in_output(_drafts(["list"], tokens, set()), output)
+        assert output.scheduled_spec_decode_tokens["list"] == [tokens["a"], tokens["b"], -1, -1]
+        assert output.num_invalid_spec_tokens == {"list": 2}
+        rows = torch.from_numpy(scheduler.get_grammar_bitmask(output).grammar_bitmask)
+        assert torch.equal(rows[2], _path_row(scheduler, request, [tokens["a"], tokens["b"]]))
+        assert not torch.equal(rows[2], _path_row(scheduler, request, [tokens["b"]]))

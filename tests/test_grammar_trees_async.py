@@ -111,6 +111,10 @@ def test_each_node_is_masked_on_its_own_path_in_the_deferred_step(tiny_model_dir
     assert grammar_output.num_acceptable_drafts == [K]
     grammar = request.structured_output_request.grammar
     assert grammar.num_processed_tokens == 0  # the walk rolled the grammar back
+    # a later step's bitmask built before its drafts arrive (placeholders)
+    # reads no stale tree: vLLM's rows, no draft acceptable
+    later = scheduler.get_grammar_bitmask(_step_output(["tree"]))
+    assert later.num_acceptable_drafts == [0]
 
 
 def test_vllm_reads_the_same_tree_as_a_list(tiny_model_dir, tokens):

@@ -209,14 +209,20 @@ class SpecplugTreeAsyncScheduler(TreeGrammarScheduler, AsyncScheduler):
                 rest[1].append(drafts)
             elif tuple(self.structured_output_manager._get_constraint_bounds(
                     request, drafts)) != (0, 0):
-                # vLLM's chain rules on the chain prefix; the nodes past it are
-                # padding, invalid to the worker (`num_acceptable_drafts`)
-                chain = chain_prefix_length(parents)
+                # vLLM's chain rules on the chain prefix: it pads the slots past
+                # what it keeps with -1, invalid to the worker (`num_acceptable_drafts`)
                 rest[0].append(req_id)
-                rest[1].append(drafts[:chain] + [PLACEHOLDER_TOKEN_ID] * (num_slots - chain))
+                rest[1].append(drafts[:chain_prefix_length(parents)])
             else:
                 trees[req_id] = list(parents[:num_slots + 1])
                 scheduled[req_id] = drafts
-        for req_id in [r for r in trees if r not in self.requests]:
-            del trees[req_id]
         super().update_draft_token_ids_in_output(DraftTokenIds(*rest), scheduler_output)
+
+    def get_grammar_bitmask(self, scheduler_output):
+        # The trees serve the deferred step they came with, only: a later
+        # bitmask built before its drafts arrive (placeholder slots, which
+        # vLLM leaves unacceptable) must not read a stale tree.
+        try:
+            return super().get_grammar_bitmask(scheduler_output)
+        finally:
+            self._grammar_trees().clear()

@@ -175,7 +175,8 @@ def format_online_table(rows) -> str:
 
 
 def row_dict(row) -> dict:
-    data = {k: v for k, v in asdict(row).items() if k not in ("token_ids", "texts", "counts")}
+    data = {k: v for k, v in asdict(row).items()
+            if k not in ("token_ids", "texts", "counts", "top2_gaps")}
     data["counts"] = row.counts.as_dict()
     for key, value in list(data.items()):
         if isinstance(value, float) and math.isnan(value):

@@ -133,3 +133,25 @@ def test_vllm_reads_the_same_tree_as_a_list(tiny_model_dir, tokens):
         rows = torch.from_numpy(scheduler.get_grammar_bitmask(output).grammar_bitmask)
         assert torch.equal(rows[2], _path_row(scheduler, request, [tokens["a"], tokens["b"]]))
         assert not torch.equal(rows[2], _path_row(scheduler, request, [tokens["b"]]))
+
+
+def test_a_request_whose_grammar_starts_later_gets_vllm_rules_on_the_chain_prefix(
+        tiny_model_dir, tokens, monkeypatch):
+    """A grammar that starts after a reasoning section (vLLM's
+    `_get_constraint_bounds` other than (0, 0)) is vLLM's to handle: our
+    scheduler hands it the tree's chain prefix ("a"), never a sibling read
+    as a continuation, and keeps no tree for the bitmask."""
+    from vllm.v1.structured_output import ConstraintBounds
+
+    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    _add(scheduler, "reasoning")
+    manager = scheduler.structured_output_manager
+    monkeypatch.setattr(manager, "_get_constraint_bounds",  # still reasoning
+                        lambda request, spec_tokens, *args, **kwargs:
+                        ConstraintBounds(len(spec_tokens) + 1, len(spec_tokens) + 1))
+    output = _step_output(["reasoning"])
+    scheduler.update_draft_token_ids_in_output(_drafts(["reasoning"], tokens, {"reasoning"}),
+                                               output)
+    assert output.scheduled_spec_decode_tokens["reasoning"] == [tokens["a"], -1, -1, -1]
+    assert output.num_invalid_spec_tokens == {"reasoning": 3}
+    assert not scheduler._grammar_trees()

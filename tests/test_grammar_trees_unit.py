@@ -11,12 +11,15 @@ masked to "d", which neither plain decoding nor the grammar allows.
 """
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 import xgrammar as xgr
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
-from vllm_specplug.integration.grammar_trees import (chain_prefix_length, num_drafts_to_keep,
-                                                     walk_tree)
+from vllm_specplug.integration.grammar_trees import (chain_prefix_length, fill_tree_rows,
+                                                     num_drafts_to_keep, walk_tree)
 
 VOCAB = ["a", "b", "c", "d", "</s>"]
 A, B, C, D, EOS = range(5)
@@ -68,3 +71,117 @@ def test_chain_prefix():
     assert chain_prefix_length([-1, 0, 1, 2]) == 3
     assert chain_prefix_length(PARENTS) == 1
     assert chain_prefix_length([-1]) == 0
+
+
+# A JSON-like grammar over single characters and a few longer tokens, for
+# random trees: the C++ walk (xgrammar's traverse_draft_tree) and the Python
+# walk must give the same validity and the same rows, bit for bit.
+JSON_VOCAB = [*'{}[]":, 0123456789abcdefghijklmnopqrstuvwxyz', '{"', '":', '",', 'true',
+              'false', '"a"', '12', '</s>']
+JSON_SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "n": '
+               '{"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"]}')
+
+
+def json_grammar() -> XgrammarGrammar:
+    info = xgr.TokenizerInfo(JSON_VOCAB, stop_token_ids=[len(JSON_VOCAB) - 1])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(JSON_SCHEMA,
+                                                             any_whitespace=False,
+                                                             separators=(",", ":"))
+    return XgrammarGrammar(vocab_size=len(JSON_VOCAB), matcher=xgr.GrammarMatcher(compiled),
+                           ctx=compiled)
+
+
+def random_tree(rng, prefix: list[int], num_nodes: int) -> tuple[list[int], list[int]]:
+    """Parents and drafts; most drafts valid on their path, some not."""
+    parents, drafts, paths = [-1], [], [[]]
+    for node in range(1, num_nodes):
+        parent = rng.randrange(node)
+        path_allowed = sorted(path_mask_of(json_grammar, prefix + paths[parent]))
+        if path_allowed and rng.random() < 0.8:
+            token = rng.choice(path_allowed)
+        else:
+            token = rng.randrange(len(JSON_VOCAB))
+        parents.append(parent)
+        drafts.append(token)
+        paths.append(paths[parent] + [token])
+    return parents, drafts
+
+
+def path_mask_of(make_grammar, tokens: list[int]) -> set[int]:
+    fresh = make_grammar()
+    for token in tokens:
+        if fresh.is_terminated() or not fresh.validate_tokens([token]):
+            return set()
+        fresh.accept_tokens("fresh", [token])
+    if fresh.is_terminated():
+        return set()
+    row = xgr.allocate_token_bitmask(1, len(JSON_VOCAB))
+    fresh.fill_bitmask(row, 0)
+    return {t for t in range(len(JSON_VOCAB)) if (int(row[0, t >> 5]) >> (t & 31)) & 1}
+
+
+def python_walk_rows(matcher, drafts, parents):
+    """The reference: the Python walk that validates each child, vLLM's fill."""
+    rows = xgr.allocate_token_bitmask(len(parents), len(JSON_VOCAB))
+
+    def fill(node):
+        if matcher.is_terminated():
+            rows[node].fill_(-1)
+        else:
+            matcher.fill_bitmask(rows, node)
+    valid = walk_tree(matcher, "r", drafts, parents, fill)
+    for node in range(1, len(parents)):
+        if not valid[node]:
+            rows[node].copy_(rows[parents[node]])
+    return valid, rows
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_native_walk_equals_the_python_walk_on_random_trees(seed):
+    rng = random.Random(seed)
+    prefix = [JSON_VOCAB.index('{"')] + [JSON_VOCAB.index(c) for c in 'name":"ab",'] \
+        if seed % 2 else []
+    parents, drafts = random_tree(rng, prefix, num_nodes=rng.choice([5, 17, 33]))
+    reference = json_grammar()
+    assert reference.accept_tokens("r", prefix) or not prefix
+    want_valid, want_rows = python_walk_rows(reference, drafts, parents)
+    for native in (True, False):
+        matcher = json_grammar()
+        matcher.accept_tokens("r", prefix)
+        if not native:  # the Python walk with bit tests (llguidance's path)
+            matcher.matcher = _NoTraverse(matcher.matcher)
+        rows = xgr.allocate_token_bitmask(len(parents), len(JSON_VOCAB)).fill_(7)
+        valid = fill_tree_rows(matcher, "r", drafts, parents, rows,
+                               lambda node: (rows[node].fill_(-1) if matcher.is_terminated()
+                                             else matcher.fill_bitmask(rows, node)))
+        assert valid == want_valid
+        assert torch.equal(rows, want_rows)
+        assert matcher.num_processed_tokens == len(prefix)  # rolled back
+    assert any(want_valid[1:]) and (seed < 6 or not all(want_valid))
+
+
+def test_a_stop_token_in_the_tree_ends_its_path_with_a_full_row():
+    done = [JSON_VOCAB.index(c) for c in '{"name":"a","n":1,"ok":true}']
+    eos, comma = len(JSON_VOCAB) - 1, JSON_VOCAB.index(',')
+    parents, drafts = [-1, 0, 1, 0], [eos, comma, comma]  # eos -> (after it) ","; "," sibling
+    matcher = json_grammar()
+    assert matcher.accept_tokens("r", done)
+    rows = xgr.allocate_token_bitmask(len(parents), len(JSON_VOCAB))
+    valid = fill_tree_rows(matcher, "r", drafts, parents, rows,
+                           lambda node: matcher.fill_bitmask(rows, node))
+    assert valid == [True, True, False, False]
+    assert bool((rows[1] == -1).all())          # terminated: vLLM's full mask
+    assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[0])
+    assert not matcher.is_terminated()
+
+
+class _NoTraverse:
+    """An xgrammar matcher without traverse_draft_tree (older xgrammar)."""
+
+    def __init__(self, matcher):
+        self._matcher = matcher
+
+    def __getattr__(self, name):
+        if name == "traverse_draft_tree":
+            raise AttributeError(name)
+        return getattr(self._matcher, name)

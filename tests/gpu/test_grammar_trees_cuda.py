@@ -59,6 +59,24 @@ def _runs(llm, prompts, logprobs: int | None = None) -> dict:  # noqa: F811
     return runs
 
 
+def _sampled(llm, prompts) -> list:
+    """Seeded samples under the JSON schema (temperature 0.8): stochastic
+    verification over the trees' per-node rows."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS,
+                            structured_outputs=constraint("json"))
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _assert_schema_holds(texts: list[str]) -> None:
+    for text in texts:
+        if text.rstrip().endswith("}"):  # finished within the token budget
+            assert set(json.loads(text)) == set(JSON_SCHEMA["required"]), text
+        else:
+            assert text.lstrip().startswith("{"), text
+
+
 def _tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -97,8 +115,11 @@ def tree(work, grammar_prompts):  # noqa: F811
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
+        counts = read_spec_decode_counts(llm) - before
+        sampled = _sampled(llm, grammar_prompts)
         scheduler = llm.llm_engine.vllm_config.scheduler_config
-        return {"runs": runs, "counts": read_spec_decode_counts(llm) - before,
+        return {"runs": runs, "counts": counts, "sampled": sampled,
+                "sampled_counts": read_spec_decode_counts(llm) - before - counts,
                 "scheduler": (scheduler.async_scheduling, scheduler.scheduler_cls),
                 "runner": llm.collective_rpc("specplug_runner_state")[0]}
     finally:
@@ -127,11 +148,7 @@ def test_json_schema_outputs_equal_no_speculation_and_drafts_are_accepted(tree, 
     runs, counts = tree["runs"], tree["counts"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     _assert_exact(plain["json"], runs["json"])
-    for text in _texts(runs["json"]):
-        if text.rstrip().endswith("}"):  # finished within the token budget
-            assert set(json.loads(text)) == set(JSON_SCHEMA["required"]), text
-        else:
-            assert text.lstrip().startswith("{"), text
+    _assert_schema_holds(_texts(runs["json"]))
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts
     num_tokens = sum(len(ids) for outputs in runs.values() for ids in _tokens(outputs))
     steps = num_tokens - counts.num_accepted_tokens
@@ -147,3 +164,12 @@ def test_constrained_and_free_requests_in_one_batch_equal_no_speculation(tree, p
     _assert_exact(plain[kind], ours)
     texts = _texts(ours)[1::2]
     assert all(re.fullmatch(PATTERNS[kind], text) for text in texts), texts
+
+
+def test_sampled_outputs_hold_the_schema_with_drafts_accepted(tree):
+    """Stochastic verification under the schema: every sample holds it (a
+    node's row from another path's state would let a forbidden token
+    through), and drafts are accepted."""
+    _assert_schema_holds(_texts(tree["sampled"]))
+    counts = tree["sampled_counts"]
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 TREE_PARENTS_ATTR = "specplug_tree_parents"  # {req_id: parents, root included} on DraftTokenIds
 
 
@@ -40,11 +42,16 @@ def children_of(parents: Sequence[int]) -> list[list[int]]:
 
 
 def walk_tree(grammar, req_id: str, draft_token_ids: Sequence[int], parents: Sequence[int],
-              visit: Callable[[int], None]) -> list[bool]:
+              visit: Callable[[int], None], rows: torch.Tensor | None = None) -> list[bool]:
     """Depth first from the root (node 0, the request's last token, already
     in `grammar`): `visit(node)` runs with the grammar in `node`'s path state,
     for every valid node. Node i > 0 carries draft_token_ids[i - 1]. Returns
     which nodes are valid; the grammar ends in the state it started in.
+
+    With `rows` ([num_nodes, num_words] int32, the rows `visit` fills), a
+    child is tested against its parent's row, one bit, before it is accepted
+    (SGLang's `traverse_tree` does the same); without, the grammar validates
+    it (an accept and a rollback more per child).
 
     `grammar` is vLLM's `StructuredOutputGrammar` (xgrammar, guidance, ...):
     `validate_tokens`, `accept_tokens`, `rollback`, `is_terminated`."""
@@ -52,19 +59,79 @@ def walk_tree(grammar, req_id: str, draft_token_ids: Sequence[int], parents: Seq
     valid = [False] * len(parents)
     valid[0] = True
 
+    def allowed(node: int, token: int) -> bool:
+        if rows is None:  # validate first: vLLM's backends log an error for a rejected accept
+            return bool(grammar.validate_tokens([token]))
+        return token_allowed(rows[node], token)
+
     def descend(node: int) -> None:
         visit(node)
         for child in children[node]:
             token = int(draft_token_ids[child - 1])
-            # validate first: vLLM's backends log an error for a rejected accept
-            if grammar.is_terminated() or not grammar.validate_tokens([token]):
+            if (grammar.is_terminated() or not allowed(node, token)
+                    or not grammar.accept_tokens(req_id, [token])):
                 continue
-            grammar.accept_tokens(req_id, [token])
             valid[child] = True
             descend(child)
             grammar.rollback(1)
 
     descend(0)
+    return valid
+
+
+def token_allowed(row, token: int) -> bool:
+    """Whether a bitmask row ([num_words] int32 tensor or array, 32 tokens a
+    word) allows `token`."""
+    return 0 <= token < row.shape[0] * 32 and (int(row[token >> 5]) >> (token & 31)) & 1 == 1
+
+
+def fill_tree_rows(grammar, req_id: str, draft_token_ids: Sequence[int],
+                   parents: Sequence[int], rows: torch.Tensor,
+                   fill_row: Callable[[int], None]) -> list[bool]:
+    """Fill every node's verification row ([num_nodes, num_words] int32 CPU
+    view of vLLM's bitmask) in its own path's grammar state; an invalid
+    node gets its parent's row, which forbids its token. Returns which
+    nodes are valid. `fill_row(node)` is vLLM's fill of one row (a full
+    mask once the grammar has terminated).
+
+    xgrammar walks the tree in C++, one call per tree
+    (`GrammarMatcher.traverse_draft_tree`, SGLang's layout); other backends
+    walk it here, node by node."""
+    traverse = getattr(getattr(grammar, "matcher", None), "traverse_draft_tree", None)
+    in_vocab = all(0 <= int(token) < rows.shape[1] * 32  # xgrammar reads the parent's bit
+                   for token in draft_token_ids[:len(parents) - 1])
+    if traverse is not None and in_vocab and not grammar.is_terminated():
+        valid = _traverse(traverse, draft_token_ids, parents, rows)
+    else:
+        valid = walk_tree(grammar, req_id, draft_token_ids, parents, fill_row, rows)
+    for node in range(1, len(parents)):  # parents come first: rows copied in order
+        if not valid[node]:
+            rows[node].copy_(rows[parents[node]])
+    return valid
+
+
+def _traverse(traverse, draft_token_ids: Sequence[int], parents: Sequence[int],
+              rows: torch.Tensor) -> list[bool]:
+    """xgrammar's walk: it fills the rows of the nodes its parent's row
+    allows and leaves the others alone; a node that ends the grammar (an
+    accepted stop token) gets an empty row, where vLLM gives a terminated
+    grammar a full one."""
+    num_nodes = len(parents)
+    first_child, next_sibling = [-1] * num_nodes, [-1] * num_nodes
+    for node in range(num_nodes - 1, 0, -1):  # siblings linked in node order
+        next_sibling[node] = first_child[parents[node]]
+        first_child[parents[node]] = node
+    tokens = [0, *(int(token) for token in draft_token_ids[:num_nodes - 1])]
+    traverse(torch.tensor(first_child, dtype=torch.int64),
+             torch.tensor(next_sibling, dtype=torch.int64),
+             torch.tensor(tokens, dtype=torch.int64), rows)
+    words = rows.numpy()  # a view: bit tests on numpy scalars, not tensor indexing
+    valid = [True] * num_nodes
+    for node in range(1, num_nodes):
+        valid[node] = valid[parents[node]] and token_allowed(words[parents[node]], tokens[node])
+    for node in range(num_nodes):
+        if valid[node] and not words[node].any():
+            rows[node].fill_(-1)  # terminated: vLLM's full mask
     return valid
 
 

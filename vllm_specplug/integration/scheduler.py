@@ -27,7 +27,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
 from vllm_specplug.integration.grammar_trees import (TREE_PARENTS_ATTR, chain_prefix_length,
-                                                     num_drafts_to_keep, walk_tree)
+                                                     fill_tree_rows, num_drafts_to_keep,
+                                                     walk_tree)
 
 DRAFT_LENGTHS_ATTR = "specplug_draft_lengths"
 # AsyncScheduler marks a speculative slot whose draft token is not known yet
@@ -160,11 +161,10 @@ class TreeGrammarScheduler:
             parents = ours.get(req_id)
             if parents is not None:
                 grammar = self.requests[req_id].structured_output_request.grammar
-                valid = walk_tree(grammar, req_id, drafts, parents, lambda node, base=offset:
-                                  manager._fill_bitmasks(((grammar, base + node, True),)))
-                for node in range(1, len(parents)):  # unreachable: the parent's row
-                    if not valid[node]:
-                        rows[offset + node].copy_(rows[offset + parents[node]])
+                fill_tree_rows(grammar, req_id, drafts, parents,
+                               rows[offset:offset + len(parents)],
+                               lambda node, base=offset: manager._fill_bitmasks(
+                                   ((grammar, base + node, True),)))
                 output.grammar_bitmask[offset:offset + len(parents)] = \
                     rows[offset:offset + len(parents)].numpy()
                 if output.num_acceptable_drafts is not None:

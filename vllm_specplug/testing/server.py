@@ -41,8 +41,16 @@ def _wait_healthy(process, base: str, log_name: str) -> None:
     raise TimeoutError(f"vllm serve did not start in {STARTUP_SECONDS}s; see {log_name}")
 
 
+def vllm_command() -> list[str]:
+    """The venv's `vllm`, else vLLM's CLI module (a staged site on PYTHONPATH,
+    as on the GPU host, has no console script)."""
+    if Path(VLLM_COMMAND).exists():
+        return [VLLM_COMMAND]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
 def _command(model_dir, port: int, spec: dict | None, extra_args: list[str]) -> list[str]:
-    command = [VLLM_COMMAND, "serve", str(model_dir), "--port", str(port),
+    command = [*vllm_command(), "serve", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "1024", "--served-model-name", SERVED_MODEL_NAME,
                *extra_args]

@@ -155,3 +155,25 @@ def test_a_request_whose_grammar_starts_later_gets_vllm_rules_on_the_chain_prefi
     assert output.scheduled_spec_decode_tokens["reasoning"] == [tokens["a"], -1, -1, -1]
     assert output.num_invalid_spec_tokens == {"reasoning": 3}
     assert not scheduler._grammar_trees()
+
+
+def test_a_tree_beside_a_list_in_one_step_gets_its_own_rows(tiny_model_dir, tokens):
+    """vLLM fills the other requests' rows, ours follow: the id list says
+    which rows are whose (workers map rows to requests by it)."""
+    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    tree, listed = _add(scheduler, "tree"), _add(scheduler, "list")
+    output = _step_output(["tree", "list"])
+    scheduler.update_draft_token_ids_in_output(
+        _drafts(["tree", "list"], tokens, {"tree"}), output)
+    grammar_output = scheduler.get_grammar_bitmask(output)
+    assert grammar_output.structured_output_request_ids == ["list", "tree"]
+    assert grammar_output.num_acceptable_drafts == [2, K]  # "a b" of the list, the whole tree
+    rows = torch.from_numpy(grammar_output.grammar_bitmask)
+    assert rows.shape[0] == 2 * (K + 1)
+    a, b, c = tokens["a"], tokens["b"], tokens["c"]
+    assert torch.equal(rows[0], _path_row(scheduler, listed, []))
+    assert torch.equal(rows[2], _path_row(scheduler, listed, [a, b]))
+    tree_rows = rows[K + 1:]
+    assert torch.equal(tree_rows[2], _path_row(scheduler, tree, [b]))
+    assert torch.equal(tree_rows[3], _path_row(scheduler, tree, [b, c]))
+    assert torch.equal(tree_rows[4], tree_rows[1])

@@ -40,9 +40,10 @@ case "${1:-}" in
     fi
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade \
       --target "$HOME/vsite" . 2>&1 | tail -3
-    # vLLM validates every structured-output request through lm-format-enforcer,
-    # which imports interegular: not among the staged packages (docs/gpu.md)
-    [ -d .gpu/extra/interegular ] && cp -r .gpu/extra/interegular "$HOME/vsite/"
+    # pure-Python modules the staged site lacks (docs/gpu.md): interegular
+    # (vLLM validates every structured-output request through
+    # lm-format-enforcer, which imports it) and jmespath (`vllm serve`)
+    for module in .gpu/extra/*/; do [ -d "$module" ] && cp -r "$module" "$HOME/vsite/"; done
     python3 -c "import vllm, vllm_specplug, torch, importlib.util as u
 print('vllm', vllm.__version__, 'torch', torch.__version__,
       'arctic', u.find_spec('arctic_inference') is not None)" ;;

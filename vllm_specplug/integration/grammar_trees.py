@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 TREE_PARENTS_ATTR = "specplug_tree_parents"  # {req_id: parents, root included} on DraftTokenIds
@@ -58,11 +59,12 @@ def walk_tree(grammar, req_id: str, draft_token_ids: Sequence[int], parents: Seq
     children = children_of(parents)
     valid = [False] * len(parents)
     valid[0] = True
+    words = None if rows is None else rows.numpy()  # a view: numpy scalars, not tensor indexing
 
     def allowed(node: int, token: int) -> bool:
-        if rows is None:  # validate first: vLLM's backends log an error for a rejected accept
+        if words is None:  # validate first: vLLM's backends log an error for a rejected accept
             return bool(grammar.validate_tokens([token]))
-        return token_allowed(rows[node], token)
+        return token_allowed(words[node], token)
 
     def descend(node: int) -> None:
         visit(node)
@@ -90,27 +92,35 @@ def fill_tree_rows(grammar, req_id: str, draft_token_ids: Sequence[int],
                    fill_row: Callable[[int], None]) -> list[bool]:
     """Fill every node's verification row ([num_nodes, num_words] int32 CPU
     view of vLLM's bitmask) in its own path's grammar state; an invalid
-    node gets its parent's row, which forbids its token. Returns which
-    nodes are valid. `fill_row(node)` is vLLM's fill of one row (a full
-    mask once the grammar has terminated).
+    node gets its nearest valid ancestor's row, which forbids the token on
+    its path. Returns which nodes are valid. `fill_row(node)` is vLLM's fill
+    of one row (a full mask once the grammar has terminated).
 
     xgrammar walks the tree in C++, one call per tree
     (`GrammarMatcher.traverse_draft_tree`, SGLang's layout); other backends
-    walk it here, node by node."""
+    walk it here, node by node. The rows are filled on the engine core's
+    critical path (a deferred step waits for them): the bookkeeping is numpy."""
+    num_nodes = len(parents)
+    tokens = np.zeros(num_nodes, dtype=np.int64)
+    tokens[1:] = np.asarray(draft_token_ids[:num_nodes - 1], dtype=np.int64)
     traverse = getattr(getattr(grammar, "matcher", None), "traverse_draft_tree", None)
-    in_vocab = all(0 <= int(token) < rows.shape[1] * 32  # xgrammar reads the parent's bit
-                   for token in draft_token_ids[:len(parents) - 1])
+    in_vocab = num_nodes == 1 or (tokens[1:].min() >= 0  # xgrammar reads the parent's bit
+                                  and tokens[1:].max() < rows.shape[1] * 32)
     if traverse is not None and in_vocab and not grammar.is_terminated():
-        valid = _traverse(traverse, draft_token_ids, parents, rows)
+        valid = _traverse(traverse, parents, tokens, rows)
     else:
         valid = walk_tree(grammar, req_id, draft_token_ids, parents, fill_row, rows)
-    for node in range(1, len(parents)):  # parents come first: rows copied in order
+    source = list(range(num_nodes))  # each node's nearest valid ancestor (itself if valid)
+    for node in range(1, num_nodes):  # parents come first
         if not valid[node]:
-            rows[node].copy_(rows[parents[node]])
+            source[node] = source[parents[node]]
+    if source != list(range(num_nodes)):
+        words = rows.numpy()
+        words[:] = words[source]
     return valid
 
 
-def _traverse(traverse, draft_token_ids: Sequence[int], parents: Sequence[int],
+def _traverse(traverse, parents: Sequence[int], tokens: np.ndarray,
               rows: torch.Tensor) -> list[bool]:
     """xgrammar's walk: it fills the rows of the nodes its parent's row
     allows and leaves the others alone; a node that ends the grammar (an
@@ -121,17 +131,17 @@ def _traverse(traverse, draft_token_ids: Sequence[int], parents: Sequence[int],
     for node in range(num_nodes - 1, 0, -1):  # siblings linked in node order
         next_sibling[node] = first_child[parents[node]]
         first_child[parents[node]] = node
-    tokens = [0, *(int(token) for token in draft_token_ids[:num_nodes - 1])]
-    traverse(torch.tensor(first_child, dtype=torch.int64),
-             torch.tensor(next_sibling, dtype=torch.int64),
-             torch.tensor(tokens, dtype=torch.int64), rows)
-    words = rows.numpy()  # a view: bit tests on numpy scalars, not tensor indexing
+    traverse(torch.from_numpy(np.array(first_child, dtype=np.int64)),
+             torch.from_numpy(np.array(next_sibling, dtype=np.int64)),
+             torch.from_numpy(tokens), rows)
+    words = rows.numpy()  # a view
+    parent_words = words[[max(parent, 0) for parent in parents], tokens >> 5].view(np.uint32)
+    allowed = ((parent_words >> (tokens & 31).astype(np.uint32)) & 1).tolist()
     valid = [True] * num_nodes
     for node in range(1, num_nodes):
-        valid[node] = valid[parents[node]] and token_allowed(words[parents[node]], tokens[node])
-    for node in range(num_nodes):
-        if valid[node] and not words[node].any():
-            rows[node].fill_(-1)  # terminated: vLLM's full mask
+        valid[node] = valid[parents[node]] and allowed[node] == 1
+    terminated = np.flatnonzero(np.asarray(valid) & ~words.any(axis=1))
+    words[terminated] = -1  # vLLM's full mask
     return valid
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug.integration.grammar_trees import (TREE_PARENTS_ATTR, chain_prefix_length,
                                                      fill_tree_rows, num_drafts_to_keep,
@@ -139,37 +141,37 @@ class TreeGrammarScheduler:
         trees = self._grammar_trees()
         ours = {req_id: trees[req_id][:len(spec[req_id]) + 1] for req_id in spec
                 if req_id in trees and len(spec[req_id]) < len(trees[req_id])}
-        if not ours:
+        if not ours or not scheduler_output.has_structured_output_requests:
             return super().get_grammar_bitmask(scheduler_output)
-        # vLLM fills the root row of a draft list of -1 placeholders and leaves
-        # the others open, without advancing the grammar; we fill those rows
-        saved = {req_id: spec[req_id] for req_id in ours}
-        spec.update({req_id: [-1] * len(drafts) for req_id, drafts in saved.items()})
-        try:
-            output = super().get_grammar_bitmask(scheduler_output)
-        finally:
-            spec.update(saved)
-        if output is not None:
-            self._fill_tree_rows(output, spec, ours)
-        return output
-
-    def _fill_tree_rows(self, output, spec: dict, ours: dict) -> None:
-        manager, offset = self.structured_output_manager, 0
+        # vLLM's rows for the other requests first, then each tree's rows,
+        # filled here: workers map rows to requests by the id list, in any
+        # order. (Handing the trees to vLLM too cost a fill per tree slot,
+        # every one of them overwritten.)
+        req_ids = [req_id for req_id in scheduler_output.num_scheduled_tokens
+                   if (request := self.requests.get(req_id)) is not None
+                   and request.use_structured_output and not request.is_prefill_chunk]
+        others = [req_id for req_id in req_ids if req_id not in ours]
+        tree_ids = [req_id for req_id in req_ids if req_id in ours]
+        manager = self.structured_output_manager
+        if others:
+            manager.grammar_bitmask(self.requests, others, spec)
+        elif manager._grammar_bitmask is None:
+            manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
+                self.vllm_config.scheduler_config.max_num_seqs
+                * (1 + self.vllm_config.num_speculative_tokens))
+        offset = sum(len(spec.get(req_id, ())) + 1 for req_id in others)
         rows = manager._grammar_bitmask
-        for index, req_id in enumerate(output.structured_output_request_ids):
-            drafts = spec.get(req_id, [])
-            parents = ours.get(req_id)
-            if parents is not None:
-                grammar = self.requests[req_id].structured_output_request.grammar
-                fill_tree_rows(grammar, req_id, drafts, parents,
-                               rows[offset:offset + len(parents)],
-                               lambda node, base=offset: manager._fill_bitmasks(
-                                   ((grammar, base + node, True),)))
-                output.grammar_bitmask[offset:offset + len(parents)] = \
-                    rows[offset:offset + len(parents)].numpy()
-                if output.num_acceptable_drafts is not None:
-                    output.num_acceptable_drafts[index] = len(drafts)
-            offset += len(drafts) + 1
+        for req_id in tree_ids:
+            grammar = self.requests[req_id].structured_output_request.grammar
+            num_rows = len(ours[req_id])
+            fill_tree_rows(grammar, req_id, spec[req_id], ours[req_id],
+                           rows[offset:offset + num_rows],
+                           lambda node, base=offset, grammar=grammar: manager._fill_bitmasks(
+                               ((grammar, base + node, True),)))
+            offset += num_rows
+        num_acceptable_drafts = [len(strip_speculative_padding(spec.get(req_id, [])))
+                                 for req_id in others] + [len(spec[r]) for r in tree_ids]
+        return GrammarOutput(others + tree_ids, rows[:offset].numpy(), num_acceptable_drafts)
 
 
 class SpecplugTreeScheduler(TreeGrammarScheduler, Scheduler):

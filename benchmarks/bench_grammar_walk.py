@@ -1,0 +1,175 @@
+"""The grammar's own cost per draft tree (issue 30): what the scheduler spends
+on the host to check every node of a tree and fill its verification row,
+for each way of walking it, under the JSON schema of benchmarks/json_schema.json:
+
+    .venv/bin/python benchmarks/bench_grammar_walk.py --model tiny --out docs/results/grammar_walk_cpu
+
+- `validate`: the walk before this change: each child validated (an accept
+  and a rollback), then accepted; vLLM's fill for each valid node.
+- `bit-test`: each child tested on its parent's filled row (one bit), then
+  accepted; what other backends than xgrammar run (`walk_tree(rows=...)`).
+- `native`: xgrammar's `GrammarMatcher.traverse_draft_tree`, one C++ call a
+  tree (`fill_tree_rows`).
+
+Trees are random (each node's parent drawn among the earlier nodes), their
+drafts valid on their path with probability `--valid`, from grammar states
+reached by a random valid prefix, as a drafter near a good target produces.
+Every walk must give the same rows, bit for bit, or the script fails.
+Reported: microseconds per tree (median of `--repeats` passes over the
+same trees) and per valid node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+SCHEMA_FILE = Path(__file__).with_name("json_schema.json")
+
+
+def make_grammar_factory(model_dir: Path):
+    """() -> a fresh vLLM `XgrammarGrammar` under the schema, on the model's tokenizer."""
+    import xgrammar as xgr
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(
+        SCHEMA_FILE.read_text(), any_whitespace=False)
+    return vocab_size, lambda: XgrammarGrammar(vocab_size=vocab_size,
+                                               matcher=xgr.GrammarMatcher(compiled),
+                                               ctx=compiled)
+
+
+def allowed_tokens(grammar, vocab_size: int) -> list[int]:
+    import xgrammar as xgr
+
+    if grammar.is_terminated():
+        return []
+    row = xgr.allocate_token_bitmask(1, vocab_size)
+    grammar.fill_bitmask(row, 0)
+    bits = row[0].numpy().view("uint32")
+    return [t for t in range(vocab_size) if (int(bits[t >> 5]) >> (t & 31)) & 1]
+
+
+def random_case(rng, new_grammar, vocab_size: int, num_nodes: int, p_valid: float):
+    """(prefix, parents, drafts): a random valid prefix, then a random tree."""
+    grammar, prefix = new_grammar(), []
+    for _ in range(rng.randrange(40)):
+        choices = allowed_tokens(grammar, vocab_size)
+        if not choices:
+            break
+        token = rng.choice(choices)
+        if token in grammar.matcher.stop_token_ids:
+            continue
+        grammar.accept_tokens("case", [token])
+        prefix.append(token)
+    parents, drafts, paths = [-1], [], [[]]
+    for node in range(1, num_nodes):
+        parent = rng.randrange(node)
+        path_grammar = new_grammar()
+        ok = path_grammar.accept_tokens("case", prefix + paths[parent])
+        choices = allowed_tokens(path_grammar, vocab_size) if ok else []
+        token = (rng.choice(choices) if choices and rng.random() < p_valid
+                 else rng.randrange(vocab_size))
+        parents.append(parent)
+        drafts.append(token)
+        paths.append(paths[parent] + [token])
+    return prefix, parents, drafts
+
+
+def walk(kind: str, grammar, parents, drafts, rows) -> list[bool]:
+    from vllm_specplug.integration.grammar_trees import fill_tree_rows, walk_tree
+
+    def fill(node: int) -> None:
+        if grammar.is_terminated():
+            rows[node].fill_(-1)
+        else:
+            grammar.fill_bitmask(rows, node)
+
+    if kind == "native":
+        return fill_tree_rows(grammar, "bench", drafts, parents, rows, fill)
+    valid = walk_tree(grammar, "bench", drafts, parents, fill,
+                      rows if kind == "bit-test" else None)
+    for node in range(1, len(parents)):
+        if not valid[node]:
+            rows[node].copy_(rows[parents[node]])
+    return valid
+
+
+def measure(new_grammar, vocab_size: int, cases, repeats: int) -> dict:
+    """{kind: (median µs per tree, µs per valid node)}; rows compared bit for bit."""
+    import torch
+    import xgrammar as xgr
+
+    kinds = ["validate", "bit-test", "native"]
+    grammars = []
+    for prefix, _, _ in cases:
+        grammar = new_grammar()
+        assert grammar.accept_tokens("bench", prefix)
+        grammars.append(grammar)
+    rows = {kind: [xgr.allocate_token_bitmask(len(c[1]), vocab_size) for c in cases]
+            for kind in kinds}
+    times = {kind: [] for kind in kinds}
+    for _ in tqdm(range(repeats), desc="passes", leave=False):
+        for kind in kinds:  # interleaved: one pass of each kind in turn
+            start = time.perf_counter()
+            for grammar, (_, parents, drafts), out in zip(grammars, cases, rows[kind]):
+                walk(kind, grammar, parents, drafts, out)
+            times[kind].append(time.perf_counter() - start)
+    num_valid = sum(sum(walk("native", g, c[1], c[2], r))
+                    for g, c, r in zip(grammars, cases, rows["native"]))
+    for kind in kinds[1:]:
+        for want, got in zip(rows["validate"], rows[kind]):
+            assert torch.equal(want, got), f"{kind} rows differ from the validating walk"
+    return {kind: (statistics.median(t) / len(cases) * 1e6,
+                   statistics.median(t) / num_valid * 1e6) for kind, t in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="a built-in model name or a directory")
+    parser.add_argument("--nodes", type=int, nargs="+", default=[6, 16, 32, 64])
+    parser.add_argument("--trees", type=int, default=64, help="trees per size")
+    parser.add_argument("--valid", type=float, default=0.8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    from vllm_specplug.models import build_model
+
+    model_dir = Path(args.model) if Path(args.model).is_dir() else build_model(args.model)
+    vocab_size, new_grammar = make_grammar_factory(model_dir)
+    rng, results = random.Random(args.seed), []
+    for num_nodes in args.nodes:
+        cases = [random_case(rng, new_grammar, vocab_size, num_nodes, args.valid)
+                 for _ in tqdm(range(args.trees), desc=f"{num_nodes}-node trees")]
+        results.append({"nodes": num_nodes, **{k: v for k, v in zip(
+            ("validate", "bit-test", "native"),
+            measure(new_grammar, vocab_size, cases, args.repeats).values())}})
+    lines = [f"model {args.model} (vocab {vocab_size}), JSON schema {SCHEMA_FILE.name}, "
+             f"{args.trees} random trees a size, drafts valid on their path with p={args.valid}, "
+             f"median of {args.repeats} interleaved passes",
+             "| nodes | validate µs/tree (µs/valid node) | bit-test | native | native vs validate |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in results:
+        cells = [f"{row[k][0]:.0f} ({row[k][1]:.1f})" for k in ("validate", "bit-test", "native")]
+        lines.append(f"| {row['nodes']} | {' | '.join(cells)} | "
+                     f"{row['validate'][0] / row['native'][0]:.1f}x |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"walk_{Path(args.model).name}.txt").write_text("\n".join(lines) + "\n")
+        (args.out / f"walk_{Path(args.model).name}.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

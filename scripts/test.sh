@@ -16,10 +16,7 @@ fi
 # after that (vLLM's too) would stay interpreted inside the engines the other
 # tests run in the pytest process (tests/conftest.py, docs/testing.md).
 # They need no model and run mostly on one core, so they run beside the
-# model builds (and the engine tests). Measured on a cold CI here: 267 s
-# beside the builds instead of 167 s alone, and the builds slowed by about
-# as much (two busy torch threads and the interpreter on 2 cores): about a
-# minute saved, no more.
+# model builds (and the engine tests); docs/testing.md.
 kernel_log=$(mktemp)
 .venv/bin/python -m pytest tests/kernels -q -rs -p no:cacheprovider > "$kernel_log" 2>&1 &
 kernel_pid=$!

@@ -19,7 +19,7 @@ REPETITIVE_PROMPT = "".join(
 
 
 spec_llm = speculative_engines(
-    {name: DEMO_METHODS[name] for name in ("vllm-ngram", "vllm-suffix")})
+    {name: DEMO_METHODS[name] for name in ("vllm-suffix",)})
 
 
 def test_single_prompts_equal_no_speculation(spec_llm, eval_prompts, baseline_outputs):

@@ -10,6 +10,7 @@ from vllm_specplug.verification.kv_compaction import (compact_kv_cache, compact_
                                                       kv_layers)
 from vllm_specplug.verification.tree_greedy import verify_tree_greedy
 
+from tests.kernels.conftest import LARGE_BATCH
 from tests.kernels.trees import random_tree, target_following_tree
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -37,7 +38,7 @@ def slot(block_table, b, position, block_size):
     return int(block_table[b, position // block_size]) * block_size + position % block_size
 
 
-@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("batch", [1, 7, LARGE_BATCH])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_nodes", [(16, 16), (4, 7), (1, 6)])
 def test_kernel_equals_reference(batch, dtype, block_size, num_nodes, device):

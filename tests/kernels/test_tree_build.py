@@ -12,6 +12,7 @@ from vllm_specplug.verification.metadata import DraftCandidates
 from vllm_specplug.verification.synthetic import random_candidates
 from vllm_specplug.verification.tree_build import build_draft_tree
 
+from tests.kernels.conftest import LARGE_BATCH
 from tests.kernels.trees import random_tree
 
 SHAPES = [  # (topk, depth, num_draft_tokens)
@@ -24,7 +25,7 @@ def assert_trees_equal(a, b):
         assert torch.equal(x.cpu(), y.cpu()), field.name
 
 
-@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("batch", [1, 7, LARGE_BATCH])
 @pytest.mark.parametrize("topk,depth,num_nodes", SHAPES)
 @pytest.mark.parametrize("vocab_size", [111, 32000])
 def test_kernel_equals_reference(batch, topk, depth, num_nodes, vocab_size, device):

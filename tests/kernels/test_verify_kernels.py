@@ -13,9 +13,10 @@ from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
 from vllm_specplug.verification.tree_sampling import (rejection_sample_chain,
                                                       verify_tree_stochastic)
 
+from tests.kernels.conftest import LARGE_BATCH
 from tests.kernels.trees import random_tree, target_following_tree
 
-BATCHES = [1, 7, 64]
+BATCHES = [1, 7, LARGE_BATCH]
 TREES = [(1, 5, 6), (2, 3, 7), (4, 4, 16)]  # (topk, depth, num_draft_tokens)
 
 
@@ -46,7 +47,7 @@ def test_greedy_kernel_equals_reference(batch, topk, depth, num_nodes, device):
 STOCHASTIC_CASES = (
     [(b, *t, 111, s) for b in BATCHES for t in TREES for s in (None, 3)]
     + [(b, *t, 32000, s) for b in (1, 7) for t in TREES for s in (None, 5)]
-    + [(64, 4, 4, 16, 32000, 5)])
+    + [(LARGE_BATCH, 4, 4, 16, 32000, 5)])
 
 
 @pytest.mark.parametrize("batch,topk,depth,num_nodes,vocab_size,num_splits",
@@ -81,7 +82,7 @@ def chain_inputs(batch, max_drafts, vocab_size, seed, device):
 
 @pytest.mark.parametrize("batch,vocab_size,num_splits", [
     (b, 111, s) for b in BATCHES for s in (None, 2)] + [
-    (1, 32000, None), (7, 32000, 4), (64, 32000, 4)])
+    (1, 32000, None), (7, 32000, 4), (LARGE_BATCH, 32000, 4)])
 def test_chain_kernel_equals_reference(batch, vocab_size, num_splits, device):
     inputs = chain_inputs(batch, 4, vocab_size, seed=batch, device=device)
     ref = rejection_sample_chain(*inputs, backend="torch")

@@ -133,6 +133,38 @@ def measure(new_grammar, vocab_size: int, cases, repeats: int) -> dict:
                    statistics.median(t) / num_valid * 1e6) for kind, t in times.items()}
 
 
+def measure_step(new_grammar, cases, repeats: int, workers: int) -> tuple[float, float]:
+    """(serial ms, threaded ms): one deferred step's walks, every case a
+    request of the step, native walk, on one thread and on `workers`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xgrammar as xgr
+
+    from vllm_specplug.integration.grammar_trees import fill_tree_rows
+
+    grammars = []
+    for prefix, _, _ in cases:
+        grammar = new_grammar()
+        assert grammar.accept_tokens("bench", prefix)
+        grammars.append(grammar)
+    vocab_size = grammars[0].vocab_size
+    rows = [xgr.allocate_token_bitmask(len(c[1]), vocab_size) for c in cases]
+    jobs = [(g, "bench", c[2], c[1], r, lambda node, g=g, r=r: g.fill_bitmask(r, node))
+            for g, c, r in zip(grammars, cases, rows)]
+    serial, threaded = [], []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for job in jobs:
+                fill_tree_rows(*job)
+            serial.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for future in [pool.submit(fill_tree_rows, *job) for job in jobs]:
+                future.result()
+            threaded.append(time.perf_counter() - start)
+    return statistics.median(serial) * 1e3, statistics.median(threaded) * 1e3
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="a built-in model name or a directory")
@@ -141,6 +173,9 @@ def main(argv=None) -> int:
     parser.add_argument("--valid", type=float, default=0.8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-batch", type=int, default=64,
+                        help="requests of one step for the serial vs threaded walk")
+    parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     from vllm_specplug.models import build_model
@@ -163,6 +198,12 @@ def main(argv=None) -> int:
         cells = [f"{row[k][0]:.0f} ({row[k][1]:.1f})" for k in ("validate", "bit-test", "native")]
         lines.append(f"| {row['nodes']} | {' | '.join(cells)} | "
                      f"{row['validate'][0] / row['native'][0]:.1f}x |")
+    step_cases = [random_case(rng, new_grammar, vocab_size, 16, args.valid)
+                  for _ in tqdm(range(args.step_batch), desc="a step's trees")]
+    serial_ms, threaded_ms = measure_step(new_grammar, step_cases, args.repeats, args.workers)
+    lines.append(f"\none step of {args.step_batch} 16-node trees, native walk: {serial_ms:.2f} ms "
+                 f"on one thread, {threaded_ms:.2f} ms on {args.workers} threads "
+                 f"({serial_ms / threaded_ms:.1f}x)")
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

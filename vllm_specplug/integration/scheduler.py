@@ -21,9 +21,6 @@ SpecplugAsyncScheduler"`; it behaves as `AsyncScheduler` for everything else.
 """
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ThreadPoolExecutor
-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -36,8 +33,6 @@ from vllm_specplug.integration.grammar_trees import (TREE_PARENTS_ATTR, chain_pr
                                                      walk_tree)
 
 DRAFT_LENGTHS_ATTR = "specplug_draft_lengths"
-# trees of one deferred step from which their grammar walks run on threads
-PARALLEL_TREES = 4
 # AsyncScheduler marks a speculative slot whose draft token is not known yet
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -173,42 +168,20 @@ class TreeGrammarScheduler:
 
     def _fill_trees(self, tree_ids: list[str], ours: dict, spec: dict, offset: int) -> int:
         """Fill each tree's rows from `offset` on, one tree after the other in
-        the bitmask; returns the end. From `PARALLEL_TREES` trees on they are
-        walked on threads: xgrammar's tree walk releases the GIL, and a
-        deferred step waits for all of them (64 x 62 µs a step at batch 64
-        on the H100's host, one thread)."""
+        the bitmask; returns the end. (On threads, the walks of a 32-tree step
+        took 2.5x longer on this 2-core CPU under load: benchmarks/
+        bench_grammar_walk.py `--workers` measures it on a GPU host.)"""
         manager = self.structured_output_manager
         rows = manager._grammar_bitmask
-        jobs = []
         for req_id in tree_ids:
             grammar = self.requests[req_id].structured_output_request.grammar
             num_rows = len(ours[req_id])
-            jobs.append((grammar, req_id, spec[req_id], ours[req_id],
-                         rows[offset:offset + num_rows],
-                         lambda node, base=offset, grammar=grammar: manager._fill_bitmasks(
-                             ((grammar, base + node, True),))))
+            fill_tree_rows(grammar, req_id, spec[req_id], ours[req_id],
+                           rows[offset:offset + num_rows],
+                           lambda node, base=offset, grammar=grammar: manager._fill_bitmasks(
+                               ((grammar, base + node, True),)))
             offset += num_rows
-        if len(jobs) < PARALLEL_TREES:
-            for job in jobs:
-                fill_tree_rows(*job)
-        else:
-            for future in [self._tree_walkers().submit(fill_tree_rows, *job) for job in jobs]:
-                future.result()
         return offset
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        walkers = getattr(self, "_specplug_tree_walkers", None)
-        if walkers is not None:
-            walkers.shutdown(wait=False, cancel_futures=True)
-
-    def _tree_walkers(self) -> ThreadPoolExecutor:
-        if getattr(self, "_specplug_tree_walkers", None) is None:
-            # as vLLM's own parallel fill: at most half the CPUs, or 8
-            workers = max(1, min(multiprocessing.cpu_count() // 2, 8))
-            self._specplug_tree_walkers = ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix="specplug-tree-grammar")
-        return self._specplug_tree_walkers
 
 
 class SpecplugTreeScheduler(TreeGrammarScheduler, Scheduler):

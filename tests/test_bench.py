@@ -199,20 +199,40 @@ def test_public_sets_are_fetched_with_their_hash():
         load_public_set("gsm8k")
 
 
+def test_partial_results_are_written_whole_after_each_step(tmp_path):
+    from vllm_specplug.bench.offline import OfflineRow
+    from vllm_specplug.cli.bench import PARTIAL_FILE, _partial_writer
+
+    assert _partial_writer(None) is None
+    write = _partial_writer(str(tmp_path / "out"))
+    row = OfflineRow("ours", 16, "mt-bench", tokens_per_second=[812.5])
+    write([row])
+    row.tokens_per_second.append(790.0)
+    write([row, OfflineRow("none", 16, "mt-bench")])
+    saved = json.loads((tmp_path / "out" / PARTIAL_FILE).read_text())["rows"]
+    assert [(r["name"], r["prompt_set"], r["tokens_per_second"]) for r in saved] == [
+        ("ours", "mt-bench", [812.5, 790.0]), ("none", "mt-bench", [])]
+    assert saved[0]["speedup"] is None  # not compared yet: NaN written as null
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [PARTIAL_FILE]
+
+
 def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
-    """Interleaved engines, repeat-and-edit prompts plus two-turn chats."""
+    """Interleaved engines over two prompt sets (repeat-and-edit prompts; one
+    more with a two-turn chat), each set with its own rows and table."""
     from vllm_specplug.models.corpus import repetitive_prompts
 
     out = tmp_path / "out"
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in repetitive_prompts(3))
-                       + json.dumps({"turns": ["def add(a, b):", "and subtract?"]}) + "\n")
+    texts = repetitive_prompts(4)
+    edits, chats = tmp_path / "edits.jsonl", tmp_path / "chats.jsonl"
+    edits.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts[:3]))
+    chats.write_text(json.dumps({"prompt": texts[3]}) + "\n"
+                     + json.dumps({"turns": ["def add(a, b):", "and subtract?"]}) + "\n")
     # vLLM's own methods: tests/test_builtin_spec_lossless.py. A third engine
     # comes after ours: the newest engine holds vLLM's metrics registry, so
     # ours must be read from its own collectors (all its repeats counted)
     specs = [json.dumps(NGRAM), "ngram-fixed=" + json.dumps({**NGRAM, "adaptive": False})]
-    code = main(["bench", "offline", "--model", str(tiny_model_dir), "--prompts",
-                 str(prompts), "--batch-sizes", "1", "4", "--limit-prompts", "1=2",
+    code = main(["bench", "offline", "--model", str(tiny_model_dir), "--prompts", str(edits),
+                 "--prompts", str(chats), "--batch-sizes", "4", "--limit-prompts", "4=2",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
                  *[f"--spec={s}" for s in specs], "--phases", "--host-profile",
@@ -222,11 +242,12 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     result = json.loads((out / "offline.json").read_text())
     _check_phases(result["rows"])
     assert result["settings"]["order"] == "interleaved"
-    assert result["settings"]["num_turns"] == 5
-    assert result["settings"]["prompt_limits"] == {"1": 2}
-    rows = {(r["name"], r["batch_size"]): r for r in result["rows"]}
-    names = ("none", "specplug_ngram", "ngram-fixed")
-    assert sorted(rows) == sorted((n, b) for n in names for b in (1, 4))
+    assert result["settings"]["prompts"] == [str(edits), str(chats)]
+    assert result["settings"]["num_turns"] == 6
+    assert result["settings"]["prompt_limits"] == {"4": 2}
+    rows = {(r["name"], r["prompt_set"]): r for r in result["rows"]}
+    names, sets = ("none", "specplug_ngram", "ngram-fixed"), (str(edits), str(chats))
+    assert sorted(rows) == sorted((n, p) for n in names for p in sets)
     for (name, _), row in rows.items():
         assert row["error"] is None and row["num_mismatches"] == 0
         # the baseline's extra pass with logprobs=2 gave gaps (no difference to class);
@@ -243,18 +264,21 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
             assert row["counts"]["mean_acceptance_length"] > 1.5
     assert result["settings"]["specs"]["specplug_ngram"] == NGRAM
     assert result["settings"]["warmup_runs"] == 1
-    for b in (1, 4):  # vLLM's counters saw every verified draft of both repeats, and
-        # none of the warm-up's (a third run of the same batch, counted by neither)
-        row = rows[("specplug_ngram", b)]
+    for prompt_set in sets:  # vLLM's counters saw every verified draft of both repeats,
+        # and none of the warm-up's (a third run of the same batch, counted by neither)
+        row = rows[("specplug_ngram", prompt_set)]
         verified = row["adaptive"]["num_verified_drafts"]
         assert 0.9 * verified <= row["counts"]["num_drafts"] <= 1.1 * verified, row
     assert (out / "offline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "offline.partial.json").exists()  # gone once the results are whole
     table = (out / "offline.txt").read_text()
     assert "specplug_ngram" in table and "cpu_model_runner/" in table
+    assert table.index(f"== prompts: {edits} ==") < table.index(f"== prompts: {chats} ==")
     # the adaptive controller's decisions, per row of ours (on by default)
-    assert rows[("none", 4)]["adaptive"] is None and rows[("ngram-fixed", 4)]["adaptive"] is None
-    for b in (1, 4):
-        adaptive = rows[("specplug_ngram", b)]["adaptive"]
+    assert rows[("none", str(chats))]["adaptive"] is None
+    assert rows[("ngram-fixed", str(chats))]["adaptive"] is None
+    for prompt_set in sets:
+        adaptive = rows[("specplug_ngram", prompt_set)]["adaptive"]
         assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
     assert "adaptive: method" in table
     assert "Where the host time goes" in table and "execute_model" in table
@@ -281,3 +305,33 @@ def _check_phases(rows) -> None:
             if row["name"] != "none":
                 assert phases["draft"]["calls"] == 1
         assert "gpu_ms" in row["phases"]["profiled"]["phases"]["forward"]
+
+
+def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_dir):
+    """`restart`: every (repeat, spec) step starts its engine and stops it;
+    repeats still alternate the specs, and each row sums what its engines
+    counted."""
+    from vllm import SamplingParams
+
+    from vllm_specplug.bench.offline import run_offline
+    from vllm_specplug.bench.prompts import BenchPrompt
+    from vllm_specplug.bench.specs import NamedSpec
+    from vllm_specplug.engine import IN_PROCESS
+    from vllm_specplug.models.corpus import repetitive_prompts
+
+    prompts = [BenchPrompt(text=t) for t in repetitive_prompts(3)]
+    specs = [NamedSpec("none", None), NamedSpec("specplug_ngram", NGRAM)]
+    steps = []
+
+    def on_step(rows):  # the step's engine is stopped before this runs
+        steps.append(([len(r.tokens_per_second) for r in rows], len(IN_PROCESS.live)))
+
+    rows = run_offline(str(tiny_model_dir), prompts, specs, [3], 2,
+                       SamplingParams(temperature=0, max_tokens=24), order="restart",
+                       on_step=on_step, enforce_eager=True, max_model_len=1024)
+    assert steps == [([1, 0], 0), ([1, 1], 0), ([2, 1], 0), ([2, 2], 0)]
+    none, ours = rows
+    assert len(ours.ratios) == 2 and ours.num_mismatches == 0
+    assert ours.counts.num_drafts > 0 and ours.counts.mean_acceptance_length > 1.5
+    verified = ours.adaptive["num_verified_drafts"]  # both engines' steps, summed
+    assert 0.9 * verified <= ours.counts.num_drafts <= 1.1 * verified

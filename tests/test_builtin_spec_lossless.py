@@ -6,7 +6,7 @@ same comparisons.
 """
 from __future__ import annotations
 
-from vllm_specplug.cli.demo import DEMO_METHODS
+from vllm_specplug.cli.demo import VLLM_SUFFIX
 from vllm_specplug.testing.compare import assert_same_tokens
 from vllm_specplug.testing.engine import generate, generate_each, greedy_params
 from vllm_specplug.testing.metrics import read_spec_decode_counts
@@ -19,7 +19,7 @@ REPETITIVE_PROMPT = "".join(
 
 
 spec_llm = speculative_engines(
-    {name: DEMO_METHODS[name] for name in ("vllm-suffix",)})
+    {"vllm-suffix": VLLM_SUFFIX})
 
 
 def test_single_prompts_equal_no_speculation(spec_llm, eval_prompts, baseline_outputs):

@@ -152,3 +152,37 @@ def test_sized_tree_decode_steps_find_a_full_graph_at_every_batch(tiny_model_dir
     assert (5, 6) in missed and (60, 3) in missed and len(missed) >= 10, missed
     _init_candidates(vllm_init)(ours)
     assert misses(ours) == []
+
+
+def test_compile_cache_keys_tell_our_methods_apart(tiny_model_dir, tiny_eagle3_dir):
+    """vLLM keys its torch.compile cache by the config hash. All our methods
+    reach it as `custom_class`, so without our factor an EAGLE-3 chain (the
+    target returns auxiliary hidden states) and an n-gram (it does not) at
+    the same K hashed alike, and one loaded the other's compiled graph."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def hashes(spec):
+        config = EngineArgs(model=str(tiny_model_dir), speculative_config=spec,
+                            max_model_len=512).create_engine_config()
+        return config.speculative_config.compute_hash(), config.compute_hash()
+
+    ngram = {"method": "specplug_ngram", "num_speculative_tokens": K}
+    chain = {"method": "specplug_eagle3", "model": str(tiny_eagle3_dir), "topk": 1,
+             "num_steps": K}
+    spec_ngram, all_ngram = hashes(ngram)
+    spec_chain, all_chain = hashes(chain)
+    assert spec_ngram != spec_chain and all_ngram != all_chain
+    assert hashes(dict(ngram)) == (spec_ngram, all_ngram)   # stable for the same spec
+    # vLLM's own methods keep vLLM's hash
+    from vllm_specplug.patches.registry import patch_registry
+
+    (record,) = [r for r in patch_registry.applied()
+                 if r.target.endswith("SpeculativeConfig.compute_hash")]
+    suffix = EngineArgs(model=str(tiny_model_dir), max_model_len=512, speculative_config={
+        "method": "suffix", "num_speculative_tokens": K}).create_engine_config()
+    assert suffix.speculative_config.compute_hash() == record.original(suffix.speculative_config)
+    chain_config, ngram_config = (
+        EngineArgs(model=str(tiny_model_dir), speculative_config=spec,
+                   max_model_len=512).create_engine_config().speculative_config
+        for spec in (chain, ngram))
+    assert record.original(chain_config) == record.original(ngram_config)  # vLLM's alone

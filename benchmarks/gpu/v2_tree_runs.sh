@@ -15,12 +15,18 @@
 #            the same adaptive verification and our tree sized (issue 27); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
+#   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
+#            issue's table (ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
+#            ROWS=free: vLLM suffix, ours suffix and hybrid; HEAD as above, default
+#            .gpu/heads/smollm2-eagle3-demo)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
 # records runner and speculator per row).
 set -uo pipefail
+# shellcheck source=benchmarks/smollm2_specs.sh
+source "$(dirname "$0")/../smollm2_specs.sh"
 export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
 OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
@@ -30,6 +36,7 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
   local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+  if [ "$1" = full ] || [ "$1" = free ]; then full_specs "$1" "$h"; return 0; fi
   case "$1" in sized-only|split-ab|chain-ab) ;; *) printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" ;; esac
   local sized_k='"num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]'
   case "$1" in
@@ -95,6 +102,16 @@ run() {
       bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases ${HOST_PROFILE:+--host-profile} \
+        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
+        --out "$RESULTS/${RUN_NAME:-$1}" ;;
+    smollm2-sets)
+      # MT-Bench and HumanEval on the same engines (an engine's start costs more
+      # than its generations here); ROWS=full (default): vLLM's eagle3 at K 3/5/7,
+      # our chain and trees of 8-64 nodes; ROWS=free: suffix and hybrid rows
+      mapfile -t S < <(specs "${ROWS:-full}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
+      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
+        --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
+        --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
         --out "$RESULTS/${RUN_NAME:-$1}" ;;
     steps8b)

@@ -5,7 +5,13 @@ side by side with no speculation, one `vllm.LLM` engine per config.
 runs every config in turn, so drift of the machine (clocks, other tenants)
 falls on every row alike; a row's ratio to no speculation is taken per repeat
 (repeat r over the baseline's repeat r) and reported as median and range.
-`order="sequential"` runs one engine at a time instead (less memory).
+`order="restart"` interleaves the same way with one engine alive at a time:
+each (repeat, config) step starts its engine and stops it after, for
+machines where every config's engine does not fit at once (on CPU, each
+costs about 2-3 GB in two processes; with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` an engine runs in this process and
+starts in seconds). `order="sequential"` runs one engine at a time, all of
+its repeats in a row.
 
 **Warm-up**: with `warmup_runs`, each engine first runs every batch size's
 prompts that many times, unmeasured, at the measured settings. Engines
@@ -48,13 +54,14 @@ from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts, vllm_col
 
 logger = logging.getLogger("vllm_specplug.bench")
 NUM_WARMUP_PROMPTS = 2
-ORDERS = ("interleaved", "sequential")
+ORDERS = ("interleaved", "restart", "sequential")
 
 
 @dataclass
 class OfflineRow:
     name: str
     batch_size: int
+    prompt_set: str = ""  # which of the run's prompt sets ("": the only one)
     tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
     ratios: list[float] = field(default_factory=list)  # repeat r / baseline's repeat r
     counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
@@ -186,7 +193,7 @@ def _schedule(specs: list[NamedSpec], repeats: int, order: str) -> list[tuple[in
     """(repeat, spec index) in the order they run."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r}: choose one of {ORDERS}")
-    if order == "interleaved":
+    if order in ("interleaved", "restart"):
         return [(r, s) for r in range(repeats) for s in range(len(specs))]
     return [(r, s) for s in range(len(specs)) for r in range(repeats)]
 
@@ -212,70 +219,107 @@ def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, p
     return llm
 
 
-def _warm_up(llm, rows: list[OfflineRow], prompts, limits: dict[int, int], params,
-             runs: int) -> None:
+def _warm_up(llm, rows: list[OfflineRow], prompt_sets: dict[str, list[BenchPrompt]],
+             limits: dict[int, int], params, runs: int) -> None:
     """`runs` unmeasured passes of each row's batch: the shapes a measured
     repeat meets compile and capture here (counts are read around each
     measured repeat, so these never reach a row)."""
     for row in rows:
         for _ in range(runs):
-            run_conversations(llm, prompts[:limits.get(row.batch_size)], row.batch_size,
+            run_conversations(llm, _row_prompts(row, prompt_sets, limits), row.batch_size,
                               params)
 
 
-def run_offline(model: str, prompts: list[BenchPrompt], specs: list[NamedSpec],
+def _row_prompts(row: OfflineRow, prompt_sets: dict[str, list[BenchPrompt]],
+                 limits: dict[int, int]) -> list[BenchPrompt]:
+    return prompt_sets[row.prompt_set][:limits.get(row.batch_size)]
+
+
+def _as_sets(prompts) -> dict[str, list[BenchPrompt]]:
+    """{set name: prompts}; a plain list is one unnamed set."""
+    if isinstance(prompts, dict):
+        if not prompts:
+            raise ValueError("no prompt sets given")
+        return prompts
+    return {"": list(prompts)}
+
+
+def run_offline(model: str, prompts, specs: list[NamedSpec],
                 batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
                 prompt_limits: dict[int, int] | None = None, phases: bool = False,
                 host_profile: bool = False, warmup_runs: int = 0,
-                **engine_kwargs) -> list[OfflineRow]:
-    """One row per (spec, batch size). The first spec is the baseline; a spec
-    whose engine fails gets rows with `error` set and the others go on.
-    `prompt_limits` {batch size: N} runs only the first N prompts at that
-    batch size (batch 1 of a whole set takes long). With `phases`, each row
-    also gets where its steps' time went, after its last repeat; with
-    `host_profile` too, the functions its host time went to. `warmup_runs`:
-    unmeasured passes of every batch size when an engine has started."""
+                on_step=None, **engine_kwargs) -> list[OfflineRow]:
+    """One row per (spec, prompt set, batch size). `prompts`: a list of
+    `BenchPrompt`s, or {set name: list} to run several sets on the same
+    engines (an engine's start costs more than its generations on a GPU).
+    The first spec is the baseline; a spec whose engine fails gets rows with
+    `error` set and the others go on. `prompt_limits` {batch size: N} runs
+    only the first N prompts of a set at that batch size (batch 1 of a whole
+    set takes long). With `phases`, each row also gets where its steps' time
+    went, after its last repeat; with `host_profile` too, the functions its
+    host time went to. `warmup_runs`: unmeasured passes of every row when an
+    engine has started. `on_step(rows)`, if given, sees every row after each
+    (repeat, spec) step: a run cut short keeps what it measured."""
     limits = prompt_limits or {}
+    prompt_sets = _as_sets(prompts)
     schedule = _schedule(specs, repeats, order)
     engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
                                      if order == "interleaved" else 1)
     engine_kwargs.setdefault("max_num_seqs", max(batch_sizes))
-    rows = [[OfflineRow(s.name, b) for b in batch_sizes] for s in specs]
-    last_use = {s: i for i, (_, s) in enumerate(schedule)}
+    rows = [[OfflineRow(s.name, b, set_name) for set_name in prompt_sets for b in batch_sizes]
+            for s in specs]
+    # restart: each (repeat, spec) step starts its engine and stops it after
+    last_use = {s: i for i, (_, s) in enumerate(schedule)} if order != "restart" else None
     engines: dict[int, object] = {}
     collectors: dict[int, list] = {}  # each engine's own Prometheus collectors
-    with ExitStack() as all_engines, tqdm(total=len(schedule) * len(batch_sizes),
+    with ExitStack() as all_engines, tqdm(total=len(schedule) * len(rows[0]),
                                           desc="bench", unit="run") as progress:
         stacks = {s: all_engines.enter_context(ExitStack()) for s in range(len(specs))}
         for step, (repeat, s) in enumerate(schedule):
             progress.set_postfix_str(f"{specs[s].name} repeat {repeat + 1}")
             if s not in engines:
-                engines[s] = _start(stacks[s], model, specs[s], engine_kwargs, prompts, rows[s])
+                engines[s] = _start(stacks[s], model, specs[s], engine_kwargs,
+                                    next(iter(prompt_sets.values())), rows[s])
                 collectors[s] = vllm_collectors()
                 if engines[s] is not None and warmup_runs:
                     progress.set_postfix_str(f"{specs[s].name} warm-up")
-                    _warm_up(engines[s], rows[s], prompts, limits, params, warmup_runs)
+                    _warm_up(engines[s], rows[s], prompt_sets, limits, params, warmup_runs)
             for row in rows[s]:
                 if engines[s] is not None:
-                    _measure(engines[s], row, prompts[:limits.get(row.batch_size)], params,
-                             keep_tokens=repeat == 0, collectors=collectors[s])
-                    if repeat == 0 and s == 0 and params.temperature == 0:
-                        _record_top2_gaps(engines[s], row, prompts[:limits.get(row.batch_size)],
-                                          params)
-                    if (phases or host_profile) and repeat == repeats - 1:
-                        _probe_phases(engines[s], row, prompts, params, host_profile)
+                    _run_row(engines[s], row, prompt_sets, limits, params, collectors[s],
+                             first=repeat == 0, baseline=s == 0,
+                             probe=(phases or host_profile) and repeat == repeats - 1,
+                             host_profile=host_profile)
                 progress.update(1)
-            if last_use[s] == step:
+            if last_use is None and engines[s] is not None:  # a failed one stays failed
+                stacks[s].close()
+                del engines[s]
+            elif last_use is not None and last_use[s] == step:
                 stacks[s].close()  # sequential order: free the engine now
+            if on_step is not None:
+                on_step([row for spec_rows in rows for row in spec_rows])
     flat = [row for spec_rows in rows for row in spec_rows]
     _compare_to_baseline(flat, specs[0].name, greedy=params.temperature == 0)
     return flat
 
 
+def _run_row(llm, row: OfflineRow, prompt_sets, limits, params, collectors, first: bool,
+             baseline: bool, probe: bool, host_profile: bool) -> None:
+    """One measured repeat of `row`; the baseline's first also records its
+    top-2 gaps, and a last repeat with `probe` runs the phase probe."""
+    prompts = _row_prompts(row, prompt_sets, limits)
+    _measure(llm, row, prompts, params, keep_tokens=first, collectors=collectors)
+    if first and baseline and params.temperature == 0:
+        _record_top2_gaps(llm, row, prompts, params)
+    if probe:
+        _probe_phases(llm, row, prompt_sets[row.prompt_set], params, host_profile)
+
+
 def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) -> None:
-    base = {r.batch_size: r for r in rows if r.name == baseline and r.error is None}
+    base = {(r.prompt_set, r.batch_size): r for r in rows
+            if r.name == baseline and r.error is None}
     for row in rows:
-        ref = base.get(row.batch_size)
+        ref = base.get((row.prompt_set, row.batch_size))
         if row.error is not None or ref is None:
             continue
         row.ratios = [ours / theirs for ours, theirs in
@@ -289,10 +333,11 @@ def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) ->
 
 
 def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],
-                 max_tokens: int, repeats: int = 1, **engine_kwargs) -> list[OfflineRow]:
+                 max_tokens: int, repeats: int = 1, order: str = "interleaved",
+                 **engine_kwargs) -> list[OfflineRow]:
     """All `inputs` (texts, token-id prompts or `BenchPrompt`s) as one greedy
-    batch through each method, `repeats` times interleaved; the first method
-    must be the baseline (config None)."""
+    batch through each method, `repeats` times in `order` (ORDERS); the first
+    method must be the baseline (config None)."""
     from vllm import SamplingParams
 
     names = list(methods)
@@ -302,4 +347,4 @@ def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],
     prompts = [p if isinstance(p, BenchPrompt) else bench_prompt_of_input(p) for p in inputs]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return run_offline(str(model), prompts, specs, [len(prompts)], repeats, params,
-                       **engine_kwargs)
+                       order=order, **engine_kwargs)

@@ -198,11 +198,25 @@ def write_results(out_dir: str | Path, stem: str, table: str, rows, settings: di
     return paths
 
 
+def row_label(row) -> str:
+    """The method's name, and its prompt set in a run of several."""
+    prompt_set = getattr(row, "prompt_set", "")
+    return f"{row.name} [{prompt_set}]" if prompt_set else row.name
+
+
+def rows_by_set(rows) -> dict[str, list]:
+    """{prompt set: its rows}, in the run's order ("": a run of one set)."""
+    groups: dict[str, list] = {}
+    for row in rows:
+        groups.setdefault(getattr(row, "prompt_set", ""), []).append(row)
+    return groups
+
+
 def _by_name(rows) -> dict[str, list]:
     groups: dict[str, list] = {}
     for row in rows:
         if getattr(row, "error", None) is None:
-            groups.setdefault(row.name, []).append(row)
+            groups.setdefault(row_label(row), []).append(row)
     return groups
 
 

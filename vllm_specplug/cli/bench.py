@@ -23,11 +23,13 @@ PUBLIC_PROMPT_SETS = ("mt-bench", "humaneval")     # chat sets, from the package
 
 
 def _common(parser) -> None:
-    parser.add_argument("--prompts", default=None, help="a public set ("
+    parser.add_argument("--prompts", action="append", default=None, help="a public set ("
                         + ", ".join(PUBLIC_PROMPT_SETS) + "; MT-Bench runs both turns); "
                         "JSONL, one request a line: {\"messages\": [...]} or "
                         "{\"turns\": [...]} (chat) or {\"prompt\": \"...\"} (plain); "
-                        "or a set for the built-in model: " + ", ".join(BUILTIN_PROMPT_SETS))
+                        "or a set for the built-in model: " + ", ".join(BUILTIN_PROMPT_SETS)
+                        + ". offline: repeat for several sets on the same engines, one "
+                        "table each")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N lines")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -52,10 +54,13 @@ def add_parser(sub) -> None:
                          help="unmeasured passes of each batch size when an engine has "
                          "started: shapes seen first compile kernels and capture graphs "
                          "there, not in a measured repeat (0: none)")
-    offline.add_argument("--order", choices=("interleaved", "sequential"),
+    offline.add_argument("--order", choices=("interleaved", "restart", "sequential"),
                          default="interleaved", help="interleaved: all engines start, "
                          "then each repeat runs every spec in turn (drift falls on every "
-                         "row alike); sequential: one engine at a time (less memory)")
+                         "row alike); restart: the same turns with one engine alive at a "
+                         "time, started and stopped at each (less memory; quick with "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU); sequential: one "
+                         "engine at a time, all its repeats in a row")
     offline.add_argument("--limit-prompts", action="append", default=[], metavar="BATCH=N",
                          help="at batch size BATCH run only the first N prompts "
                          "(e.g. 1=12: batch 1 over a whole set takes long); repeatable")
@@ -104,20 +109,28 @@ def _builtin_prompt_sets():  # built-in model's sets, plain completion text
     return {"held-out": held_out_prompts, "repeat-edit": repetitive_prompts}
 
 
-def _load_prompts(args):
+def _load_prompt_sets(args) -> dict:
+    """{--prompts value: its prompts}, each --prompts in the order given."""
+    if not args.prompts:
+        raise ValueError("--prompts is required: a JSONL file, a public set "
+                         f"({', '.join(PUBLIC_PROMPT_SETS)}), or a built-in set "
+                         f"({', '.join(BUILTIN_PROMPT_SETS)}) for the built-in model")
+    if len(set(args.prompts)) != len(args.prompts):
+        raise ValueError(f"--prompts {' '.join(args.prompts)}: a set is given twice")
+    return {name: _load_prompts(name, args.num_prompts) for name in args.prompts}
+
+
+def _load_prompts(name: str, num_prompts: int | None):
     from vllm_specplug.bench.prompts import BenchPrompt, read_bench_prompts
 
-    if args.prompts is None:
-        raise ValueError("--prompts is required: a JSONL file, or a built-in set "
-                         f"({', '.join(BUILTIN_PROMPT_SETS)}) for the built-in model")
-    if args.prompts in BUILTIN_PROMPT_SETS:
-        texts = _builtin_prompt_sets()[args.prompts](args.num_prompts or 24)
+    if name in BUILTIN_PROMPT_SETS:
+        texts = _builtin_prompt_sets()[name](num_prompts or 24)
         return [BenchPrompt(text=t) for t in texts]
-    if args.prompts in PUBLIC_PROMPT_SETS:
+    if name in PUBLIC_PROMPT_SETS:
         from vllm_specplug.bench.sets import load_public_set
 
-        return load_public_set(args.prompts, args.num_prompts)
-    return read_bench_prompts(args.prompts, args.num_prompts)
+        return load_public_set(name, num_prompts)
+    return read_bench_prompts(name, num_prompts)
 
 
 def _positive(args, *names) -> None:
@@ -149,6 +162,7 @@ def _finish(rows, table: str, out: str | None, mode: str, settings: dict) -> int
     print(table)
     if out:
         paths = write_results(out, mode, table, rows, settings)
+        (Path(out) / PARTIAL_FILE).unlink(missing_ok=True)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     # a request that first differs at a near-tie of the baseline is no failure
     # (bench/offline.py); any other difference is
@@ -197,7 +211,7 @@ def run_offline_command(args) -> int:
             raise ValueError(f"--model {model}: no such directory (a local model "
                              "directory, a hub id, or a built-in name such as 'tiny')")
         schema = _json_schema(args.json_schema)
-        prompts = _load_prompts(args)
+        prompt_sets = _load_prompt_sets(args)
     except (SpecError, PromptFileError, AssetError, MissingDependencyError, ValueError,
             FileNotFoundError) as error:
         return _fail(error)
@@ -207,30 +221,66 @@ def run_offline_command(args) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0,
                             structured_outputs=StructuredOutputsParams(json=schema)
                             if schema is not None else None)
+    # one set keeps its rows unlabelled, as before sets could be several
+    prompts = (prompt_sets if len(prompt_sets) > 1 else next(iter(prompt_sets.values())))
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
                        order=args.order, prompt_limits=limits, phases=args.phases,
                        host_profile=args.host_profile, warmup_runs=args.warmup_runs,
-                       max_model_len=args.max_model_len, dtype=args.dtype, **engine_kwargs)
-    settings = {"model": model, "prompts": args.prompts, "num_prompts": len(prompts),
-                "num_turns": sum(p.num_turns for p in prompts),
+                       on_step=_partial_writer(args.out), max_model_len=args.max_model_len,
+                       dtype=args.dtype, **engine_kwargs)
+    all_prompts = [p for set_prompts in prompt_sets.values() for p in set_prompts]
+    settings = {"model": model, "prompts": args.prompts[0] if len(args.prompts) == 1
+                else args.prompts, "num_prompts": len(all_prompts),
+                "num_turns": sum(p.num_turns for p in all_prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "repeats": args.repeats, "warmup_runs": args.warmup_runs,
                 "order": args.order, "prompt_limits": limits, "json_schema": schema,
                 "specs": {s.name: s.config for s in specs}}
-    print(f"\n{model}: {len(prompts)} prompts ({settings['num_turns']} turns), "
+    print(f"\n{model}: {len(all_prompts)} prompts ({settings['num_turns']} turns), "
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "
           f"{args.repeats} repeat(s) {args.order}; tok/s = median, x none = median "
           "of per-repeat ratios [min-max]")
-    table = format_offline_table(rows)
-    if args.phases or args.host_profile:
-        from vllm_specplug.bench.report import format_phases_table
+    return _finish(rows, _offline_tables(rows, args.phases, args.host_profile), args.out,
+                   "offline", settings)
 
-        table += "\n\n" + format_phases_table(rows)
-    if args.host_profile:
-        from vllm_specplug.bench.report import format_host_profiles
 
-        table += "\n\n" + format_host_profiles(rows)
-    return _finish(rows, table, args.out, "offline", settings)
+PARTIAL_FILE = "offline.partial.json"
+
+
+def _partial_writer(out: str | None):
+    """Writes the rows measured so far to `out`/offline.partial.json after
+    each step (a run killed at a time limit keeps its repeats); `_finish`
+    removes it once the full results are written."""
+    if not out:
+        return None
+    from vllm_specplug.bench.report import row_dict
+
+    path = Path(out) / PARTIAL_FILE
+
+    def write(rows) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rows": [row_dict(r) for r in rows]}) + "\n")
+        tmp.replace(path)
+
+    return write
+
+
+def _offline_tables(rows, phases: bool, host_profile: bool) -> str:
+    """The tables of each prompt set, one set after the other."""
+    from vllm_specplug.bench.report import (format_host_profiles, format_offline_table,
+                                            format_phases_table, rows_by_set)
+
+    sections = []
+    for prompt_set, set_rows in rows_by_set(rows).items():
+        tables = [format_offline_table(set_rows)]
+        if phases or host_profile:
+            tables.append(format_phases_table(set_rows))
+        if host_profile:
+            tables.append(format_host_profiles(set_rows))
+        title = [f"== prompts: {prompt_set} =="] if prompt_set else []
+        sections.append("\n\n".join(title + tables))
+    return "\n\n".join(sections)
 
 
 def _servers(urls: list[str], model_name: str | None):
@@ -254,13 +304,16 @@ def run_online_command(args) -> int:
 
     try:
         _positive(args, "concurrency", "max_tokens")
-        prompts = _load_prompts(args)
+        prompt_sets = _load_prompt_sets(args)
+        if len(prompt_sets) > 1:
+            raise ValueError("bench online takes one --prompts set; run it once per set")
+        prompts = next(iter(prompt_sets.values()))
         servers = _servers(args.url, args.model_name)
     except (ServerError, PromptFileError, ValueError) as error:
         return _fail(error)
     rows = run_online(servers, prompts, args.concurrency, args.max_tokens,
                       args.temperature, args.timeout)
-    settings = {"servers": {s.name: s.url for s in servers}, "prompts": args.prompts,
+    settings = {"servers": {s.name: s.url for s in servers}, "prompts": args.prompts[0],
                 "num_prompts": len(prompts), "max_tokens": args.max_tokens,
                 "temperature": args.temperature}
     print(f"\n{len(prompts)} requests per level, {args.max_tokens} max new tokens, "

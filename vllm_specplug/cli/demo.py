@@ -98,9 +98,10 @@ def demo_inputs(model: str, num_prompts: int | None) -> tuple[str, list, dict]:
 
         # fp32, the weights the demo's head was made with: exact means token
         # for token (bf16 rounding under other batch shapes flips near-ties),
-        # and most CPUs run vLLM's fp32 path faster than its bf16 one
+        # and most CPUs run vLLM's fp32 path faster than its bf16 one. Said
+        # explicitly: vLLM's "auto" dtype runs a float32 checkpoint in bf16.
         return (str(build_smollm2("float32")), load_public_set("mt-bench", num_prompts or 4),
-                {})
+                {"dtype": "float32"})
     from vllm_specplug.models import build_model, held_out_prompts
 
     return str(build_model(model)), held_out_prompts(num_prompts or 24), {}

@@ -48,6 +48,7 @@ def extract_magpie_data(model_dir, work: Path, num_prompts: int, max_new_tokens:
     answers and hidden states (resumable: the extraction's manifest).
     `batch_size`: prompts a batch and the engines' max_num_seqs (None: 128
     prompts a batch at the engines' defaults)."""
+    from vllm_specplug.extraction.pipeline import model_num_layers
     from vllm_specplug.public_sets import PUBLIC_SETS, question_texts
     from vllm_specplug.engine import running_llm
     from vllm_specplug.training.magpie import sample_prompts, write_prompts_file
@@ -55,7 +56,10 @@ def extract_magpie_data(model_dir, work: Path, num_prompts: int, max_new_tokens:
     prompts = work / "magpie_prompts.jsonl"
     if not prompts.is_file():
         exclude = {name: question_texts(name) for name in PUBLIC_SETS}
-        with running_llm(model_dir, dtype="auto", max_model_len=max_model_len,
+        # the checkpoint's own dtype, as the extraction uses: vLLM's "auto"
+        # would sample a float32 checkpoint in bf16
+        dtype = model_num_layers(str(model_dir))[2]
+        with running_llm(model_dir, dtype=dtype, max_model_len=max_model_len,
                          max_num_seqs=batch_size or 256) as llm:
             texts, report = sample_prompts(llm, num_prompts, exclude)
         (work / "magpie_report.json").write_text(json.dumps(report.as_dict(), indent=2))

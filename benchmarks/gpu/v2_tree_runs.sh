@@ -17,7 +17,7 @@
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
 #            issue's table (ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
-#            ROWS=free: vLLM suffix, ours suffix and hybrid; HEAD as above, default
+#            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; HEAD as above, default
 #            .gpu/heads/smollm2-eagle3-demo)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
@@ -36,7 +36,10 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
   local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
-  if [ "$1" = full ] || [ "$1" = free ]; then full_specs "$1" "$h"; return 0; fi
+  if [ "$1" = full ]; then full_specs full "$h"; return 0; fi
+  # free: every model-free row (engines in their own processes here, so vLLM's
+  # numba-backed ngram runs beside the others)
+  if [ "$1" = free ]; then full_specs ngram "$h"; full_specs free "$h"; return 0; fi
   case "$1" in sized-only|split-ab|chain-ab) ;; *) printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" ;; esac
   local sized_k='"num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]'
   case "$1" in
@@ -107,7 +110,7 @@ run() {
     smollm2-sets)
       # MT-Bench and HumanEval on the same engines (an engine's start costs more
       # than its generations here); ROWS=full (default): vLLM's eagle3 at K 3/5/7,
-      # our chain and trees of 8-64 nodes; ROWS=free: suffix and hybrid rows
+      # our chain and trees of 8-64 nodes; ROWS=free: the model-free rows
       mapfile -t S < <(specs "${ROWS:-full}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
       bash benchmarks/gpu/host.sh real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \

@@ -221,6 +221,7 @@ def run_offline_command(args) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0,
                             structured_outputs=StructuredOutputsParams(json=schema)
                             if schema is not None else None)
+    _warn_replayed_cache(specs, args.repeats + args.warmup_runs)
     # one set keeps its rows unlabelled, as before sets could be several
     prompts = (prompt_sets if len(prompt_sets) > 1 else next(iter(prompt_sets.values())))
     rows = run_offline(model, prompts, specs, args.batch_sizes, args.repeats, params,
@@ -242,6 +243,19 @@ def run_offline_command(args) -> int:
           "of per-repeat ratios [min-max]")
     return _finish(rows, _offline_tables(rows, args.phases, args.host_profile), args.out,
                    "offline", settings)
+
+
+def _warn_replayed_cache(specs, num_passes: int) -> None:
+    from vllm_specplug.bench.specs import replayed_suffix_cache_rows
+
+    names = replayed_suffix_cache_rows(specs, num_passes)
+    if names:
+        print(f"note: {', '.join(names)} keep a global suffix cache, and the prompts run "
+              f"{num_passes} times (warm-up + repeats): later passes draft from the same "
+              "prompts' earlier outputs, so their acceptance is higher than a server's on "
+              "new questions. To measure without: \"max_cached_requests\": 0 (ours, also "
+              "inside specplug_hybrid's proposers), \"suffix_decoding_max_cached_requests\": "
+              "0 (vLLM's suffix).", file=sys.stderr)
 
 
 PARTIAL_FILE = "offline.partial.json"

@@ -25,7 +25,7 @@ kernel_pid=$!
 .venv/bin/vllm-specplug build-model tiny-mtp >/dev/null
 .venv/bin/lint-imports --no-cache | tail -6   # the layer contracts
 rc=0
-.venv/bin/python -m pytest tests -q -rs --ignore=tests/kernels || rc=$?
+.venv/bin/python -m pytest tests -q -rs --durations=25 --ignore=tests/kernels || rc=$?   # the slowest 25: where CI time goes
 kernel_rc=0
 wait "$kernel_pid" || kernel_rc=$?
 echo "== tests/kernels (run beside the others) =="

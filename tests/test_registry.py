@@ -38,10 +38,22 @@ def test_builtins_register_through_entry_points():
      r"specplug_hybrid.proposers\[0\]: .*method 'x'"),
     ({"method": "specplug_ngram", "num_speculative_tokens": 2, "model": "m"},
      r"'model' is not accepted"),
+    # issue 29: a draft sharded over ranks is refused, not run replicated in silence
+    ({"method": "specplug_ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     r"draft_tensor_parallel_size=2 is not supported: .* Remove draft_tensor_parallel_size "
+     r"or set it to 1"),
+    ({"method": "specplug_mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 4},
+     r"'specplug_mtp': draft_tensor_parallel_size=4 is not supported"),
 ])
 def test_bad_config_names_the_field(config, message):
     with pytest.raises(ProposerConfigError, match=message):
         translate(config)
+
+
+def test_draft_tensor_parallel_size_one_is_accepted():
+    vllm_config, _ = translate({"method": "specplug_ngram", "num_speculative_tokens": 2,
+                                "draft_tensor_parallel_size": 1})
+    assert vllm_config["draft_tensor_parallel_size"] == 1
 
 
 def test_engine_refuses_unknown_method_with_our_list(tiny_model_dir):

@@ -99,6 +99,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if hasattr(parsed, "resolved"):
         parsed = parsed.resolved(rest.get("num_speculative_tokens"))
     check_adaptive_verification(method, cls, parsed, rest)
+    check_draft_tensor_parallel(method, rest)
     selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
                                   max_failures, adaptive)
     return {**rest, "num_speculative_tokens": num_spec, "method": "custom_class",
@@ -133,6 +134,25 @@ def check_adaptive_verification(method: str, cls, options, rest: dict[str, Any])
         "trees verify every node they keep, and the model-free methods choose their draft "
         f"lengths with the {ADAPTIVE_OPTION!r} option instead. Set topk=1 or drop "
         f"{ADAPTIVE_VERIFICATION_FIELD}")
+
+
+DRAFT_TP_FIELD = "draft_tensor_parallel_size"
+
+
+def check_draft_tensor_parallel(method: str, rest: dict[str, Any]) -> None:
+    """Our drafters run whole on every rank of a sharded target: the
+    model-free ones on the host, the EAGLE-3 and MTP heads replicated (one
+    decoder layer: a shard's all-reduces would cost more than its FLOPs save;
+    the target's embedding is all-gathered once at load, integration/head_drafter).
+    A draft sharded over ranks is refused here, before any engine starts,
+    instead of being silently run replicated."""
+    value = rest.get(DRAFT_TP_FIELD)
+    if value is None or value == 1:
+        return
+    raise ProposerConfigError(
+        f"speculative_config for method {method!r}: {DRAFT_TP_FIELD}={value!r} is not "
+        "supported: vllm-specplug drafts whole on every rank of a tensor-parallel target "
+        f"(heads replicated, draft tensor parallel size 1). Remove {DRAFT_TP_FIELD} or set it to 1")
 
 
 def check_target(selection: ProposerSelection, target_hf) -> None:

@@ -67,6 +67,19 @@ def test_rows_that_would_draft_from_their_own_earlier_answers_are_named():
     assert replayed_suffix_cache_rows(specs, num_passes=1) == []
 
 
+def test_bench_offline_notes_rows_that_replay_their_answers(capsys):
+    from vllm_specplug.cli.bench import _warn_replayed_cache
+
+    specs = named_specs(['{"method": "specplug_suffix", "num_speculative_tokens": 5}'])
+    _warn_replayed_cache(specs, num_passes=4)  # bench offline: repeats + warm-up runs
+    note = capsys.readouterr().err
+    assert note.startswith("note: a global suffix cache in specplug_suffix, and the prompts "
+                           "run 4 times")
+    assert '"max_cached_requests": 0' in note
+    _warn_replayed_cache(specs, num_passes=1)
+    assert capsys.readouterr().err == ""
+
+
 def test_prompt_file_forms_and_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n\n'

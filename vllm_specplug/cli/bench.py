@@ -250,7 +250,7 @@ def _warn_replayed_cache(specs, num_passes: int) -> None:
 
     names = replayed_suffix_cache_rows(specs, num_passes)
     if names:
-        print(f"note: {', '.join(names)} keep a global suffix cache, and the prompts run "
+        print(f"note: a global suffix cache in {', '.join(names)}, and the prompts run "
               f"{num_passes} times (warm-up + repeats): later passes draft from the same "
               "prompts' earlier outputs, so their acceptance is higher than a server's on "
               "new questions. To measure without: \"max_cached_requests\": 0 (ours, also "

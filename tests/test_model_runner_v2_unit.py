@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.v2_helpers import K, Spy, States, make_speculator, step
-from vllm_specplug.integration.v2.speculator import gather_step_tokens
+from vllm_specplug.integration.v2.speculator import SharedDrafts, gather_step_tokens
 from vllm_specplug.proposers.base import StopReason
 
 
@@ -92,6 +92,45 @@ def test_adapter_takes_drafts_once_and_skips_dummy_runs():
                              None, dummy_run=True)
     assert out.shape == (1, K)
     assert speculator.take_drafts() == ([], [])
+
+
+class Broadcast:
+    """An in-process stand-in for the group's in-place broadcast from the
+    first rank: that rank's call posts its tensor, the next rank's copies it."""
+
+    def __init__(self) -> None:
+        self.posted: list[torch.Tensor] = []
+
+    def rank(self, first: bool) -> SharedDrafts:
+        def broadcast(drafts: torch.Tensor) -> None:
+            if first:
+                self.posted.append(drafts.clone())
+            else:
+                drafts.copy_(self.posted.pop(0))
+        return SharedDrafts(first, broadcast)
+
+
+def test_a_sharded_target_drafts_once_on_the_first_rank():
+    """At tensor parallelism the first rank drafts and the others take its
+    drafts: the second rank's proposer is never called, and its draft
+    tensor equals the first rank's, padding included."""
+    broadcast = Broadcast()
+    first_states, second_states = States(), States()
+    first = make_speculator(first_states, shared=broadcast.rank(True))
+    second = make_speculator(second_states, shared=broadcast.rank(False))
+    spy = Spy(second.session.proposer)
+    for states in (first_states, second_states):
+        states.add("a", 3, CYCLE * 3)
+        states.add("b", 1, [1, 2, 3, 4, 5, 6])
+    for tokens in ([7], [8], [9]):
+        for states in (first_states, second_states):
+            states.sample("a", tokens)
+            states.sample("b", [11])
+        drafts, (_, lists), _ = step(first, first_states, ["a", "b"], [1, 1])
+        taken, second_taken, lengths = step(second, second_states, ["a", "b"], [1, 1])
+        assert torch.equal(taken, drafts) and lists[0] and not broadcast.posted
+        assert second_taken == ([], []) and lengths is None  # the first rank reports
+    assert spy.take() == [] and not second.session.active
 
 
 # ------------------------------------------------ the VllmConfig decision

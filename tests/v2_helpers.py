@@ -73,7 +73,7 @@ class Spy:
 
 
 def make_speculator(states: States, use_device_drafter: bool = False,
-                    device: str = "cpu") -> SpecplugV2Speculator:
+                    device: str = "cpu", shared=None) -> SpecplugV2Speculator:
     _, selection = translate({"method": "specplug_ngram", "num_speculative_tokens": K,
                               "prompt_lookup_min": 2, "prompt_lookup_max": 3,
                               "adaptive": False})  # drafts as proposed (the adapter alone)
@@ -85,7 +85,7 @@ def make_speculator(states: States, use_device_drafter: bool = False,
                                          scheduler_cls=None),
         model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: 1000))
     return SpecplugV2Speculator(config, torch.device(device), states,
-                                use_device_drafter=use_device_drafter)
+                                use_device_drafter=use_device_drafter, shared=shared)
 
 
 def step(speculator, states: States, req_ids: list[str], num_sampled: list[int]):

@@ -10,6 +10,10 @@ written there, into the work folder, when missing):
 
     python3 benchmarks/gpu/bench_v2_steps.py run --work .gpu/work --out $OUT
 
+`--tensor-parallel-size 2` shards the target over two GPUs (issue 29): vLLM's
+`eagle3` head is then sharded like the target, ours is replicated (each rank
+runs it whole), so the draft phase's times compare the two placements.
+
 One engine per method at a time (five 8B engines do not fit one GPU), each
 timing `REPEATS` times two generation lengths per batch size: the
 difference cancels prefill, and the decode steps come from vLLM's own
@@ -41,7 +45,11 @@ def methods(head: str) -> dict[str, dict | None]:
             "vllm-eagle3-K5": {"method": "eagle3", "model": head, "num_speculative_tokens": 5},
             "ours-chain-K5": {**ours, "topk": 1, "num_steps": 5},
             "ours-tree16": {**ours, "topk": 4, "num_steps": 4, "num_draft_tokens": 16},
-            "ours-tree32": {**ours, "topk": 4, "num_steps": 8, "num_draft_tokens": 32}}
+            "ours-tree32": {**ours, "topk": 4, "num_steps": 8, "num_draft_tokens": 32},
+            "vllm-ngram-K5": {"method": "ngram", "num_speculative_tokens": 5,
+                              "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+            "ours-ngram-K5": {"method": "specplug_ngram", "num_speculative_tokens": 5,
+                              "prompt_lookup_min": 2, "prompt_lookup_max": 5}}
 
 
 def _timed(llm, prompts, max_tokens: int) -> tuple[float, int]:
@@ -75,17 +83,19 @@ def phases(llm, prompts) -> dict:
     return probe(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
 
 
-def run(work: Path, out: Path, names: list[str] | None) -> None:
+def run(work: Path, out: Path, names: list[str] | None, tensor_parallel_size: int = 1) -> None:
     from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME
     from vllm_specplug.engine import make_llm, shutdown_llm
 
     target, head = build_8b(work)
-    chosen = {k: v for k, v in methods(str(head)).items() if not names or k in names}
+    chosen = {k: v for k, v in methods(str(head)).items()
+              if (k in names if names else "ngram" not in k)}
     done = out / "v2_steps.json"  # a run split over calls: keep the other methods' rows
     rows = [r for r in (json.loads(done.read_text()) if done.exists() else [])
             if r["method"] not in chosen]
     for name, spec in chosen.items():
         llm = make_llm(target, spec, **ENGINE_8B, enforce_eager=False, max_num_seqs=64,
+                       tensor_parallel_size=tensor_parallel_size,
                        worker_extension_cls=WORKER_INFO_QUALNAME)
         try:
             llm.generate(prompts_8b(2), use_tqdm=False)  # warm-up
@@ -93,6 +103,7 @@ def run(work: Path, out: Path, names: list[str] | None) -> None:
                 prompts = prompts_8b(batch)
                 times = [step_ms(llm, prompts) for _ in range(REPEATS)]
                 rows.append({"method": name, "spec": spec, "batch": batch, "step_ms": times,
+                             "tensor_parallel_size": tensor_parallel_size,
                              "phases": phases(llm, prompts)})
         finally:
             shutdown_llm(llm)
@@ -126,9 +137,12 @@ def main() -> None:
     parser.add_argument("step", choices=["run"])
     parser.add_argument("--work", type=Path, default=Path(".gpu/work"))
     parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--methods", nargs="*", help="a subset of the method names")
+    parser.add_argument("--methods", nargs="*", help="a subset of the method names "
+                        "(default: all but the n-gram rows)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs the target is sharded over")
     args = parser.parse_args()
-    run(args.work, args.out, args.methods)
+    run(args.work, args.out, args.methods, args.tensor_parallel_size)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@
 #            .gpu/heads/smollm2-eagle3-demo)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
-#   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py)
+#   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
+#            it; TP=2 shards the target over a 2-GPU kind; RUN_NAME names the results)
+#   tp2-tests  tests/gpu/test_tensor_parallel_cuda.py on a 2-GPU kind (K="-k" expression)
 # Every speculative engine of these runs is on Model Runner V2 (the bench
 # records runner and speculator per row).
 set -uo pipefail
@@ -121,7 +123,15 @@ run() {
       # spawn: a forked engine after CUDA is up hung at model loading (2026-11-25)
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
       export VLLM_WORKER_MULTIPROC_METHOD=spawn
-      python3 benchmarks/gpu/bench_v2_steps.py run --work "$W" --out "$RESULTS/steps8b" "${@:2}" ;;
+      python3 benchmarks/gpu/bench_v2_steps.py run --work "$W" --out "$RESULTS/${RUN_NAME:-steps8b}" ${TP:+--tensor-parallel-size "$TP"} \
+        "${@:2}" ;;
+    tp2-tests)
+      export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+      export VLLM_WORKER_MULTIPROC_METHOD=spawn
+      mkdir -p "$RESULTS/tp2-tests"
+      python3 -m pytest -v -rs tests/gpu/test_tensor_parallel_cuda.py ${K:+-k "$K"} \
+        > "$RESULTS/tp2-tests/pytest.txt" 2>&1
+      tail -5 "$RESULTS/tp2-tests/pytest.txt" ;;
   esac
 }
 

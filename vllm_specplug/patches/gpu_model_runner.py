@@ -32,12 +32,23 @@ def _propose_draft_token_ids(original):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             spec_decode_metadata, common_attn_metadata, slot_mappings)
+        if not (drafter.drafts_on_every_rank or _drafts_reach_scheduler()):
+            return drafter.no_drafts(self)
         outputs = {"hidden_states": hidden_states, "aux_hidden_states": aux_hidden_states,
                    "sample_hidden_states": sample_hidden_states,
                    "spec_decode_metadata": spec_decode_metadata}
         return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids, outputs)
 
     return propose_draft_token_ids
+
+
+def _drafts_reach_scheduler() -> bool:
+    """Whether this worker's drafts reach the scheduler: vLLM reads the step
+    output of the first rank of the tensor-parallel group only, and hands its
+    drafts to every rank with the next scheduler output."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().is_first_rank
 
 
 def _on_request_state_removed(original):

@@ -46,9 +46,25 @@ def _init_speculator(original):
             return original(vllm_config, device, req_states)
         if issubclass(get_proposer_class(selection.method), TreeProposer):
             return SpecplugV2HeadSpeculator(vllm_config, device, req_states)
-        return SpecplugV2Speculator(vllm_config, device, req_states)
+        return SpecplugV2Speculator(vllm_config, device, req_states,
+                                    shared=_shared_drafts(vllm_config))
 
     return init_speculator
+
+
+def _shared_drafts(vllm_config):
+    """With the target sharded, the first rank of the tensor-parallel group
+    drafts on the host and broadcasts its drafts to the others
+    (`SharedDrafts`); trees draft on every rank (a replicated head, the
+    same tokens: the same trees)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from vllm_specplug.integration.v2.speculator import SharedDrafts
+
+    group = get_tp_group()
+    return SharedDrafts(group.is_first_rank, lambda drafts: group.broadcast(drafts, src=0))
 
 
 def _take_draft_token_ids(original):

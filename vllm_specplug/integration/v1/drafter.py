@@ -19,6 +19,16 @@ from vllm_specplug.proposers.base import ProposeBatch, StopReason
 
 
 class SpecplugDrafter(ProposerSession, V1DrafterHooks):
+    # At tensor parallelism the first rank drafts once for all: the others
+    # would repeat its work, and their adaptive controllers, timing their own
+    # steps, would cut differently (patches/gpu_model_runner.py).
+    drafts_on_every_rank = False
+
+    def no_drafts(self, runner) -> list[list[int]]:
+        runner._draft_probs = None
+        runner._draft_prob_req_ids = None
+        return [[] for _ in runner.input_batch.req_ids]
+
     def load_model(self, *args, **kwargs) -> None:
         """Model-free proposers load nothing (the CPU runner calls this)."""
 
@@ -50,11 +60,9 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
                            outputs: dict) -> list[list[int]]:
-        runner._draft_probs = None  # drafts without probabilities
-        runner._draft_prob_req_ids = None
+        drafts = self.no_drafts(runner)  # drafts without probabilities
         input_batch = runner.input_batch
         num_reqs = len(input_batch.req_ids)
-        drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         if self.guard.disabled:
             return drafts
         self.begin_step(int(scheduler_output.total_num_scheduled_tokens))

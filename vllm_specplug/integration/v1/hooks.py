@@ -11,6 +11,16 @@ from __future__ import annotations
 class V1DrafterHooks:
     """Runner hooks; the defaults are what a drafter that needs none does."""
 
+    # False: with the target sharded, only the rank whose drafts reach the
+    # scheduler drafts (the scheduler sends them to every rank), and the
+    # others take `no_drafts`. Trees keep per-rank state, so they draft on
+    # every rank.
+    drafts_on_every_rank = True
+
+    def no_drafts(self, runner) -> list[list[int]]:
+        """A rank's drafts when another rank drafts for it."""
+        raise NotImplementedError
+
     def propose(self, *args, **kwargs):
         raise RuntimeError("vllm-specplug's model-runner hook is not installed in this "
                            "worker; the plugin did not register here")

@@ -20,6 +20,13 @@ into `req_states.draft_tokens`. Our proposers run on the host, so each step:
    `specplug_draft_lengths` (async scheduling, `SpecplugAsyncScheduler`),
    both through `patches/gpu_v2_model_runner.py`.
 
+With the target sharded (tensor parallelism), only the first rank drafts on
+the host; a broadcast over the ranks' group gives the others its padded
+drafts (`SharedDrafts`). Every rank feeds its own `req_states.draft_tokens`
+to the next forward, so ranks whose controllers timed their own steps and
+cut drafts differently would verify different tokens; and the others would
+only repeat the first rank's work.
+
 A proposer that offers a `device_drafter` (specplug_ngram) skips all of that:
 its kernels read `req_states.all_token_ids` where vLLM keeps it and write the
 padded drafts in place, with no host synchronisation, as vLLM's own GPU
@@ -27,8 +34,10 @@ n-gram does; the scheduler then reserves K slots per request.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -103,6 +112,17 @@ def lengths_reach_scheduler(scheduler_config) -> bool:
     return any(c.__name__ == "SpecplugAsyncScheduler" for c in getattr(cls, "__mro__", ()))
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedDrafts:
+    """How the ranks of a sharded target share host drafts: the first rank
+    drafts, and `broadcast` (collective, in place) sends its [num_reqs, K]
+    drafts to the others. Built where vLLM's groups are known
+    (`patches/gpu_v2_model_runner.py`)."""
+
+    drafts_here: bool
+    broadcast: Callable[[torch.Tensor], None]
+
+
 class V2SpeculatorHooks:
     """What Model Runner V2 asks of every speculator (`BaseSpeculator`,
     duck-typed: vLLM's ABC needs no registration) besides `propose`, as our
@@ -135,7 +155,8 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
     `init_speculator` when the speculative config selects one of ours."""
 
     def __init__(self, vllm_config, device: torch.device, req_states,
-                 use_device_drafter: bool | None = None) -> None:
+                 use_device_drafter: bool | None = None,
+                 shared: SharedDrafts | None = None) -> None:
         self.session = ProposerSession(vllm_config)
         self.req_states = req_states
         self.device = device
@@ -146,6 +167,8 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
                                   and os.environ.get(HOST_DRAFTING_ENV) != "1")
         self.device_drafter = (self.session.proposer.device_drafter(max_num_reqs)
                                if use_device_drafter else None)
+        # device drafts are computed alike on every rank from the same tokens
+        self.shared = shared if self.device_drafter is None else None
         if self.device_drafter is not None or not (
                 self.session.adaptive_mode == "on"
                 or lengths_reach_scheduler(vllm_config.scheduler_config)):
@@ -181,9 +204,13 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         started = time.perf_counter()
         if self.device_drafter is not None:
             drafts = self._propose_on_device(input_batch, num_sampled[:num_reqs])
+        elif self.shared is not None and not self.shared.drafts_here:
+            drafts = self.drafts[:num_reqs]  # filled by the broadcast below
         else:
             drafts = self._propose_on_host(input_batch, last_hidden_states, num_sampled,
                                            num_rejected, num_speculative_tokens)
+        if self.shared is not None:
+            self.shared.broadcast(drafts)
         self.stats.host_seconds += time.perf_counter() - started
         self.stats.num_steps += 1
         return drafts

@@ -16,9 +16,11 @@ fi
 # after that (vLLM's too) would stay interpreted inside the engines the other
 # tests run in the pytest process (tests/conftest.py, docs/testing.md).
 # They need no model and run mostly on one core, so they run beside the
-# model builds (and the engine tests); docs/testing.md.
+# model builds and the engine tests, at the lowest priority: they take the
+# CPU time the builds and engines leave (process starts, imports, waits)
+# instead of slowing the tiny model's training; docs/testing.md.
 kernel_log=$(mktemp)
-.venv/bin/python -m pytest tests/kernels -q -rs -p no:cacheprovider > "$kernel_log" 2>&1 &
+nice -n 19 .venv/bin/python -m pytest tests/kernels -q -rs -p no:cacheprovider > "$kernel_log" 2>&1 &
 kernel_pid=$!
 .venv/bin/vllm-specplug build-model tiny >/dev/null
 .venv/bin/vllm-specplug build-model tiny-eagle3 >/dev/null

@@ -41,7 +41,8 @@ def runner_state(worker) -> dict:
 
 def adaptive_controller(worker):
     """The worker's `AdaptiveController` (vllm_specplug/adaptive/): the V1
-    drafter's or the V2 speculator's session's; None when off or absent."""
+    drafter's or the V2 speculator's session's, or the V1 tree drafter's
+    `TreeBudget`; None when off or absent."""
     runner = worker.model_runner
     speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
     return getattr(getattr(speculator, "session", speculator), "adaptive", None)

@@ -75,7 +75,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
         return None
     cls = get_proposer_class(method)
     max_failures = parse_max_failures(method, raw.get(MAX_FAILURES_OPTION))
-    adaptive = parse_adaptive(method, raw.get(ADAPTIVE_OPTION), cls.supports_adaptive)
+    adaptive = parse_adaptive(method, raw.get(ADAPTIVE_OPTION), cls.supports_adaptive,
+                              cls.adaptive_by_default)
     raw = {k: v for k, v in raw.items() if k not in (MAX_FAILURES_OPTION, ADAPTIVE_OPTION)}
     ours = {f.name for f in dataclasses.fields(cls.options_cls)}
     options = {k: v for k, v in raw.items() if k in ours}
@@ -106,15 +107,15 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
             "model": cls.drafter_qualname}, selection
 
 
-def parse_adaptive(method: str, value: Any, supported: bool) -> str:
+def parse_adaptive(method: str, value: Any, supported: bool, by_default: bool = True) -> str:
     """The `adaptive` option as "auto", "on" or "off" (ProposerSelection)."""
     if value is None:
-        return "auto" if supported else "off"
+        return "auto" if supported and by_default else "off"
     if not isinstance(value, bool):
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: {ADAPTIVE_OPTION}={value!r} must be "
-            "true or false (per-request draft lengths from live acceptance and measured "
-            "step costs; false verifies every draft token the proposer makes)")
+            "true or false (per-request draft lengths or tree sizes from live acceptance "
+            "and measured step costs; false verifies every draft token the proposer makes)")
     if value and not supported:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: {ADAPTIVE_OPTION}=true is not "

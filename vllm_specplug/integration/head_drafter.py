@@ -59,6 +59,7 @@ class HeadDrafter:
             raise RuntimeError("vllm-specplug tree drafter created without a proposer "
                                "selection: the plugin must be loaded in the front end")
         self.method = selection.method
+        self.adaptive = selection.adaptive  # "on": per-step tree sizes (adaptive/tree_budget.py)
         proposer_cls = get_proposer_class(self.method)
         self.options = proposer_cls.options_cls(**selection.options)
         self.device = torch.device(str(vllm_config.device_config.device))

@@ -174,8 +174,9 @@ class Proposer(ABC):
     # False keeps the method on the V1 runner, whose patches it needs.
     runs_on_model_runner_v2: ClassVar[bool] = True
     # Its drafts are chains the adaptive controller may cut per request
-    # (vllm_specplug/adaptive/); on by default where True.
+    # (vllm_specplug/adaptive/); on by default where both are True.
     supports_adaptive: ClassVar[bool] = True
+    adaptive_by_default: ClassVar[bool] = True
     # The object vLLM's `custom_class` instantiates in the worker for this method.
     drafter_qualname: ClassVar[str] = "vllm_specplug.integration.v1.drafter.SpecplugDrafter"
 

@@ -159,7 +159,11 @@ class TreeProposer(Proposer):
     uses_hidden_states: ClassVar[bool] = True
     # Model Runner V2 on CUDA (integration/v2/), the V1 runner elsewhere.
     runs_on_model_runner_v2: ClassVar[bool] = True
-    supports_adaptive: ClassVar[bool] = False  # trees: not yet (issue 27)
+    # Per-step tree sizes from live acceptance and measured costs
+    # (adaptive/tree_budget.py), on the V1 runner; asked for with
+    # "adaptive": true until measured on Model Runner V2 (issue 27).
+    supports_adaptive: ClassVar[bool] = True
+    adaptive_by_default: ClassVar[bool] = False
 
     @classmethod
     def fills_draft_confidences(cls, options: TreeOptions) -> bool:

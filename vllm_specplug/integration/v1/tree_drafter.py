@@ -15,9 +15,12 @@ head costs speculation, never the engine.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
+from vllm_specplug.adaptive.tree_budget import TreeBudget
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
@@ -61,6 +64,9 @@ class TreeEagleDrafter(V1DrafterHooks):
         # a scheduler that checks grammars per tree node; under any other,
         # requests with structured output get the tree's chain prefix only
         self.grammar_aware = _checks_grammars_per_node(vllm_config.scheduler_config)
+        # "adaptive": true: each step's tree sizes, down to no drafting pass
+        self.adaptive = (TreeBudget(self.options.num_draft_tokens - 1)
+                         if self.drafter.adaptive == "on" else None)
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -74,6 +80,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.trees.pop(req_id, None)
         if self.head is not None:
             self.head.forget(req_id)
+        if self.adaptive is not None:
+            self.adaptive.forget(req_id)
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         """[num_tokens, *] what the head reads per token (None: not there)."""
@@ -126,6 +134,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         batch = runner.input_batch
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         step, self.current_step = self.current_step, None
+        if self.adaptive is not None:
+            self.adaptive.step_done(int(scheduler_output.total_num_scheduled_tokens))
         for req_id in scheduler_output.preempted_req_ids or ():
             self.on_request_removed(req_id)
         aux = None if step is None else self.target_hidden(hidden_states, aux_hidden_states,
@@ -137,14 +147,40 @@ class TreeEagleDrafter(V1DrafterHooks):
             for req_id in batch.req_ids:
                 self.on_request_removed(req_id)
             return drafts
+        if self.adaptive is not None:
+            self._record_verified(step)
         rows = self._draftable(batch, sampled_token_ids)
-        if rows and scheduler_output.num_spec_tokens_to_schedule > 0:
+        allowance = scheduler_output.num_spec_tokens_to_schedule
+        sizes = None
+        if rows and allowance > 0 and self.adaptive is not None:
+            rows, sizes = self._budgeted(batch, rows, allowance)
+        if rows and allowance > 0:
             req_ids = [batch.req_ids[i] for i in rows]
-            self.guard.call("propose", req_ids, self._draft, batch, rows,
-                            scheduler_output.num_spec_tokens_to_schedule, drafts)
+            self.guard.call("propose", req_ids, self._draft, batch, rows, allowance, drafts,
+                            sizes)
             if not self.grammar_aware:
                 self._chains_under_grammars(runner, rows, drafts)
         return drafts
+
+    def _record_verified(self, step) -> None:
+        """Each tree verified this step: the nodes it kept and its accepted
+        path (node ids from 0, the root left out), for the tree budget."""
+        for request in step.requests:
+            accepted = step.accepted.get(request.req_id, [0])
+            self.adaptive.verified(request.req_id, request.num_nodes - 1,
+                                   [node - 1 for node in accepted[1:]])
+
+    def _budgeted(self, batch, rows: list[int], allowance: int):
+        """(rows that draft, nodes each keeps): the tree budget's sizes; rows
+        cut to none draft nothing, and no row: no drafting pass."""
+        max_nodes = min(allowance, self.options.num_draft_tokens - 1)
+        sizes = self.adaptive.plan([batch.req_ids[i] for i in rows], len(batch.req_ids),
+                                   max_nodes)
+        for row, size in zip(rows, sizes):
+            if size == 0:
+                self.trees.pop(batch.req_ids[row], None)
+        kept = [(row, size) for row, size in zip(rows, sizes) if size > 0]
+        return [row for row, _ in kept], [size for _, size in kept]
 
     def _chains_under_grammars(self, runner, rows: list[int], drafts) -> None:
         """vLLM's scheduler reads a draft list as a chain: for requests with
@@ -221,7 +257,11 @@ class TreeEagleDrafter(V1DrafterHooks):
                 self.trees.pop(req_id, None)
         return rows
 
-    def _draft(self, batch, rows: list[int], allowance: int, drafts) -> None:
+    def _draft(self, batch, rows: list[int], allowance: int, drafts,
+               sizes: list[int] | None = None) -> None:
+        """Trees for `rows`, each cut to its size in `sizes` (the tree
+        budget's; None: the configured tree)."""
+        started = time.perf_counter()
         num_tokens = batch.num_tokens_no_spec[rows].astype(np.int64)
         roots = torch.from_numpy(batch.token_ids_cpu[rows, num_tokens - 1].astype(np.int64))
         options = self.options
@@ -230,9 +270,12 @@ class TreeEagleDrafter(V1DrafterHooks):
                                      options.topk, options.num_steps,
                                      options.num_draft_tokens)
         token_ids, parent_ids = tree.token_ids.cpu(), tree.parent_ids.cpu().numpy()
+        if self.adaptive is not None:  # the host copies waited for the pass
+            self.adaptive.drafted(len(rows), time.perf_counter() - started)
         for b, row in enumerate(rows):
             limit = min(allowance, options.num_draft_tokens - 1,
-                        self.max_model_len - int(num_tokens[b]))
+                        self.max_model_len - int(num_tokens[b]),
+                        options.num_draft_tokens if sizes is None else sizes[b])
             parents = parent_ids[b, :limit + 1].copy()
             if self.draft_shape is not None:
                 num_nodes, chain = self.draft_shape

@@ -30,6 +30,8 @@ MAX_NEW_TOKENS = 64
 # Prompts run one at a time (the batch runs all 24): a request alone takes
 # the single-request paths; more of them cost CI time, not coverage.
 NUM_SINGLE_PROMPTS = 8
+# sampled tokens compared with no speculation's distribution (plain_samples)
+SAMPLE_TEMPERATURE = 1.0
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -105,6 +107,15 @@ def baseline_outputs(baseline_llm, eval_prompts):
     single = generate_each(baseline_llm, eval_prompts[:NUM_SINGLE_PROMPTS], params)
     batched = generate(baseline_llm, eval_prompts, params).token_ids
     return {"single": single, "batched": batched}
+
+
+@pytest.fixture(scope="session")
+def plain_samples(baseline_llm):
+    """Sampled tokens per position without speculation, at SAMPLE_TEMPERATURE
+    (tests/test_cpu_kernel_fix.py: the distribution check)."""
+    from tests.test_cpu_kernel_fix import sample_positions
+
+    return sample_positions(baseline_llm, SAMPLE_TEMPERATURE)
 
 
 def speculative_engines(configs: dict[str, dict]):

@@ -2,7 +2,7 @@
 whose prompt starts on cached KV blocks drafts from the whole context, as
 vLLM's `eagle3` does (its draft KV lives in those blocks), not from the
 uncached suffix alone (integration/v2/prefix_blocks.py). The CPU twin (V1
-runner) is `tests/test_tree_eagle_engine.py::
+runner) is `tests/test_tree_eagle_engine_alone.py::
 test_chain_acceptance_equals_vllm_eagle3_also_on_prefix_cache_hits`.
 
 Runs on the staged GPU host (docs/gpu.md) with the tiny model and its head

@@ -220,3 +220,28 @@ def test_tree_eagle_on_cpu_keeps_v1_runner(tiny_model_dir, tiny_eagle3_dir):
     config = _config(tiny_model_dir, spec)
     assert not config.use_v2_model_runner
     assert not config.scheduler_config.async_scheduling
+
+
+def _tree_budget_spec(head_dir) -> dict:
+    return {"method": "specplug_eagle3", "model": str(head_dir), "topk": 4, "num_steps": 4,
+            "num_draft_tokens": 16, "adaptive": True}
+
+
+def test_tree_budget_runs_on_the_v1_runner_with_one_rank(tiny_model_dir, tiny_eagle3_dir):
+    config = _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir))
+    assert not config.use_v2_model_runner
+
+
+def test_tree_budget_is_refused_on_a_sharded_target(tiny_model_dir, tiny_eagle3_dir):
+    """Each rank would time its own steps and could keep trees of other
+    sizes than the first rank's drafts, which the scheduler sends to all.
+    (vLLM's config validation wraps our error: the message is ours.)"""
+    with pytest.raises(ValueError, match="adaptive=true.*sharded over 2 ranks.*Drop"):
+        _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir), tensor_parallel_size=2)
+
+
+def test_tree_budget_is_refused_on_model_runner_v2(tiny_model_dir, tiny_eagle3_dir,
+                                                   as_if_cuda_with_v2):
+    with pytest.raises(ValueError,
+                       match="not on Model Runner V2.*num_speculative_tokens_per_batch_size"):
+        _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir))

@@ -73,8 +73,25 @@ def _post_init(original):
             _decide_async(self, wanted)
         _grammar_tree_scheduler(self)
         _cpu_thread_binding(self)
+        _tree_budget_placement(self)
 
     return post_init
+
+
+def _tree_budget_placement(config) -> None:
+    """Our tree budget where it runs, or an error naming the fix before any
+    worker starts (integration/config.check_tree_budget_placement)."""
+    from vllm_specplug.integration.config import check_tree_budget_placement, selection_of
+
+    spec = getattr(config, "speculative_config", None)
+    selection = selection_of(spec) if spec is not None else None
+    if selection is None:
+        return
+    parallel = config.parallel_config
+    check_tree_budget_placement(
+        selection, parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        _v2_capable_selection(config) is not None
+        and bool(getattr(config, "use_v2_model_runner", False)))
 
 
 def _cpu_thread_binding(config) -> None:

@@ -107,12 +107,6 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
         self.drafter = HeadDrafter(vllm_config)
         self.method = self.drafter.method
-        if self.drafter.adaptive == "on":
-            raise ValueError(
-                f"speculative_config for method {self.method!r}: \"adaptive\": true (per-step "
-                "tree sizes) runs on vLLM's V1 runner only so far, not on Model Runner V2; on "
-                "CUDA drop it and size trees per batch with num_speculative_tokens_per_batch_size"
-                ", or use a chain (topk=1) with enable_adaptive_verification")
         self.req_states = req_states
         self.device = device
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs

@@ -251,7 +251,8 @@ def test_partial_results_are_written_whole_after_each_step(tmp_path):
 
 def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     """Interleaved engines over two prompt sets (repeat-and-edit prompts; one
-    more with a two-turn chat), each set with its own rows and table."""
+    more with a two-turn chat), each set with its own rows and table. (The
+    phase probes: the restart test below, on engines that start in seconds.)"""
     from vllm_specplug.models.corpus import repetitive_prompts
 
     out = tmp_path / "out"
@@ -268,12 +269,10 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
                  "--prompts", str(chats), "--batch-sizes", "4", "--limit-prompts", "4=2",
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
-                 *[f"--spec={s}" for s in specs], "--phases", "--host-profile",
-                 "--warmup-runs", "1",
+                 *[f"--spec={s}" for s in specs], "--warmup-runs", "1",
                  "--out", str(out)])
     assert code == 0
     result = json.loads((out / "offline.json").read_text())
-    _check_phases(result["rows"])
     assert result["settings"]["order"] == "interleaved"
     assert result["settings"]["prompts"] == [str(edits), str(chats)]
     assert result["settings"]["num_turns"] == 6
@@ -314,11 +313,10 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         adaptive = rows[("specplug_ngram", prompt_set)]["adaptive"]
         assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
     assert "adaptive: method" in table
-    assert "Where the host time goes" in table and "execute_model" in table
 
 
 def _check_phases(rows) -> None:
-    """`--phases`: each row's probe counted its steps and timed the runner's
+    """`--phases --host-profile`: each row's probe counted its steps and timed the runner's
     phases, twice (the probe unwraps the runner between passes); the draft
     phase runs once a step, only where something drafts."""
     for row in rows:
@@ -343,11 +341,15 @@ def _check_phases(rows) -> None:
 def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_dir):
     """`restart`: every (repeat, spec) step starts its engine and stops it;
     repeats still alternate the specs, and each row sums what its engines
-    counted."""
+    counted; the last repeat also probes where each step's time goes
+    (`--phases --host-profile`)."""
+    import dataclasses
+
     from vllm import SamplingParams
 
     from vllm_specplug.bench.offline import run_offline
     from vllm_specplug.bench.prompts import BenchPrompt
+    from vllm_specplug.bench.report import format_host_profiles, format_phases_table
     from vllm_specplug.bench.specs import NamedSpec
     from vllm_specplug.engine import IN_PROCESS
     from vllm_specplug.models.corpus import repetitive_prompts
@@ -361,8 +363,13 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
 
     rows = run_offline(str(tiny_model_dir), prompts, specs, [3], 2,
                        SamplingParams(temperature=0, max_tokens=24), order="restart",
+                       phases=True, host_profile=True,
                        on_step=on_step, enforce_eager=True, max_model_len=1024)
     assert steps == [([1, 0], 0), ([1, 1], 0), ([2, 1], 0), ([2, 2], 0)]
+    _check_phases([dataclasses.asdict(row) for row in rows])
+    assert "Where the host time goes" in format_host_profiles(rows)
+    assert "execute_model" in format_host_profiles(rows)
+    assert "forward" in format_phases_table(rows)
     none, ours = rows
     assert len(ours.ratios) == 2 and ours.num_mismatches == 0
     assert ours.counts.num_drafts > 0 and ours.counts.mean_acceptance_length > 1.5

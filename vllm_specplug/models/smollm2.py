@@ -5,7 +5,9 @@ Q4_1 GGUF. `build_smollm2()` fetches it (`vllm_specplug.assets`: download only,
 sha256 checked), dequantizes it with transformers' GGUF loader and writes a
 Hugging Face directory that vLLM serves as `LlamaForCausalLM`: `config.json`,
 safetensors (bf16 by default, fp32 on request), `tokenizer.json` and the chat
-template. The directory is built aside and renamed into the cache when whole
+template. The bf16 directory is the fp32 one rounded (built first if
+missing): transformers' loader dequantizes to fp32 and rounds the same way,
+bit for bit, and reading the GGUF costs more than rounding. The directory is built aside and renamed into the cache when whole
 (`build_cached`), so an interrupted build never looks finished.
 
 SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, hidden 576, 9 heads /
@@ -91,6 +93,16 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
                          "expected LlamaForCausalLM")
 
 
+def _rounded_copy(src: Path, out: Path, dtype: str) -> None:
+    """`src`'s model in `dtype` (round to nearest even), with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+
 def build_smollm2(dtype: str = "bfloat16", cache_dir: Path | None = None) -> Path:
     """The directory of SmolLM2-135M-Instruct in `dtype`, built if needed."""
     if dtype not in SMOLLM2_DTYPES:
@@ -101,16 +113,22 @@ def build_smollm2(dtype: str = "bfloat16", cache_dir: Path | None = None) -> Pat
     final = root / "models" / f"smollm2{suffix}-{SMOLLM2_GGUF.sha256[:12]}-v{CONVERTER_VERSION}"
     if (final / BUILD_INFO_FILE).is_file():
         return final
+    if dtype == "bfloat16":  # the fp32 directory, rounded
+        fp32 = build_smollm2("float32", cache_dir)
+        require_free_space(final.parent, NUM_PARAMETERS * 2 + (16 << 20),
+                           "the bfloat16 SmolLM2 directory")
+        return build_cached(final, lambda tmp: _finish(
+            tmp, dtype, lambda: _rounded_copy(fp32, tmp, dtype)))
     gguf_path = fetch_asset(SMOLLM2_GGUF, cache_dir)
-    bytes_per_weight = 2 if dtype == "bfloat16" else 4
-    require_free_space(final.parent, NUM_PARAMETERS * bytes_per_weight + (16 << 20),
+    require_free_space(final.parent, NUM_PARAMETERS * 4 + (16 << 20),
                        f"the {dtype} SmolLM2 directory")
+    return build_cached(final, lambda tmp: _finish(
+        tmp, dtype, lambda: convert_gguf(gguf_path, tmp, dtype)))
 
-    def build(tmp: Path) -> None:
-        convert_gguf(gguf_path, tmp, dtype)
-        (tmp / BUILD_INFO_FILE).write_text(json.dumps({
-            "name": "smollm2", "source": f"{SMOLLM2_GGUF.requirement}:{SMOLLM2_GGUF.member}",
-            "sha256": SMOLLM2_GGUF.sha256, "dtype": dtype}, indent=2))
 
-    return build_cached(final, build)
+def _finish(tmp: Path, dtype: str, write) -> None:
+    write()
+    (tmp / BUILD_INFO_FILE).write_text(json.dumps({
+        "name": "smollm2", "source": f"{SMOLLM2_GGUF.requirement}:{SMOLLM2_GGUF.member}",
+        "sha256": SMOLLM2_GGUF.sha256, "dtype": dtype}, indent=2))
 

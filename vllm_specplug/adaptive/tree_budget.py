@@ -143,12 +143,12 @@ class TreeBudget:
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
-    def node_rates(self, req_id: str) -> np.ndarray:
+    def node_rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
         """[num_nodes] P(node j accepted) for this request, non-increasing:
-        the engine-wide rates, scaled by how the request's own recent trees
-        did against them (measured with today's rates, so a scale is never
-        stale)."""
-        rates = self.counts.rates()
+        the engine-wide rates (`engine_rates`, computed once a step by the
+        caller), scaled by how the request's own recent trees did against
+        them (measured with today's rates, so a scale is never stale)."""
+        rates = self.counts.rates() if engine_rates is None else engine_rates
         mine = self.requests.get(req_id)
         if mine is not None:
             expected = float(mine.tried @ rates)
@@ -159,7 +159,8 @@ class TreeBudget:
     def plan(self, req_ids: list[str], num_reqs: int, max_nodes: int) -> list[int]:
         """Nodes to keep per drafting request (all 0: skip the drafting pass);
         `num_reqs` counts every request of the step."""
-        rates = [self.node_rates(r)[:max_nodes] for r in req_ids]
+        engine_rates = self.counts.rates()
+        rates = [self.node_rates(r, engine_rates)[:max_nodes] for r in req_ids]
         fixed, per_token = self.cost.coefficients()
         draft_fixed, draft_per_req = self.draft_cost.coefficients()
         drafting = draft_fixed + draft_per_req * len(req_ids)

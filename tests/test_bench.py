@@ -154,6 +154,8 @@ def test_installed_environment_has_the_alias():
     (["bench", "offline", "--model", "tiny", "--prompts", "gsm8k.jsonl"], "gsm8k.jsonl"),
     (["bench", "offline", "--model", "/nonexistent/model", "--prompts", "held-out"],
      "/nonexistent/model"),
+    (["bench", "offline", "--model", "tiny", "--engine-args", '{"dtype": "float32"}'],
+     "--engine-args sets 'dtype', which --dtype sets: pass --dtype float32 instead"),
     (["bench", "online", "--url", "http://127.0.0.1:9", "--prompts", "held-out"],
      "cannot reach http://127.0.0.1:9/v1/models"),
     (["bench", "online", "--url", "localhost:8000", "--prompts", "held-out"],
@@ -217,6 +219,28 @@ def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
     assert _finish([base, tie], "", None, "offline", {}) == 0
     assert _finish([base, tie, real], "", None, "offline", {}) == 1
     assert _finish([other_base, unknown], "", None, "offline", {}) == 1
+
+
+def test_differences_on_a_bf16_engine_are_named_with_the_fix(capsys):
+    """A row that differs from no speculation on an engine below float32 is
+    named with the dtype and the fix (`--dtype float32`); a difference on an
+    fp32 engine, or an exact bf16 row, is not excused by it."""
+    from vllm_specplug.bench.offline import OfflineRow
+    from vllm_specplug.bench.report import _engine_text, inexact_low_precision_rows
+    from vllm_specplug.cli.bench import _warn_low_precision
+
+    engine = {"runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+              "speculator": "TreeEagleDrafter"}
+    bf16 = OfflineRow("tree", 16, engine={**engine, "dtype": "bfloat16"}, num_mismatches=2,
+                      num_near_ties=1)
+    fp32 = OfflineRow("fp32", 16, engine={**engine, "dtype": "float32"}, num_mismatches=1)
+    exact = OfflineRow("exact", 1, engine={**engine, "dtype": "bfloat16"}, num_mismatches=0,
+                       num_near_ties=0)
+    assert _engine_text(bf16) == "cpu_model_runner/TreeEagleDrafter bf16"
+    assert inexact_low_precision_rows([bf16, fp32, exact]) == ["tree (batch 16)"]
+    _warn_low_precision([bf16, fp32, exact])
+    err = capsys.readouterr().err
+    assert "tree (batch 16)" in err and "--dtype float32" in err and "fp32" not in err
 
 
 def test_public_sets_are_fetched_with_their_hash():
@@ -290,6 +314,8 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         assert engine["engine_args"]["enforce_eager"] is True
         assert engine["runner"].endswith("CPUModelRunner")
         assert (engine["speculator"] is None) == (name == "none")
+        # the dtype the engine ran (vLLM's `auto` may not be the checkpoint's)
+        assert engine["dtype"] in DTYPE_SHORT
         drafted = row["counts"]["num_drafts"] > 0
         assert drafted == (name != "none")
         if drafted:  # repeat-and-edit prompts copy whole lines: real acceptance
@@ -305,6 +331,7 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     assert not (out / "offline.partial.json").exists()  # gone once the results are whole
     table = (out / "offline.txt").read_text()
     assert "specplug_ngram" in table and "cpu_model_runner/" in table
+    assert f"SpecplugDrafter {DTYPE_SHORT[engine['dtype']]}" in table
     assert table.index(f"== prompts: {edits} ==") < table.index(f"== prompts: {chats} ==")
     # the adaptive controller's decisions, per row of ours (on by default)
     assert rows[("none", str(chats))]["adaptive"] is None

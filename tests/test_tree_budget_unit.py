@@ -30,15 +30,17 @@ def test_pooling_merges_a_later_likelier_node_with_the_one_before():
 class _Engine:
     """A fake engine: a fixed tree shape (two children per node, parents
     first) whose node j is accepted, given its parent was, with probability
-    `child_rates[j]` (siblings exclusive); an affine step cost; a drafting
-    pass of `draft_seconds` whenever any request drafts."""
+    `child_rates[j]` (siblings exclusive); an affine step cost, plus
+    `overhead` for a step that verifies drafts (tree layout and verification);
+    a drafting pass of `draft_seconds` whenever any request drafts."""
 
-    def __init__(self, fixed, per_token, draft_seconds, first_child_rate, seed=0):
+    def __init__(self, fixed, per_token, draft_seconds, first_child_rate, seed=0, overhead=0.0):
         self.parents = [-1] + [(j - 1) // 2 for j in range(1, NUM_NODES + 1)]  # node 0: root
         # the first child is the likelier one, as in a top-k expansion
         self.child_rates = [0.0] + [first_child_rate if j % 2 else 0.9 - first_child_rate
                                     for j in range(1, NUM_NODES + 1)]
         self.fixed, self.per_token, self.draft_seconds = fixed, per_token, draft_seconds
+        self.overhead = overhead
         self.rng = np.random.default_rng(seed)
         self.now = 0.0
 
@@ -70,7 +72,7 @@ class _Engine:
         """Tokens per second with every request's tree cut to `num_kept`."""
         gained = self.node_rates()[:num_kept].sum()
         seconds = (self.fixed + self.per_token * num_reqs * (1 + num_kept)
-                   + (self.draft_seconds if num_kept else 0.0))
+                   + (self.draft_seconds + self.overhead if num_kept else 0.0))
         return num_reqs * (1 + gained) / seconds
 
 
@@ -82,7 +84,7 @@ def _run(engine: _Engine, budget: TreeBudget, num_reqs=4, steps=400) -> float:
     for step in range(steps):
         if step == steps // 2:
             tokens, start = 0, engine.now
-        budget.step_done(num_tokens)
+        budget.step_done(num_tokens, num_tokens - num_reqs)
         for req_id in req_ids:
             budget.verified(req_id, *last[req_id])
         sizes = budget.plan(req_ids, num_reqs, NUM_NODES)
@@ -90,7 +92,8 @@ def _run(engine: _Engine, budget: TreeBudget, num_reqs=4, steps=400) -> float:
             engine.now += engine.draft_seconds
             budget.drafted(sum(1 for n in sizes if n), engine.draft_seconds)
         num_tokens = num_reqs + sum(sizes)
-        engine.now += engine.fixed + engine.per_token * num_tokens
+        engine.now += (engine.fixed + engine.per_token * num_tokens
+                       + (engine.overhead if any(sizes) else 0.0))
         for req_id, size in zip(req_ids, sizes):
             path = engine.accepted_path(size)
             last[req_id] = (size, path)
@@ -98,19 +101,24 @@ def _run(engine: _Engine, budget: TreeBudget, num_reqs=4, steps=400) -> float:
     return tokens / (engine.now - start)
 
 
-@pytest.mark.parametrize("fixed,per_token,draft,rate,best", [
-    (0.010, 1e-5, 0.002, 0.7, "whole"),   # GPU at batch 1: the whole tree pays
-    (1e-4, 2e-3, 0.004, 0.5, "none"),      # CPU-like: every verified token costs
-    (0.004, 2e-4, 0.002, 0.6, "part"),     # in between: part of each tree
+@pytest.mark.parametrize("fixed,per_token,draft,rate,overhead,num_reqs,best", [
+    (0.010, 1e-5, 0.002, 0.7, 0.0, 4, "whole"),   # GPU at batch 1: the whole tree pays
+    (1e-4, 2e-3, 0.004, 0.5, 0.0, 4, "none"),      # CPU-like: every verified token costs
+    (0.004, 2e-4, 0.002, 0.6, 0.0, 4, "part"),     # in between: part of each tree
+    # CPU at batch 1 (the tiny model, measured): a speculative step's own fixed
+    # cost (layout, verification) outweighs its tokens. One line through the
+    # steps it saw (all speculative) hid that, and kept whole trees (0.79x the best)
+    (0.011, 3e-4, 0.008, 0.7, 0.030, 1, "none"),
 ])
-def test_budget_is_as_fast_as_the_best_static_size(fixed, per_token, draft, rate, best):
-    engine = _Engine(fixed, per_token, draft, rate)
-    static = [engine.static_rate(4, n) for n in range(NUM_NODES + 1)]
+def test_budget_is_as_fast_as_the_best_static_size(fixed, per_token, draft, rate, overhead,
+                                                   num_reqs, best):
+    engine = _Engine(fixed, per_token, draft, rate, overhead=overhead)
+    static = [engine.static_rate(num_reqs, n) for n in range(NUM_NODES + 1)]
     best_n = int(np.argmax(static))
     assert {"whole": best_n == NUM_NODES, "none": best_n == 0,
             "part": 0 < best_n < NUM_NODES}[best], static
     budget = TreeBudget(NUM_NODES, clock=lambda: engine.now)
-    achieved = _run(engine, budget)
+    achieved = _run(engine, budget, num_reqs=num_reqs)
     assert achieved >= 0.95 * max(static), (achieved, max(static), best_n, budget.as_dict())
     if best == "none":  # skipped, but probed now and then: the estimates stay current
         assert budget.stats.num_skipped > 0 and budget.stats.num_probes > 0
@@ -118,6 +126,8 @@ def test_budget_is_as_fast_as_the_best_static_size(fixed, per_token, draft, rate
 
 def test_node_estimates_follow_the_accepted_paths():
     engine = _Engine(0.010, 1e-5, 0.002, 0.7)
-    budget = TreeBudget(NUM_NODES, clock=lambda: engine.now)
+    # a long memory (about 500 trees): the estimates' noise well inside the bound,
+    # so what is checked is their bias
+    budget = TreeBudget(NUM_NODES, decay=0.998, clock=lambda: engine.now)
     _run(engine, budget, steps=600)
     assert np.allclose(budget.counts.rates(), engine.node_rates(), atol=0.08)

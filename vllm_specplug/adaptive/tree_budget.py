@@ -12,14 +12,22 @@ did against that estimate (acceptance comes in runs).
 
 A step of B requests that keeps n_i nodes each yields B + sum of the kept
 probabilities and costs `fixed + per_token * T` (T = B + sum n_i verified
-tokens: `StepCostModel`, fitted on the step times without the drafting
-pass) plus the drafting pass itself, paid only when some request drafts
-(`draft_cost`, fitted on its own times against B). The sizes come from the
-same greedy rule as the model-free controller's (`policy.py`), with the
-drafting pass counted in the fixed part; then the step with drafts is
-compared with the step without, and the drafting pass is skipped when it
-does not pay. Because that decision comes before the trees exist, it uses
-the engine-wide estimates.
+tokens: `StepCostModel`, fitted on the times of steps that verified drafts,
+less the drafting pass) plus the drafting pass itself, paid only when some
+request drafts (`draft_cost`, fitted on its own times against B). The
+sizes come from the same greedy rule as the model-free controller's
+(`policy.py`), with the drafting pass counted in the fixed part; then the
+step with drafts is compared with the step without, and the drafting pass
+is skipped when it does not pay. Because that decision comes before the
+trees exist, it uses the engine-wide estimates.
+
+The step without drafts has a line of its own (`plain_cost`), fitted on
+steps that verified none: a speculative step carries costs that do not grow
+with its tokens (tree layout, verification, the sampler's extra rows), and
+one line through both kinds of step would charge them to the step without
+drafts too (on CPU it kept whole trees at batch 1, where skipping was 1.4x
+faster). Until that line is measured, and now and then after, one step in
+`skip_probe_every` skips the drafting pass to measure it (a skip probe).
 
 K = 0 steps stay correct: the head ingests every verified position whether
 or not it drafted (`TreeEagleDrafter._ingest`), so its state never depends
@@ -90,6 +98,7 @@ class TreeBudgetStats:
     num_steps: int = 0  # steps with at least one request that could draft
     num_skipped: int = 0  # of which the drafting pass was skipped
     num_probes: int = 0  # steps that drafted a whole tree after a skipped streak
+    num_skip_probes: int = 0  # steps skipped to measure the step without drafts
     num_requests: int = 0  # requests that could draft, over all steps
     num_offered: int = 0  # nodes their configured trees would have had
     num_kept: int = 0  # nodes kept
@@ -104,13 +113,21 @@ class TreeBudgetStats:
         return out
 
 
+# skip probes: one step in this many while the step without drafts has fewer
+# than PLAIN_WARMUP samples, then one in SKIP_PROBE_EVERY[1]
+SKIP_PROBE_EVERY = (8, 128)
+PLAIN_WARMUP = 3
+
+
 class TreeBudget:
     def __init__(self, num_nodes: int, decay: float = 0.98, request_decay: float = 0.8,
                  probe_wait: int = 8, clock: Callable[[], float] = time.perf_counter) -> None:
         self.num_nodes = num_nodes  # nodes of the configured tree, root excluded
         self.decay, self.request_decay = decay, request_decay
         self.counts = NodeCounts.zeros(num_nodes)
-        self.cost = StepCostModel()
+        self.cost = StepCostModel()  # steps that verified drafts, drafting pass excluded
+        self.plain_cost = StepCostModel(num_warmup=PLAIN_WARMUP)  # steps that verified none
+        self.steps_since_plain = 0  # drafting passes since the last step without drafts
         self.draft_cost = StepCostModel()  # seconds of a drafting pass against its requests
         self.stats = TreeBudgetStats()
         # req_id -> its own verified trees' counts, decayed per tree
@@ -121,12 +138,14 @@ class TreeBudget:
         self.last_step_time: float | None = None
         self.last_draft_seconds = 0.0
 
-    def step_done(self, num_tokens: int) -> None:
-        """The step just run verified `num_tokens` tokens; its time is the
-        wall time since the last call, less the drafting pass in between."""
+    def step_done(self, num_tokens: int, num_draft_tokens: int) -> None:
+        """The step just run verified `num_tokens` tokens, `num_draft_tokens`
+        of them drafts; its time is the wall time since the last call, less
+        the drafting pass in between."""
         now = self.clock()
         if self.last_step_time is not None and num_tokens > 0:
-            self.cost.observe(num_tokens, now - self.last_step_time - self.last_draft_seconds)
+            line = self.cost if num_draft_tokens > 0 else self.plain_cost
+            line.observe(num_tokens, now - self.last_step_time - self.last_draft_seconds)
         self.last_step_time, self.last_draft_seconds = now, 0.0
 
     def verified(self, req_id: str, num_kept: int, accepted_nodes: list[int]) -> None:
@@ -169,13 +188,27 @@ class TreeBudget:
         sizes = choose_draft_lengths(rates, num_reqs, 0, fixed + drafting, per_token)
         gained = sum(float(r[:n].sum()) for r, n in zip(rates, sizes))
         with_drafts = (num_reqs + gained) / (fixed + drafting + per_token * (num_reqs + sum(sizes)))
-        without = num_reqs / (fixed + per_token * num_reqs)
-        if not any(sizes) or with_drafts <= without:
+        if not any(sizes) or with_drafts <= self._without_drafts(num_reqs):
             sizes = self._probe([0] * len(req_ids), max_nodes)
+        elif self._skip_probe_due():
+            sizes = [0] * len(req_ids)
+            self.stats.num_skip_probes += 1
         else:
             self.skip_streak, self.wait = 0, self.probe_wait
+        self.steps_since_plain = 0 if not any(sizes) else self.steps_since_plain + 1
         self._count(rates, sizes, max_nodes)
         return sizes
+
+    def _without_drafts(self, num_reqs: int) -> float:
+        """Tokens per second of a step that verifies no drafts: its own line
+        once measured, else the speculative line (which overrates it)."""
+        line = self.plain_cost if self.plain_cost.num_samples >= PLAIN_WARMUP else self.cost
+        return num_reqs / line.predict(num_reqs)
+
+    def _skip_probe_due(self) -> bool:
+        """Whether this step should skip drafting to measure the step without."""
+        every = SKIP_PROBE_EVERY[self.plain_cost.num_samples >= PLAIN_WARMUP]
+        return self.cost.num_samples >= self.cost.num_warmup and self.steps_since_plain >= every
 
     def _probe(self, sizes: list[int], max_nodes: int) -> list[int]:
         """After `wait` skipped steps in a row, one request (in turn) drafts
@@ -206,7 +239,9 @@ class TreeBudget:
     def as_dict(self) -> dict:
         fixed, per_token = self.cost.coefficients()
         draft_fixed, draft_per_req = self.draft_cost.coefficients()
+        plain_fixed, plain_per_token = self.plain_cost.coefficients()
         return {**self.stats.as_dict(), "cost_fixed_ms": fixed * 1e3,
-                "cost_per_token_ms": per_token * 1e3, "draft_fixed_ms": draft_fixed * 1e3,
+                "cost_per_token_ms": per_token * 1e3, "plain_fixed_ms": plain_fixed * 1e3,
+                "plain_per_token_ms": plain_per_token * 1e3, "draft_fixed_ms": draft_fixed * 1e3,
                 "draft_per_request_ms": draft_per_req * 1e3,
                 "node_acceptance": np.round(self.counts.rates(), 4).tolist()}

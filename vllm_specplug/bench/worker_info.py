@@ -27,12 +27,14 @@ class WorkerInfo:
 
 
 def runner_state(worker) -> dict:
-    """Which model runner and speculator a worker runs, and its capture sizes."""
+    """Which model runner and speculator a worker runs, in which dtype (vLLM's
+    `auto` runs a float32 checkpoint in bf16 on CPU), and its capture sizes."""
     runner = worker.model_runner
     speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
     config = runner.vllm_config
     return {"runner": f"{type(runner).__module__}.{type(runner).__name__}",
             "speculator": None if speculator is None else type(speculator).__name__,
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
             "async_scheduling": bool(config.scheduler_config.async_scheduling),
             "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
             "cudagraph_capture_sizes":

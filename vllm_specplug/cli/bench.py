@@ -206,6 +206,11 @@ def run_offline_command(args) -> int:
         engine_kwargs = json.loads(args.engine_args)
         if not isinstance(engine_kwargs, dict):
             raise ValueError("--engine-args must be a JSON object")
+        for key in ("dtype", "max_model_len"):
+            if key in engine_kwargs:
+                option = "--" + key.replace("_", "-")
+                raise ValueError(f"--engine-args sets {key!r}, which {option} sets: "
+                                 f"pass {option} {engine_kwargs[key]} instead")
         model = resolve_model(args.model)
         if model.startswith(("/", ".", "~")) and not os.path.isdir(model):
             raise ValueError(f"--model {model}: no such directory (a local model "
@@ -241,8 +246,21 @@ def run_offline_command(args) -> int:
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "
           f"{args.repeats} repeat(s) {args.order}; tok/s = median, x none = median "
           "of per-repeat ratios [min-max]")
-    return _finish(rows, _offline_tables(rows, args.phases, args.host_profile), args.out,
-                   "offline", settings)
+    rc = _finish(rows, _offline_tables(rows, args.phases, args.host_profile), args.out,
+                 "offline", settings)
+    _warn_low_precision(rows)
+    return rc
+
+
+def _warn_low_precision(rows) -> None:
+    from vllm_specplug.bench.report import inexact_low_precision_rows
+
+    names = inexact_low_precision_rows(rows)
+    if names:
+        print(f"note: {', '.join(names)} differ from no speculation on an engine below "
+              "float32 (the dtype column). bf16/fp16 round differently under a verify "
+              "step's batch shape, for every method, vLLM's own included; to check token "
+              "for token pass --dtype float32 (docs/bench.md).", file=sys.stderr)
 
 
 def _warn_replayed_cache(specs, num_passes: int) -> None:

@@ -135,7 +135,9 @@ class TreeEagleDrafter(V1DrafterHooks):
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         step, self.current_step = self.current_step, None
         if self.adaptive is not None:
-            self.adaptive.step_done(int(scheduler_output.total_num_scheduled_tokens))
+            self.adaptive.step_done(int(scheduler_output.total_num_scheduled_tokens),
+                                    sum(map(len, scheduler_output.scheduled_spec_decode_tokens
+                                            .values())))
         for req_id in scheduler_output.preempted_req_ids or ():
             self.on_request_removed(req_id)
         aux = None if step is None else self.target_hidden(hidden_states, aux_hidden_states,

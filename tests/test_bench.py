@@ -226,7 +226,8 @@ def test_differences_on_a_bf16_engine_are_named_with_the_fix(capsys):
     named with the dtype and the fix (`--dtype float32`); a difference on an
     fp32 engine, or an exact bf16 row, is not excused by it."""
     from vllm_specplug.bench.offline import OfflineRow
-    from vllm_specplug.bench.report import _engine_text, inexact_low_precision_rows
+    from vllm_specplug.bench.report import (_engine_text, format_offline_table,
+                                            inexact_low_precision_rows)
     from vllm_specplug.cli.bench import _warn_low_precision
 
     engine = {"runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
@@ -237,6 +238,13 @@ def test_differences_on_a_bf16_engine_are_named_with_the_fix(capsys):
     exact = OfflineRow("exact", 1, engine={**engine, "dtype": "bfloat16"}, num_mismatches=0,
                        num_near_ties=0)
     assert _engine_text(bf16) == "cpu_model_runner/TreeEagleDrafter bf16"
+    v2 = OfflineRow("chain", 64, engine={"runner": "vllm.v1.worker.gpu.model_runner.ModelRunner",
+                                         "speculator": "SpecplugV2HeadSpeculator",
+                                         "dtype": "float32"}, counts=SpecDecodeCounts(
+                                             num_drafts=4, num_draft_tokens=8,
+                                             num_accepted_tokens=4, accepted_per_pos=[3, 1]))
+    # the widest engine text still leaves the per-position column apart
+    assert "SpecplugV2HeadSpeculator fp32  0.75 0.25" in format_offline_table([v2])
     assert inexact_low_precision_rows([bf16, fp32, exact]) == ["tree (batch 16)"]
     _warn_low_precision([bf16, fp32, exact])
     err = capsys.readouterr().err

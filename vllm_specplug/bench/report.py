@@ -75,8 +75,9 @@ def inexact_low_precision_rows(rows) -> list[str]:
 
 def format_offline_table(rows) -> str:
     w = max([18] + [len(row.name) + 1 for row in rows])  # method column
+    e = max([34] + [len(_engine_text(row)) + 2 for row in rows])  # runner/speculator column
     header = (f"{'method':<{w}}{'batch':>6}{'tok/s':>9}{'min':>9}{'x none [range]':>18}"
-              f"{'accept len':>11}{'drafts':>8}{'exact':>8}  {'runner/speculator dtype':<40}"
+              f"{'accept len':>11}{'drafts':>8}{'exact':>8}  {'runner/speculator dtype':<{e}}"
               "per-position acceptance")
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -88,7 +89,7 @@ def format_offline_table(rows) -> str:
                      f"{row.min_tokens_per_second:>9.1f}{_ratio_text(row):>18}{length:>11}"
                      f"{row.counts.num_drafts:>8}"
                      f"{_exact_text(row.num_mismatches, row.num_near_ties):>8}  "
-                     f"{_engine_text(row):<40}{per_pos}")
+                     f"{_engine_text(row):<{e}}{per_pos}")
     adaptive = format_adaptive_table(rows)
     return "\n".join(lines + ([""] + [adaptive] if adaptive else []))
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 26's measured runs on the staged GPU host (docs/gpu.md), each started
-# detached (`start NAME`) and polled (`wait NAME`: returns when its table is
-# written or the run died, copies the results to $OUT):
+# detached (`start NAME`) and polled (`wait NAME [N]`: N polls 5 s apart, 100 by
+# default; returns when its table is written or the run died, copies the results
+# to $OUT: keep 5 N under the call's timeout, or the call dies before the copy):
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3

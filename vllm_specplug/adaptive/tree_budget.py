@@ -99,6 +99,11 @@ class TreeBudgetStats:
     num_skipped: int = 0  # of which the drafting pass was skipped
     num_probes: int = 0  # steps that drafted a whole tree after a skipped streak
     num_skip_probes: int = 0  # steps skipped to measure the step without drafts
+    # set by the V1 drafter: verified rows whose head ingest waited for a
+    # drafting step (integration/v1/deferred_ingest.py), and of those the
+    # rows never ingested (their request ended first)
+    num_deferred_rows: int = 0
+    num_dropped_rows: int = 0
     num_requests: int = 0  # requests that could draft, over all steps
     num_offered: int = 0  # nodes their configured trees would have had
     num_kept: int = 0  # nodes kept

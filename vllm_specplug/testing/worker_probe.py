@@ -74,11 +74,15 @@ class SpecplugProbe:
     def specplug_adaptive_pin(self, fixed_ms: float | None, per_token_ms: float = 0.0
                               ) -> None:
         """Pin the adaptive controller's step-cost line (None: back to the
-        measured fit), so a test can make speculation pay or not."""
+        measured fit), so a test can make speculation pay or not; the tree
+        budget's line for steps without drafts is pinned to the same one."""
         from vllm_specplug.bench.worker_info import adaptive_controller
 
-        cost = adaptive_controller(self).cost
-        cost.pinned = None if fixed_ms is None else (fixed_ms / 1e3, per_token_ms / 1e3)
+        controller = adaptive_controller(self)
+        pinned = None if fixed_ms is None else (fixed_ms / 1e3, per_token_ms / 1e3)
+        for line in (controller.cost, getattr(controller, "plain_cost", None)):
+            if line is not None:
+                line.pinned = pinned
 
     def specplug_tree_profile(self, enable: bool | None = None) -> list[dict]:
         """Per-step phase times of tree steps so far (cleared); `enable`

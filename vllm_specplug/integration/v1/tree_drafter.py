@@ -23,6 +23,7 @@ import torch
 from vllm_specplug.adaptive.tree_budget import TreeBudget
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v1 import tree_step
+from vllm_specplug.integration.v1.deferred_ingest import DeferredIngest
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.integration.grammar_trees import chain_prefix_length
@@ -67,6 +68,9 @@ class TreeEagleDrafter(V1DrafterHooks):
         # "adaptive": true: each step's tree sizes, down to no drafting pass
         self.adaptive = (TreeBudget(self.options.num_draft_tokens - 1)
                          if self.drafter.adaptive == "on" else None)
+        # under the budget, the verified rows of requests that do not draft
+        # wait here until they do (deferred_ingest.py)
+        self.deferred = DeferredIngest()
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -82,6 +86,7 @@ class TreeEagleDrafter(V1DrafterHooks):
             self.head.forget(req_id)
         if self.adaptive is not None:
             self.adaptive.forget(req_id)
+        self.deferred.forget(req_id)
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         """[num_tokens, *] what the head reads per token (None: not there)."""
@@ -144,18 +149,22 @@ class TreeEagleDrafter(V1DrafterHooks):
                                                            step.num_tokens)
         if self.guard.disabled or aux is None:
             return drafts
-        ok, _ = self.guard.call("ingest", batch.req_ids, self._ingest, batch, step, aux)
+        allowance = scheduler_output.num_spec_tokens_to_schedule
+        planned = None  # the tree budget's {req_id: nodes} (None: no budget)
+        if self.adaptive is not None:
+            self._record_verified(step)
+            planned = self._budgeted(batch, sampled_token_ids, allowance)
+        ok, _ = self.guard.call("ingest", batch.req_ids, self._ingest, batch, step, aux,
+                                planned)
         if not ok:
             for req_id in batch.req_ids:
                 self.on_request_removed(req_id)
             return drafts
-        if self.adaptive is not None:
-            self._record_verified(step)
         rows = self._draftable(batch, sampled_token_ids)
-        allowance = scheduler_output.num_spec_tokens_to_schedule
         sizes = None
-        if rows and allowance > 0 and self.adaptive is not None:
-            rows, sizes = self._budgeted(batch, rows, allowance)
+        if planned is not None:
+            rows = [row for row in rows if batch.req_ids[row] in planned]
+            sizes = [planned[batch.req_ids[row]] for row in rows]
         if rows and allowance > 0:
             req_ids = [batch.req_ids[i] for i in rows]
             self.guard.call("propose", req_ids, self._draft, batch, rows, allowance, drafts,
@@ -172,17 +181,22 @@ class TreeEagleDrafter(V1DrafterHooks):
             self.adaptive.verified(request.req_id, request.num_nodes - 1,
                                    [node - 1 for node in accepted[1:]])
 
-    def _budgeted(self, batch, rows: list[int], allowance: int):
-        """(rows that draft, nodes each keeps): the tree budget's sizes; rows
-        cut to none draft nothing, and no row: no drafting pass."""
+    def _budgeted(self, batch, sampled_token_ids, allowance: int) -> dict[str, int]:
+        """{req_id: nodes to keep} of the requests that draft this step, by
+        the tree budget, decided before the head ingests (a request left out
+        defers its ingest); none: no drafting pass."""
+        rows = [row for row in range(len(batch.req_ids)) if sampled_token_ids[row]
+                and int(batch.num_tokens_no_spec[row]) < self.max_model_len]
+        if not rows or allowance <= 0:
+            return {}
         max_nodes = min(allowance, self.options.num_draft_tokens - 1)
         sizes = self.adaptive.plan([batch.req_ids[i] for i in rows], len(batch.req_ids),
                                    max_nodes)
-        for row, size in zip(rows, sizes):
-            if size == 0:
-                self.trees.pop(batch.req_ids[row], None)
-        kept = [(row, size) for row, size in zip(rows, sizes) if size > 0]
-        return [row for row, _ in kept], [size for _, size in kept]
+        planned = {batch.req_ids[row]: size for row, size in zip(rows, sizes) if size > 0}
+        for req_id in batch.req_ids:
+            if req_id not in planned:
+                self.trees.pop(req_id, None)
+        return planned
 
     def _chains_under_grammars(self, runner, rows: list[int], drafts) -> None:
         """vLLM's scheduler reads a draft list as a chain: for requests with
@@ -198,29 +212,52 @@ class TreeEagleDrafter(V1DrafterHooks):
             drafts[row] = nodes[:keep]
             self.trees[req_id] = (nodes[:keep], parents[:keep + 1])
 
-    def _ingest(self, batch, step, aux: torch.Tensor) -> None:
-        """Every request's newly verified positions, in one pass of the head."""
-        drafted = {r.row: r for r in step.requests}
+    def _ingest(self, batch, step, aux: torch.Tensor, planned: dict[str, int] | None) -> None:
+        """Every request's newly verified positions, in one pass of the head;
+        under the tree budget (`planned`), those of requests that do not
+        draft this step are deferred, and a drafting request's deferred rows
+        go in first (deferred_ingest.py)."""
+        verified = self._verified(batch, step)
+        if planned is not None:
+            deferred = {req_id for req_id, _, _, pos, _ in verified
+                        if req_id not in planned and self.deferred.has_room(req_id, len(pos))}
+            for req_id, _, token_rows, pos, next_ids in verified:
+                if req_id in deferred:
+                    self.deferred.defer(req_id, aux[torch.from_numpy(token_rows).to(aux.device)],
+                                        next_ids, pos)
+            verified = [v for v in verified if v[0] not in deferred]
+            self.adaptive.stats.num_deferred_rows = self.deferred.num_deferred
+            self.adaptive.stats.num_dropped_rows = self.deferred.num_dropped
+        if not verified:
+            return
         table = batch.block_table[0]  # the target's KV blocks: prefix-cache hits
-        req_ids, batch_rows, token_rows, positions, next_ids = [], [], [], [], []
+        req_ids = [v[0] for v in verified]
+        hidden = aux[torch.from_numpy(np.concatenate([v[2] for v in verified])).to(aux.device)]
+        next_ids, positions = [v[4] for v in verified], [v[3] for v in verified]
+        if any(req_id in self.deferred.pending for req_id in req_ids):  # catch-ups
+            rows = [self.deferred.with_pending(req_id, h, n, p) for req_id, h, n, p in
+                    zip(req_ids, hidden.split([len(p) for p in positions]), next_ids, positions)]
+            hidden = torch.cat([h for h, _, _ in rows])
+            next_ids, positions = [n for _, n, _ in rows], [p for _, _, p in rows]
+        for req_id, (_, row, *_), pos in zip(req_ids, verified, positions):
+            self._adopt_cached_prefix(req_id, table, row, int(pos[0]))
+        self.head.ingest_many(  # positions stay on the host: the head keeps them there
+            req_ids, hidden, torch.from_numpy(np.concatenate(next_ids)).to(self.device),
+            torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
+        self._store_blocks(req_ids, [v[1] for v in verified], positions, table)
+
+    def _verified(self, batch, step) -> list[tuple]:
+        """[(req_id, batch row, token rows of this step, positions, next
+        token ids)] of the rows whose next token is known, per request."""
+        drafted = {r.row: r for r in step.requests}
+        verified = []
         for row, req_id in enumerate(batch.req_ids):
-            rows, pos = step.verified_rows(row, drafted.get(row))
+            token_rows, pos = step.verified_rows(row, drafted.get(row))
             keep = pos + 1 < int(batch.num_tokens_no_spec[row])  # the next token is known
             if keep.any():
-                self._adopt_cached_prefix(req_id, table, row, int(pos[keep][0]))
-                req_ids.append(req_id)
-                batch_rows.append(row)
-                token_rows.append(rows[keep])
-                positions.append(pos[keep])
-                next_ids.append(batch.token_ids_cpu[row, pos[keep] + 1])
-        if not req_ids:
-            return
-        device = aux.device
-        self.head.ingest_many(  # positions stay on the host: the head keeps them there
-            req_ids, aux[torch.from_numpy(np.concatenate(token_rows)).to(device)],
-            torch.from_numpy(np.concatenate(next_ids).astype(np.int64)).to(self.device),
-            torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
-        self._store_blocks(req_ids, batch_rows, positions, table)
+                verified.append((req_id, row, token_rows[keep], pos[keep],
+                                 batch.token_ids_cpu[row, pos[keep] + 1].astype(np.int64)))
+        return verified
 
     def _adopt_cached_prefix(self, req_id: str, table, row: int, first: int) -> None:
         """A request new to the head whose first position follows blocks that

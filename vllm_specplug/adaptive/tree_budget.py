@@ -30,8 +30,10 @@ faster). Until that line is measured, and now and then after, one step in
 `skip_probe_every` skips the drafting pass to measure it (a skip probe).
 
 K = 0 steps stay correct: the head ingests every verified position whether
-or not it drafted (`TreeEagleDrafter._ingest`), so its state never depends
-on what was skipped (the trap TensorRT-LLM hit, #16888). A controller that
+or not it drafted, a request that skips drafting in one pass when it drafts
+again (`TreeEagleDrafter._ingest`, integration/v1/deferred_ingest.py), so
+its state never depends on what was skipped (the trap TensorRT-LLM hit,
+#16888). A controller that
 skips every step learns nothing, so after `probe_wait` skipped steps in a
 row one step drafts whole trees; each probe that does not revive
 speculation doubles the wait (up to 8x).

@@ -2,10 +2,10 @@
 
 A head drafter keeps its own KV current by ingesting every verified position
 with the target's hidden states there (`TreeEagleDrafter._ingest`). Under a
-tree budget that skips a request's drafting pass, that ingest is most of
-what a skipped step still costs on CPU: the tiny model at batch 16 ran its
-steps without drafts at about 30 ms against no speculation's 22 ms
-(docs/results/tree_budget_cpu). So a request that does not draft this step
+tree budget that skips a request's drafting pass, that ingest is part of
+what a skipped step still costs (on CPU the tiny model at batch 16 ran its
+steps without drafts at about 30 ms against no speculation's 22 ms;
+docs/results/tree_budget_cpu). So a request that does not draft this step
 keeps its verified rows here instead (the target's hidden states are gone
 after the step, so they are copied), and the head takes them in one pass,
 before its own rows, the next time the request drafts. A request that

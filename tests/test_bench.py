@@ -9,6 +9,7 @@ from importlib import metadata
 import pytest
 
 from vllm_specplug.bench.prompts import PromptFileError, read_bench_prompts
+from vllm_specplug.bench.report import DTYPE_SHORT
 from vllm_specplug.bench.specs import (SpecError, named_specs, parse_spec,
                                        replayed_suffix_cache_rows)
 from vllm_specplug.cli.main import main

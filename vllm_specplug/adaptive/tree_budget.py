@@ -27,7 +27,7 @@ with its tokens (tree layout, verification, the sampler's extra rows), and
 one line through both kinds of step would charge them to the step without
 drafts too (on CPU it kept whole trees at batch 1, where skipping was 1.4x
 faster). Until that line is measured, and now and then after, one step in
-`skip_probe_every` skips the drafting pass to measure it (a skip probe).
+`SKIP_PROBE_EVERY` skips the drafting pass to measure it (a skip probe).
 
 K = 0 steps stay correct: the head ingests every verified position whether
 or not it drafted, a request that skips drafting in one pass when it drafts

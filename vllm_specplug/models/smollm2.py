@@ -7,8 +7,9 @@ Hugging Face directory that vLLM serves as `LlamaForCausalLM`: `config.json`,
 safetensors (bf16 by default, fp32 on request), `tokenizer.json` and the chat
 template. The bf16 directory is the fp32 one rounded (built first if
 missing): transformers' loader dequantizes to fp32 and rounds the same way,
-bit for bit, and reading the GGUF costs more than rounding. The directory is built aside and renamed into the cache when whole
-(`build_cached`), so an interrupted build never looks finished.
+bit for bit, and reading the GGUF costs more than rounding. The directory
+is built aside and renamed into the cache when whole (`build_cached`), so
+an interrupted build never looks finished.
 
 SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, hidden 576, 9 heads /
 3 KV heads, vocabulary 49152, tied embeddings.

@@ -31,11 +31,12 @@ import torch
 
 from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.proposers.draft_topk import draft_topk
+from vllm_specplug.proposers.head_attention import attend_cached, attend_draft, draft_context
 from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView, HeadCachePool
 from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, keys_bucket,
                                                   padded, padded_batch, run_draft_pass,
                                                   run_ingest_pass, run_step_pass)
-from vllm_specplug.verification.backend import to_device
+from vllm_specplug.verification.backend import Backend, to_device
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
 from vllm_specplug.verification.tree_build import (build_draft_tree, chain_tree,
                                                    extend_draft_pool,
@@ -68,19 +69,15 @@ def _pad_host(arrays: list[np.ndarray], fill: int) -> np.ndarray:
     return out
 
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim in float32 (bf16 sums of many keys drift),
-    returned in the scores' dtype for the value product."""
-    return scores.float().softmax(-1).to(scores.dtype)
-
-
 class HeadRuntime:
     def __init__(self, head, embed: Callable[[torch.Tensor], torch.Tensor],
                  draft_temperature: float = 1.0, num_slots: int = MIN_SLOTS,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, attention_backend: Backend = "auto"):
         """head: an `Eagle3Head` or a `draft_layers` drafter (MTP). num_slots:
         requests the cache pool is first sized for (it grows). cuda_graphs:
-        run each drafting pass as a captured CUDA graph (CUDA only)."""
+        run each drafting pass as a captured CUDA graph (CUDA only).
+        attention_backend: the attention over the cache (`head_attention.py`;
+        `auto`: the Triton kernel on CUDA, einsums over copied keys elsewhere)."""
         self.layer = as_draft_layer(head)
         self.draft_temperature = draft_temperature
         self.embed = embed  # target token ids [T] -> [T, H] (the target's embedding)
@@ -89,6 +86,7 @@ class HeadRuntime:
         self.num_slots = num_slots
         self.pool: HeadCachePool | None = None  # made at the first ingest (dtype, device)
         self.graphs = PassGraphs() if cuda_graphs else None
+        self.attention_backend = attention_backend
         # Called inside a chain's drafting pass with each draft step's logits
         # (logits [B, V_draft], slots [B], draft step d): a runner's
         # acceptance estimate (vLLM's adaptive verification) reads them
@@ -263,25 +261,15 @@ class HeadRuntime:
         """queries [G, T, kvh, g, hd] at positions [G, T] (NO_QUERY: padding)
         over the cached keys < num_keys of slots index [G], causal. Returns
         [G, T, nh, hd]."""
-        pool = self.pool
-        keys, values = pool.keys[index, :, :num_keys], pool.values[index, :, :num_keys]
-        allowed = pool.valid[index, :num_keys][:, None, :] & (
-            torch.arange(num_keys, device=index.device)[None, None, :]
-            <= positions[:, :, None])  # [G, T, L]
-        scores = torch.einsum("gtcjd,gcld->gcjtl", queries, keys) * self.scale
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-        out = torch.einsum("gcjtl,gcld->gtcjd", _softmax(scores), values)
-        return out.flatten(2, 3)
+        return attend_cached(queries, self.pool, index, positions, num_keys, self.scale,
+                             self.attention_backend)
 
     def _context(self, slots: torch.Tensor, num_keys: int):
         """What a drafting pass reads of the slots' caches: keys, values
         [B, kvh, L, hd] and an additive mask [B, L] (0 where valid, -inf
-        where not), made once for all of the pass's steps."""
-        pool = self.pool
-        valid = pool.valid[slots, :num_keys]
-        bias = torch.zeros(valid.shape, dtype=pool.keys.dtype, device=valid.device)
-        return (pool.keys[slots, :, :num_keys], pool.values[slots, :, :num_keys],
-                bias.masked_fill_(~valid, float("-inf")))
+        where not), made once for all of the pass's steps; for the kernel,
+        only the slots: it reads the pool in place (`head_attention.py`)."""
+        return draft_context(self.pool, slots, num_keys, self.attention_backend)
 
     def _depth_rope(self, root_positions: torch.Tensor, num_depths: int):
         """The positions [B, D] expanded at depths 1..D (root + depth - 1: a
@@ -299,7 +287,6 @@ class HeadRuntime:
         request's cache ([B, kvh, L, hd], mask [B, L]: `_context`) is shared
         by its k beam nodes (never copied per node: at B=64, k=8 on an
         8B-shaped head a copy was 3 GiB)."""
-        keys_ctx, values_ctx, ctx_bias = ctx
         batch, width = beam_tokens.shape
         if width > 1:
             position = position[:, None].expand(-1, width).reshape(-1)
@@ -309,13 +296,8 @@ class HeadRuntime:
                                   parent_out.reshape(batch * width, -1), position, rope)
         path_k = torch.cat([path_kv[0], k.view(batch, width, -1, 1, k.shape[-1])], 3)
         path_v = torch.cat([path_kv[1], v.view(batch, width, -1, 1, v.shape[-1])], 3)
-        q = (q * self.scale).view(batch, width, -1, self.group, q.shape[-1])  # [B, k, kvh, g, hd]
-        ctx_scores = torch.einsum("bwcjd,bcld->bwcjl", q, keys_ctx) + ctx_bias[:, None, None, None]
-        scores = torch.cat([ctx_scores, torch.einsum("bwcjd,bwcld->bwcjl", q, path_k)], -1)
-        probs = _softmax(scores)
-        num_ctx = keys_ctx.shape[2]
-        attn = (torch.einsum("bwcjl,bcld->bwcjd", probs[..., :num_ctx], values_ctx)
-                + torch.einsum("bwcjl,bwcld->bwcjd", probs[..., num_ctx:], path_v))
+        attn = attend_draft(ctx, self.pool, q.view(batch, width, -1, q.shape[-1]),
+                            (path_k, path_v), position.view(batch, width), self.scale)
         out = self.layer.finish(attn.reshape(batch * width, -1), base)
         return out.view(batch, width, -1), (path_k, path_v)
 

@@ -11,6 +11,10 @@ working tree, and an older package put first on `PYTHONPATH` (with its own
         benchmarks/gpu/bench_head_passes.py --head DIR --label before --json before.json
     python3 benchmarks/gpu/bench_head_passes.py --head DIR --label after --json after.json
 
+Or compare the runtime's two attention paths in one process, interleaved
+(`--attention torch triton --repeats 2`: the einsums over copied keys, the
+kernel reading the pool in place; `proposers/head_attention.py`).
+
 Prints one line per (batch, shape): ingest and drafting-pass milliseconds.
 """
 from __future__ import annotations
@@ -43,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["1,5,6", "4,4,16"],
                         help="topk,num_steps,num_draft_tokens of each drafting pass")
     parser.add_argument("--context", type=int, default=384, help="cached positions per request")
+    parser.add_argument("--attention", nargs="+", default=["auto"],
+                        choices=["auto", "torch", "triton"],
+                        help="the head's attention paths to time, in turn each repeat")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over --attention")
     parser.add_argument("--label", default="", help="names this run in the output")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
@@ -51,11 +59,15 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_tree_head.HEAD_CONFIGS = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     print(f"bench_tree_head from {bench_tree_head.__file__}", flush=True)
-    rows = bench_tree_head.head_steps(args.head, head_config(args.head),
-                                      batch_sizes=tuple(args.batch_sizes),
-                                      context_len=args.context)
-    for row in rows:
-        row["label"] = args.label
+    rows = []
+    for repeat in range(args.repeats):
+        for attention in args.attention:
+            print(f"repeat {repeat}, attention {attention}", flush=True)
+            run = bench_tree_head.head_steps(args.head, head_config(args.head),
+                                             batch_sizes=tuple(args.batch_sizes),
+                                             context_len=args.context,
+                                             attention_backend=attention)
+            rows += [{**row, "label": args.label, "repeat": repeat} for row in run]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -39,13 +39,15 @@ def _timed(fn, repeats: int = 20) -> float:
 
 
 def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
-               context_len: int = HEAD_CONTEXT, dtype: str | None = None) -> list[dict]:
+               context_len: int = HEAD_CONTEXT, dtype: str | None = None,
+               attention_backend: str = "auto") -> list[dict]:
     """Our head runtime on the 8B-shaped random head, no engine: ingest of one
     verified position per request, one expansion step at width k (eager), and
     a whole drafting pass eager and as the runtime replays it on CUDA (one
     captured graph per pass), at batch 1/16/64. dtype: the head's (default
     bfloat16 on CUDA, as `draft_dtype="auto"` with a bf16 target; float32 on
-    CPU)."""
+    CPU). attention_backend: the runtime's attention over its cache
+    (`proposers/head_attention.py`: `auto`, `torch` or `triton`)."""
     import torch
 
     from vllm_specplug.proposers.draft_layers import cast_parameters
@@ -57,8 +59,10 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
     head = cast_parameters(load_head(head_dir).to(device), getattr(torch, dtype))
     embed = torch.nn.Embedding(config["vocab_size"], config["hidden_size"]).to(device)
     embed = embed.to(torch.bfloat16) if device == "cuda" else embed
-    eager = HeadRuntime(head, embed, num_slots=max(batch_sizes))
-    graphed = HeadRuntime(head, embed, num_slots=max(batch_sizes), cuda_graphs=device == "cuda")
+    eager = HeadRuntime(head, embed, num_slots=max(batch_sizes),
+                        attention_backend=attention_backend)
+    graphed = HeadRuntime(head, embed, num_slots=max(batch_sizes), cuda_graphs=device == "cuda",
+                          attention_backend=attention_backend)
     aux = len(config["aux_layer_ids"]) * config["target_hidden_size"]
     rows = []
     for batch in batch_sizes:
@@ -90,7 +94,7 @@ def head_steps(head_dir: Path, config: dict = HEAD_8B, batch_sizes=BATCH_SIZES,
             expand = lambda: eager._expand(ctx, beam, parent, path, position, rope)  # noqa: E731
             draft = lambda rt: lambda: rt.draft_trees(  # noqa: E731
                 ids, roots, one + 1, topk, steps, nodes)
-            rows.append({"dtype": dtype, "batch_size": batch, "topk": topk, "num_steps": steps,
+            rows.append({"dtype": dtype, "attention": attention_backend, "batch_size": batch, "topk": topk, "num_steps": steps,
                          "num_nodes": nodes, "ingest_s": ingest, "ingest_graph_s": ingest_graph,
                          "step_eager_s": _timed(expand),
                          "draft_s": _timed(draft(eager), 5),

@@ -33,7 +33,9 @@ def _rescale(run_max, run_sum, acc, scores, visible):
     return new_max, run_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None], p
 
 
-@triton.jit
+# the counts change from call to call (a bucket, a prompt's length, a path's
+# depth): one compiled kernel for all of them, not one per value class
+@triton.jit(do_not_specialize=["num_keys", "num_rows", "num_path"])
 def head_attention_kernel(q_ptr, keys_ptr, values_ptr, valid_ptr, slots_ptr, positions_ptr,
                           path_k_ptr, path_v_ptr, out_ptr, scale, num_keys, num_rows, num_path,
                           q_stride_g, q_stride_t, q_stride_h,

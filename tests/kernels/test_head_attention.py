@@ -80,13 +80,13 @@ def test_the_runtimes_einsum_paths_equal_the_reference(device):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _ingests(runtime, width: int) -> None:
+def _ingests(runtime, width: int, device) -> None:
     """Prefills of three requests, decode-like ingests of 1-4 positions
     (batched), and one re-ingest from an earlier position."""
     generator = torch.Generator().manual_seed(5)
     lengths = {"a": 6, "b": 70, "c": 3}  # b spans two key blocks
-    rows = lambda n: (torch.randn(n, width, generator=generator),  # noqa: E731
-                      torch.randint(0, 50, (n,), generator=generator))
+    rows = lambda n: (torch.randn(n, width, generator=generator).to(device),  # noqa: E731
+                      torch.randint(0, 50, (n,), generator=generator).to(device))
     for req_id, length in lengths.items():
         runtime.ingest(req_id, *rows(length), torch.arange(length))
     for step in [{"a": 2, "b": 1, "c": 4}, {"a": 1, "c": 1, "b": 2}]:
@@ -96,28 +96,40 @@ def _ingests(runtime, width: int) -> None:
     runtime.ingest("b", *rows(2), torch.tensor([60, 61]))
 
 
+def _runtimes(drafter: str, device):
+    """Two runtimes over one random drafter (an EAGLE-3 head or an MTP
+    layer, float32) on `device`, and the width of its target hidden states."""
+    from tests.test_mtp_unit import random_layer
+    from tests.test_tree_eagle_unit import _gqa_head
+    from vllm_specplug.proposers.draft_layers import MtpDraftLayer
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    torch.manual_seed(3)
+    if drafter == "eagle3":
+        head, embed, width = _gqa_head(seed=6).to(device), torch.nn.Embedding(50, 32), 48
+    else:
+        head = MtpDraftLayer(random_layer(6).to(device), torch.randn(100, 32).to(device))
+        embed, width = torch.nn.Embedding(100, 32), 32
+    embed = embed.to(device)
+    return [HeadRuntime(head, embed, attention_backend=b) for b in ("torch", "triton")], width
+
+
 @pytest.mark.parametrize("drafter", ["eagle3", "mtp"])
 def test_a_runtime_on_the_kernel_caches_and_drafts_as_on_the_einsums(device, drafter,
                                                                       monkeypatch):
     """Two runtimes over one drafter, one on each attention path: the same
     ingests leave the same caches, and both draft the same trees and chains
     (float32)."""
-    from tests.test_tree_eagle_unit import _runtime
     from vllm_specplug.proposers import head_attention
 
     launches = []
     kernel_call = head_attention.slot_attention
     monkeypatch.setattr(head_attention, "slot_attention",
                         lambda *a, **k: launches.append(k["backend"]) or kernel_call(*a, **k))
-
-    torch.manual_seed(3)
-    einsum, width = _runtime(drafter)
-    kernel, _ = _runtime(drafter)
-    kernel.layer, kernel.embed = einsum.layer, einsum.embed  # one drafter, one embedding
-    einsum.attention_backend, kernel.attention_backend = "torch", "triton"
-    _ingests(einsum, width)
+    (einsum, kernel), width = _runtimes(drafter, device)
+    _ingests(einsum, width, device)
     assert not launches
-    _ingests(kernel, width)
+    _ingests(kernel, width, device)
     assert launches and set(launches) == {"triton"}
     for req_id in "abc":
         want, got = einsum.cache_of(req_id), kernel.cache_of(req_id)
@@ -125,7 +137,8 @@ def test_a_runtime_on_the_kernel_caches_and_drafts_as_on_the_einsums(device, dra
         for name in ("keys", "values", "last_out", "last_logits"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name),
                                        atol=1e-5, rtol=1e-5)
-    roots, positions = torch.tensor([1, 2, 3]), torch.tensor([9, 62, 8])
+    roots = torch.tensor([1, 2, 3], device=device)
+    positions = torch.tensor([9, 62, 8], device=device)
     for shape in [(3, 3, 8), (1, 4, 5)]:
         trees = [r.draft_trees(list("abc"), roots, positions, *shape) for r in (einsum, kernel)]
         assert torch.equal(trees[0].token_ids, trees[1].token_ids), shape

@@ -124,6 +124,25 @@ def test_budget_is_as_fast_as_the_best_static_size(fixed, per_token, draft, rate
         assert budget.stats.num_skipped > 0 and budget.stats.num_probes > 0
 
 
+def test_a_first_step_of_many_tokens_does_not_talk_the_budget_out_of_drafting():
+    """A GPU batch of 64 with whole trees (the 8B shape's costs, measured
+    on an H100: docs/results/tree_budget_8b_projection): the first
+    speculative step verifies 1024 tokens. The cost line's prior, taken from
+    that step, once said 64 more tokens would double it, a line 6x over the
+    step's own time. While the batch kept its trees T varied little, that
+    prior held the fit up, drafts looked dear, fewer were kept, T varied
+    less still, and the budget skipped half of the steps: 0.77x the best
+    static size. The prior now passes through the step. The issue's goal is
+    0.97x; this reaches about 0.90x (it keeps more nodes than the best
+    static size), and guards the collapse."""
+    engine = _Engine(0.007, 2.3e-5, 0.0028, 0.7)
+    static = [engine.static_rate(64, n) for n in range(NUM_NODES + 1)]
+    budget = TreeBudget(NUM_NODES, clock=lambda: engine.now)
+    achieved = _run(engine, budget, num_reqs=64)
+    assert budget.stats.num_skipped < 0.1 * budget.stats.num_steps, budget.as_dict()
+    assert achieved >= 0.85 * max(static), (achieved, max(static), budget.as_dict())
+
+
 def test_node_estimates_follow_the_accepted_paths():
     engine = _Engine(0.010, 1e-5, 0.002, 0.7)
     # a long memory (about 500 trees): the estimates' noise well inside the bound,
@@ -131,3 +150,33 @@ def test_node_estimates_follow_the_accepted_paths():
     budget = TreeBudget(NUM_NODES, decay=0.998, clock=lambda: engine.now)
     _run(engine, budget, steps=600)
     assert np.allclose(budget.counts.rates(), engine.node_rates(), atol=0.08)
+
+
+def test_the_8b_projection_reads_the_measured_costs():
+    """`benchmarks/project_tree_budget.py` on the recorded 8B step costs: the
+    verify line passes through every measured speculative row (step less
+    its drafting pass), and a short projection gives every batch size and
+    method a row whose static sizes start at no speculation."""
+    import json
+    import statistics
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import project_tree_budget as projection
+
+    costs = projection.load_costs(projection.STEPS)
+    assert sorted(costs) == [1, 16, 64]
+    rows = json.loads(projection.STEPS.read_text())
+    for row in rows:
+        if row["method"] in projection.SPEC_ROWS:
+            batch_costs = costs[row["batch"]]
+            tokens = row["batch"] * (1 + projection.SPEC_ROWS[row["method"]])
+            want = statistics.median(row["step_ms"]) / 1e3 - batch_costs.draft[row["method"]]
+            assert abs(batch_costs.verify(tokens) - want) < 1e-12
+    table = projection.project(costs, steps=100)
+    assert {(r["method"], r["batch_size"]) for r in table} == {
+        (m, b) for m in projection.METHODS for b in (1, 16, 64)}
+    for r in table:
+        assert r["static_tokens_per_s"][0] == r["none"] == r["batch_size"] / costs[
+            r["batch_size"]].plain

@@ -31,7 +31,8 @@ class StepCostModel:
     count); a sample more than `outlier_factor` times the prediction is an
     idle gap of the engine (no requests, a new request's wait), not a step.
     The prior line, from the first step, says 64 more tokens would double
-    that step (`prior_slope_share`), and weighs `prior_weight` steps. Three outliers in a row are a new regime
+    that step (`prior_slope_share`; at most all of the step is put on its
+    tokens, so the line passes through it), and weighs `prior_weight` steps. Three outliers in a row are a new regime
     (the batch grew), and are taken."""
     forgetting: float = 0.98
     # steps measured before the fit is used; until then every draft is kept
@@ -68,8 +69,13 @@ class StepCostModel:
         if seconds <= 0 or num_tokens <= 0:
             return False
         if self.prior is None:
-            per_token = seconds * self.prior_slope_share
-            self.prior = np.array([max(seconds - per_token * num_tokens, 0.0), per_token])
+            # the prior line passes through this step (fixed >= 0): a first
+            # step of over 64 tokens (a GPU batch of 64 with trees) would
+            # otherwise get a line 6x over its own time, which, kept while T
+            # varied little, made every draft look dear (a projection on the
+            # 8B shape then skipped 98% of steps at batch 64)
+            per_token = min(seconds * self.prior_slope_share, seconds / num_tokens)
+            self.prior = np.array([seconds - per_token * num_tokens, per_token])
             self.prior_scale = float(num_tokens)
         elif (self.num_samples >= 4 and self.outlier_run < 2
               and seconds > self.outlier_factor * self.predict(num_tokens)):

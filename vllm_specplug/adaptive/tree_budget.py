@@ -6,8 +6,8 @@ of the list keeps a tree. Node j is accepted exactly when its whole path
 is, whatever else is kept, so the tokens a request gains from its first n
 nodes are, in expectation, the sum of P(node j accepted) over j < n (a
 chain is the tree whose node j is at depth j + 1). Those probabilities are
-counted per list index over every verified tree (`NodeCounts`: decayed,
-like `acceptance.py`), and scaled per request by how its own recent trees
+counted per list index over every verified tree (`NodeCounts`: faded once
+a step, so the memory is in steps whatever the batch), and scaled per request by how its own recent trees
 did against that estimate (acceptance comes in runs).
 
 A step of B requests that keeps n_i nodes each yields B + sum of the kept
@@ -64,15 +64,19 @@ class NodeCounts:
     def zeros(cls, num_nodes: int) -> "NodeCounts":
         return cls(np.zeros(num_nodes), np.zeros(num_nodes))
 
-    def add(self, num_kept: int, accepted_nodes: list[int], decay: float) -> None:
+    def add(self, num_kept: int, accepted_nodes: list[int], decay: float = 1.0) -> None:
         """One verified tree of `num_kept` nodes (root excluded) whose
-        accepted path is `accepted_nodes` (node indices from 0, root excluded)."""
-        self.accepted *= decay
-        self.tried *= decay
+        accepted path is `accepted_nodes` (node indices from 0, root
+        excluded), after decaying what came before by `decay`."""
+        self.fade(decay)
         self.tried[:min(num_kept, len(self.tried))] += 1.0
         for node in accepted_nodes:
             if node < len(self.accepted):
                 self.accepted[node] += 1.0
+
+    def fade(self, decay: float) -> None:
+        self.accepted *= decay
+        self.tried *= decay
 
     def rates(self) -> np.ndarray:
         """[num_nodes] float64: P(node j accepted), shrunk toward PRIOR_RATE."""
@@ -160,7 +164,7 @@ class TreeBudget:
         its accepted path (node indices from 0, root excluded)."""
         if num_kept <= 0:
             return
-        self.counts.add(num_kept, accepted_nodes, self.decay)
+        self.counts.add(num_kept, accepted_nodes)  # faded once a step, in `plan`
         mine = self.requests.setdefault(req_id, NodeCounts.zeros(self.num_nodes))
         mine.add(num_kept, accepted_nodes, self.request_decay)
         self.stats.num_verified_drafts += 1
@@ -204,6 +208,11 @@ class TreeBudget:
             self.skip_streak, self.wait = 0, self.probe_wait
         self.steps_since_plain = 0 if not any(sizes) else self.steps_since_plain + 1
         self._count(rates, sizes, max_nodes)
+        # the engine-wide counts fade per step, not per tree: at 64 trees a
+        # step a per-tree decay of 0.98 remembered under one step, and nodes
+        # kept now and then were estimated from a handful of trees (the 8B
+        # projection kept 3.4 nodes where 1 was best)
+        self.counts.fade(self.decay)
         return sizes
 
     def _without_drafts(self, num_reqs: int) -> float:

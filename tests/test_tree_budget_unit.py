@@ -124,23 +124,22 @@ def test_budget_is_as_fast_as_the_best_static_size(fixed, per_token, draft, rate
         assert budget.stats.num_skipped > 0 and budget.stats.num_probes > 0
 
 
-def test_a_first_step_of_many_tokens_does_not_talk_the_budget_out_of_drafting():
+def test_a_batch_of_64_keeps_drafting_what_pays():
     """A GPU batch of 64 with whole trees (the 8B shape's costs, measured
-    on an H100: docs/results/tree_budget_8b_projection): the first
-    speculative step verifies 1024 tokens. The cost line's prior, taken from
-    that step, once said 64 more tokens would double it, a line 6x over the
-    step's own time. While the batch kept its trees T varied little, that
-    prior held the fit up, drafts looked dear, fewer were kept, T varied
-    less still, and the budget skipped half of the steps: 0.77x the best
-    static size. The prior now passes through the step. The issue's goal is
-    0.97x; this reaches about 0.90x (it keeps more nodes than the best
-    static size), and guards the collapse."""
+    on an H100: docs/results/tree_budget_8b_projection), where 3 nodes a
+    request pay best. Two things went wrong here, each caught by this test:
+    - the cost line's prior, from a first speculative step of 1024 tokens,
+      sat 6x over that step; T varied little and the prior held, drafts
+      looked dear, and the budget skipped half of the steps (0.77x);
+    - the node counts decayed per tree, so at 64 trees a step they
+      remembered under one step; noisy estimates kept too many nodes (0.90x).
+    """
     engine = _Engine(0.007, 2.3e-5, 0.0028, 0.7)
     static = [engine.static_rate(64, n) for n in range(NUM_NODES + 1)]
     budget = TreeBudget(NUM_NODES, clock=lambda: engine.now)
     achieved = _run(engine, budget, num_reqs=64)
     assert budget.stats.num_skipped < 0.1 * budget.stats.num_steps, budget.as_dict()
-    assert achieved >= 0.85 * max(static), (achieved, max(static), budget.as_dict())
+    assert achieved >= 0.95 * max(static), (achieved, max(static), budget.as_dict())
 
 
 def test_node_estimates_follow_the_accepted_paths():

@@ -467,6 +467,42 @@ def test_a_chains_drafting_pass_shows_each_draft_steps_logits_to_its_hook():
     assert not seen
 
 
+@pytest.mark.parametrize("topk,num_steps,num_draft_tokens", [(3, 3, 8), (1, 4, 5)])
+def test_a_trees_logits_hook_masks_what_each_step_may_draft(topk, num_steps,
+                                                            num_draft_tokens):
+    """`tree_logits_hook` (a grammar-aware drafter's seam) sees each step's
+    logits with the pooled candidates and the beam, and what it returns is
+    what the top-k is taken from: a hook that allows one token after the
+    root and another after it drafts exactly that path first. Chains go
+    through the tree's pass when the hook is set."""
+    torch.manual_seed(4)
+    runtime, width = _runtime("eagle3")
+    runtime.ingest("a", torch.randn(9, width), torch.randint(0, 50, (9,)), torch.arange(9))
+    allowed = {0: 11, 1: 23}  # depth -> the one draft id allowed there (else: anything)
+    seen = []
+
+    def hook(logits, slots, pooled, beam):
+        depth = 0 if pooled is None else 1 + (pooled.token_ids.shape[1] > topk)
+        seen.append((tuple(logits.shape), pooled is None, None if beam is None else beam.shape))
+        if depth in allowed:
+            only = torch.full_like(logits, float("-inf"))
+            only[..., allowed[depth]] = 0.0
+            return only
+        return logits
+
+    runtime.tree_logits_hook = hook
+    tree = runtime.draft_trees(["a"], torch.tensor([3]), torch.tensor([9]), topk, num_steps,
+                               num_draft_tokens)
+    ids, parents = tree.token_ids[0].tolist(), tree.parent_ids[0].tolist()
+    first = ids.index(int(runtime.layer.to_target(torch.tensor(11))))
+    assert parents[first] == 0
+    second = [c for c in range(len(ids)) if parents[c] == first]
+    assert second and ids[second[0]] == int(runtime.layer.to_target(torch.tensor(23)))
+    assert seen[0][1] and seen[0][2] is None and len(seen[0][0]) == 2  # step 0: [B, V]
+    assert all(not fresh and beam == (1, topk) for _, fresh, beam in seen[1:])
+    assert len(seen) == num_steps
+
+
 def test_a_preallocated_pool_keeps_its_rows_and_stays_within_its_budget():
     """`HeadCachePool.preallocate` (Model Runner V2 sizes the head's pool at
     load): as many positions as the budget holds for every slot, up to what

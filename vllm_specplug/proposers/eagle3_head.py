@@ -92,6 +92,13 @@ class HeadRuntime:
         # acceptance estimate (vLLM's adaptive verification) reads them
         # there, in the same graph. Set it before the first pass.
         self.draft_logits_hook: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        # Called in a tree's drafting pass (eager) with each step's logits
+        # before its top-k: (logits [B, V_draft] at step 0, [B, k, V_draft]
+        # after; slots [B]; the candidates pooled so far, None at step 0;
+        # the beam's pooled ids [B, k], None at step 0), returning the logits
+        # to take the top-k of. What a grammar-aware drafter masks with
+        # (benchmarks/bench_grammar_drafting.py).
+        self.tree_logits_hook: Callable | None = None
 
     def forget(self, req_id: str) -> None:
         if self.pool is not None:
@@ -334,7 +341,7 @@ class HeadRuntime:
         """The whole drafting pass on device tensors (slots [B] int64; keys
         read: positions < num_keys): shapes fixed by (B, num_keys, tree
         shape) and no host sync, so a CUDA graph can capture it."""
-        if topk == 1:
+        if topk == 1 and self.tree_logits_hook is None:  # the hook reads the tree's pool
             return self._draft_chain_pass(slots, root_token_ids, root_positions, num_keys,
                                           num_draft_tokens)
         return self._draft_tree_pass(slots, root_token_ids, root_positions, num_keys, topk,
@@ -375,7 +382,8 @@ class HeadRuntime:
         pool, layer, batch = self.pool, self.layer, slots.shape[0]
         ctx = self._context(slots, num_keys)
         positions, cos, sin = self._depth_rope(root_positions, num_steps - 1)
-        logprobs, draft_ids = self._topk(pool.last_logits[slots], topk)  # [B, k]
+        logprobs, draft_ids = self._topk(self._tree_logits(pool.last_logits[slots], slots),
+                                         topk)  # [B, k]
         root = torch.full((batch, 1), ROOT_PARENT, dtype=torch.long, device=slots.device)
         pooled = extend_draft_pool(None, layer.to_target(draft_ids)[:, None],
                                    logprobs[:, None], root)
@@ -386,7 +394,8 @@ class HeadRuntime:
             out, path_kv = self._expand(ctx, pooled.token_ids.gather(1, beam), parent_out,
                                         path_kv, positions[:, depth - 1],
                                         (cos[:, depth - 1], sin[:, depth - 1]))
-            logprobs, draft_ids = self._topk(self._logits(out), topk)  # [B, k, k]
+            logits = self._tree_logits(self._logits(out), slots, pooled, beam)
+            logprobs, draft_ids = self._topk(logits, topk)  # [B, k, k]
             pooled = extend_draft_pool(pooled, layer.to_target(draft_ids), logprobs, beam)
             beam = next_beam(pooled.scores[:, offset:], offset, topk)
             row = (beam - offset) // topk  # which expanded node each new beam node came from
@@ -396,6 +405,11 @@ class HeadRuntime:
             path_kv = tuple(t.gather(1, pick.expand_as(t)) for t in path_kv)
         return build_draft_tree(pooled, root_token_ids, root_positions, num_draft_tokens,
                                 validate=False)
+
+    def _tree_logits(self, logits, slots, pooled=None, beam=None) -> torch.Tensor:
+        if self.tree_logits_hook is None:
+            return logits
+        return self.tree_logits_hook(logits, slots, pooled, beam)
 
     def _topk(self, logits: torch.Tensor, topk: int):
         """Top-k draft ids and their log-probs (path-score increments): one

@@ -1,0 +1,236 @@
+"""Does a grammar-aware drafter pay? (issue 30, item 2): the tree's top-k at
+each node taken from the tokens the grammar allows on that node's path,
+against top-k over the whole vocabulary (what every drafter does today; the
+scheduler then prunes invalid nodes before verification).
+
+No engine: the built-in tiny model in transformers is the target, its
+`tiny-eagle3` head drafts through our head runtime (`HeadRuntime`, with
+`tree_logits_hook` masking each step's logits), and xgrammar holds the JSON
+schema of `bench_grammar_trees.py`. For each held-out prompt the target's
+greedy output under the schema is generated first; then decoding is
+replayed step by step as the V1 runner does it: the head ingests the
+verified positions (the target's aux hidden states, vLLM's layout), drafts
+from the last verified token, the longest path of the draft that matches
+the target's own tokens is accepted, plus one token. Greedy, so the
+accepted length per step is what an engine with the same target and head
+would see (the scheduler's pruning never cuts a node on the target's path).
+
+    .venv/bin/python benchmarks/bench_grammar_drafting.py --out docs/results/grammar_drafting_cpu
+
+Reports per draft shape, under the schema masked and not, and without a
+schema (the same prompts, the target's own greedy output): tokens per step
+(the accepted length plus one), and the grammar's own time per drafting
+pass (xgrammar driven from Python here, node by node: an upper bound of
+what a batched walk would cost).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench_grammar_trees import SCHEMA
+
+SHAPES = {"tree16": (4, 4, 16), "chain5": (1, 5, 6)}  # topk, num_steps, num_draft_tokens
+
+
+class PathMasks:
+    """The grammar's allowed draft tokens at each node of a drafting pass:
+    the matcher sits after the request's verified tokens; each beam node's
+    path is accepted, its next-token mask read, and rolled back."""
+
+    def __init__(self, xgr, matcher, vocab_size: int, draft_to_target: torch.Tensor):
+        self.xgr, self.matcher = xgr, matcher
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.draft_to_target = draft_to_target  # [V_draft] target id of each draft id
+        self.seconds = 0.0
+
+    def allowed(self) -> torch.Tensor:
+        """[V_draft] bool: the draft ids the grammar allows next."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        scores = torch.zeros(1, self.vocab_size)
+        self.xgr.apply_token_bitmask_inplace(scores, self.bitmask)
+        return torch.isfinite(scores[0])[self.draft_to_target]
+
+    def path_allowed(self, path: list[int]) -> torch.Tensor:
+        taken = 0
+        for token in path:
+            if not self.matcher.accept_token(token):
+                break
+            taken += 1
+        allowed = self.allowed() if taken == len(path) else torch.zeros_like(
+            self.draft_to_target, dtype=torch.bool)
+        self.matcher.rollback(taken)
+        return allowed
+
+    def __call__(self, logits, slots, pooled, beam) -> torch.Tensor:
+        started = time.perf_counter()
+        if pooled is None:  # step 0: the root's children
+            masks = self.allowed()[None]
+        else:
+            masks = torch.stack([self.path_allowed(_path(pooled, int(node)))
+                                 for node in beam[0]])[None]
+        self.seconds += time.perf_counter() - started
+        return logits.masked_fill(~masks, float("-inf"))
+
+
+def _path(pooled, node: int) -> list[int]:
+    """Target token ids from the root's child down to pooled candidate `node`."""
+    path = []
+    while node >= 0:
+        path.append(int(pooled.token_ids[0, node]))
+        node = int(pooled.parent_ids[0, node])
+    return path[::-1]
+
+
+def greedy_under_schema(model, xgr, compiled, prompt_ids: list[int], max_tokens: int):
+    """The target's greedy tokens under the grammar (none: `compiled` None)."""
+    if compiled is None:
+        return greedy(model, prompt_ids, max_tokens)
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
+    inputs, past, output = torch.tensor([prompt_ids]), None, []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            result = model(inputs, past_key_values=past, use_cache=True)
+            past, logits = result.past_key_values, result.logits[:, -1].float()
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax())
+            assert matcher.accept_token(token)
+            output.append(token)
+            if matcher.is_terminated():
+                break
+            inputs = torch.tensor([[token]])
+    return output
+
+
+def greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The target's greedy tokens without a grammar."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                             do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def aux_hidden(model, ids: list[int], layer_ids) -> torch.Tensor:
+    """[T, L * H]: vLLM's EAGLE-3 aux hidden states (the input of layer l,
+    residual included, is transformers' hidden_states[l])."""
+    with torch.inference_mode():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([states[layer][0] for layer in layer_ids], -1)
+
+
+def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMasks | None):
+    """Accepted tokens per step over the output, drafting with `shape`."""
+    runtime.forget("r")
+    runtime.tree_logits_hook = masks
+    runtime.ingest("r", aux[:num_prompt], torch.tensor(ids[1:num_prompt + 1]),
+                   torch.arange(num_prompt))
+    root, steps, num_allowed, num_nodes = num_prompt, [], 0, 0
+    if masks is not None:
+        masks.matcher.accept_token(ids[root])
+    while root < len(ids) - 1:
+        tree = runtime.draft_trees(["r"], torch.tensor([ids[root]]), torch.tensor([root]),
+                                   *shape)
+        accepted = _accepted(tree, ids, root)
+        steps.append(accepted + 1)
+        num_nodes += tree.num_nodes - 1
+        new = list(range(root, min(root + accepted + 1, len(ids) - 1)))
+        if new:
+            runtime.ingest("r", aux[new], torch.tensor([ids[t + 1] for t in new]),
+                           torch.tensor(new))
+        for t in range(root + 1, min(root + accepted + 2, len(ids))):
+            if masks is not None:
+                masks.matcher.accept_token(ids[t])
+        root += accepted + 1
+    runtime.tree_logits_hook = None
+    return steps, num_nodes
+
+
+def _accepted(tree, ids: list[int], root: int) -> int:
+    """Length of the longest draft path equal to the target's next tokens."""
+    tokens, parents = tree.token_ids[0].tolist(), tree.parent_ids[0].tolist()
+    node, depth = 0, 0
+    while root + depth + 1 < len(ids):
+        children = [c for c in range(1, len(tokens))
+                    if parents[c] == node and tokens[c] == ids[root + depth + 1]]
+        if not children:
+            break
+        node, depth = children[0], depth + 1
+    return depth
+
+
+def _label(name: str, constraint: str, masked: bool) -> str:
+    return f"{name} {constraint}{' masked' if masked else ''}"
+
+
+def _add(row: dict, steps: list[int], nodes: int, masks: PathMasks | None) -> None:
+    row["steps"] += steps
+    row["nodes"] += nodes
+    row["passes"] += len(steps)
+    row["seconds"] += masks.seconds if masks is not None else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_specplug.models import build_model, held_out_prompts
+    from vllm_specplug.models.heads import build_head
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+    from vllm_specplug.proposers.eagle3_loading import load_head
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    model_dir, head_dir = build_model("tiny"), build_head("tiny-eagle3")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab_size = model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    head = load_head(head_dir).eval()
+    runtime = HeadRuntime(head, model.get_input_embeddings())
+    draft_to_target = runtime.layer.to_target(torch.arange(runtime.layer.logits_size))
+    variants = [(name, constraint, masked) for name in SHAPES
+                for constraint, masked in (("schema", False), ("schema", True), ("none", False))]
+    rows = {_label(*v): {"steps": [], "nodes": 0, "seconds": 0.0, "passes": 0}
+            for v in variants}
+    for prompt in tqdm(held_out_prompts(args.prompts), desc="prompts"):
+        prompt_ids = tokenizer(prompt).input_ids
+        for constraint in ("schema", "none"):
+            output = greedy_under_schema(model, xgr, compiled if constraint == "schema" else None,
+                                         prompt_ids, args.max_tokens)
+            ids = prompt_ids + output
+            aux = aux_hidden(model, ids, head.config.aux_layer_ids)
+            for name, _, masked in (v for v in variants if v[1] == constraint):
+                masks = (PathMasks(xgr, xgr.GrammarMatcher(compiled), vocab_size,
+                                   draft_to_target) if masked else None)
+                steps, nodes = replay(runtime, aux, ids, len(prompt_ids), SHAPES[name], masks)
+                _add(rows[_label(name, constraint, masked)], steps, nodes, masks)
+    summary = {name: {"tokens_per_step": float(np.mean(r["steps"])), "steps": len(r["steps"]),
+                      "grammar_ms_per_pass": 1e3 * r["seconds"] / max(r["passes"], 1)}
+               for name, r in rows.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "grammar_drafting.json").write_text(json.dumps(
+        {"schema": SCHEMA, "prompts": args.prompts, "max_tokens": args.max_tokens,
+         "rows": summary}, indent=1))
+    lines = [f"{'draft':22} {'tokens/step':>12} {'steps':>6} {'grammar ms/pass':>16}"]
+    lines += [f"{n:22} {s['tokens_per_step']:12.2f} {s['steps']:6d} "
+              f"{s['grammar_ms_per_pass']:16.2f}" for n, s in summary.items()]
+    (args.out / "grammar_drafting.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 from bench_grammar_trees import SCHEMA
 
-SHAPES = {"tree16": (4, 4, 16), "chain5": (1, 5, 6)}  # topk, num_steps, num_draft_tokens
+# topk, num_steps, num_draft_tokens
+SHAPES = {"tree16": (4, 4, 16), "tree16-deep": (2, 8, 16), "chain5": (1, 5, 6)}
 
 
 class PathMasks:
@@ -224,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "grammar_drafting.json").write_text(json.dumps(
         {"schema": SCHEMA, "prompts": args.prompts, "max_tokens": args.max_tokens,
          "rows": summary}, indent=1))
-    lines = [f"{'draft':22} {'tokens/step':>12} {'steps':>6} {'grammar ms/pass':>16}"]
-    lines += [f"{n:22} {s['tokens_per_step']:12.2f} {s['steps']:6d} "
+    lines = [f"{'draft':26} {'tokens/step':>12} {'steps':>6} {'grammar ms/pass':>16}"]
+    lines += [f"{n:26} {s['tokens_per_step']:12.2f} {s['steps']:6d} "
               f"{s['grammar_ms_per_pass']:16.2f}" for n, s in summary.items()]
     (args.out / "grammar_drafting.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -32,8 +32,9 @@ class StepCostModel:
     idle gap of the engine (no requests, a new request's wait), not a step.
     The prior line, from the first step, says 64 more tokens would double
     that step (`prior_slope_share`; at most all of the step is put on its
-    tokens, so the line passes through it), and weighs `prior_weight` steps. Three outliers in a row are a new regime
-    (the batch grew), and are taken."""
+    tokens, so the line passes through it), and weighs `prior_weight`
+    steps. Three outliers in a row are a new regime (the batch grew), and
+    are taken."""
     forgetting: float = 0.98
     # steps measured before the fit is used; until then every draft is kept
     num_warmup: int = 8

@@ -7,8 +7,9 @@ is, whatever else is kept, so the tokens a request gains from its first n
 nodes are, in expectation, the sum of P(node j accepted) over j < n (a
 chain is the tree whose node j is at depth j + 1). Those probabilities are
 counted per list index over every verified tree (`NodeCounts`: faded once
-a step, so the memory is in steps whatever the batch), and scaled per request by how its own recent trees
-did against that estimate (acceptance comes in runs).
+a step, so the memory is in steps whatever the batch), and scaled per
+request by how its own recent trees did against that estimate (acceptance
+comes in runs).
 
 A step of B requests that keeps n_i nodes each yields B + sum of the kept
 probabilities and costs `fixed + per_token * T` (T = B + sum n_i verified

@@ -142,10 +142,11 @@ case "$1" in
     # (carry .gpu/work and .gpu/heads in the call that starts a run)
     mkdir -p "$RESULTS"
     rm -rf "$HOME/repo-$2" && cp -r . "$HOME/repo-$2"
-    (cd "$HOME/repo-$2" && setsid nohup bash benchmarks/gpu/v2_tree_runs.sh run-now "$2" \
+    (cd "$HOME/repo-$2" && setsid nohup bash benchmarks/gpu/v2_tree_runs.sh run-now "${@:2}" \
       > "$HOME/$2.log" 2>&1 < /dev/null & disown)
     echo "started $2 in $HOME/repo-$2" ;;
-  run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "$2"; echo "DONE $2 rc=$?" ;;
+  # extra arguments after the name reach the run (steps8b passes them to bench_v2_steps.py)
+  run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "${@:2}"; echo "DONE $2 rc=$?" ;;
   run) mkdir -p "$RESULTS" "$OUT"; run "${@:2}"; cp -r "$RESULTS/$2" "$OUT/" ;;
   wait)
     for _ in $(seq "${3:-100}"); do

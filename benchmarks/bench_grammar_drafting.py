@@ -129,12 +129,12 @@ def aux_hidden(model, ids: list[int], layer_ids) -> torch.Tensor:
 
 
 def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMasks | None):
-    """Accepted tokens per step over the output, drafting with `shape`."""
+    """Tokens per step (accepted + 1) over the output, drafting with `shape`."""
     runtime.forget("r")
     runtime.tree_logits_hook = masks
     runtime.ingest("r", aux[:num_prompt], torch.tensor(ids[1:num_prompt + 1]),
                    torch.arange(num_prompt))
-    root, steps, num_allowed, num_nodes = num_prompt, [], 0, 0
+    root, steps = num_prompt, []
     if masks is not None:
         masks.matcher.accept_token(ids[root])
     while root < len(ids) - 1:
@@ -142,7 +142,6 @@ def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMask
                                    *shape)
         accepted = _accepted(tree, ids, root)
         steps.append(accepted + 1)
-        num_nodes += tree.num_nodes - 1
         new = list(range(root, min(root + accepted + 1, len(ids) - 1)))
         if new:
             runtime.ingest("r", aux[new], torch.tensor([ids[t + 1] for t in new]),
@@ -152,7 +151,7 @@ def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMask
                 masks.matcher.accept_token(ids[t])
         root += accepted + 1
     runtime.tree_logits_hook = None
-    return steps, num_nodes
+    return steps
 
 
 def _accepted(tree, ids: list[int], root: int) -> int:
@@ -172,9 +171,8 @@ def _label(name: str, constraint: str, masked: bool) -> str:
     return f"{name} {constraint}{' masked' if masked else ''}"
 
 
-def _add(row: dict, steps: list[int], nodes: int, masks: PathMasks | None) -> None:
+def _add(row: dict, steps: list[int], masks: PathMasks | None) -> None:
     row["steps"] += steps
-    row["nodes"] += nodes
     row["passes"] += len(steps)
     row["seconds"] += masks.seconds if masks is not None else 0.0
 
@@ -204,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_to_target = runtime.layer.to_target(torch.arange(runtime.layer.logits_size))
     variants = [(name, constraint, masked) for name in SHAPES
                 for constraint, masked in (("schema", False), ("schema", True), ("none", False))]
-    rows = {_label(*v): {"steps": [], "nodes": 0, "seconds": 0.0, "passes": 0}
+    rows = {_label(*v): {"steps": [], "seconds": 0.0, "passes": 0}
             for v in variants}
     for prompt in tqdm(held_out_prompts(args.prompts), desc="prompts"):
         prompt_ids = tokenizer(prompt).input_ids
@@ -216,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, _, masked in (v for v in variants if v[1] == constraint):
                 masks = (PathMasks(xgr, xgr.GrammarMatcher(compiled), vocab_size,
                                    draft_to_target) if masked else None)
-                steps, nodes = replay(runtime, aux, ids, len(prompt_ids), SHAPES[name], masks)
-                _add(rows[_label(name, constraint, masked)], steps, nodes, masks)
+                steps = replay(runtime, aux, ids, len(prompt_ids), SHAPES[name], masks)
+                _add(rows[_label(name, constraint, masked)], steps, masks)
     summary = {name: {"tokens_per_step": float(np.mean(r["steps"])), "steps": len(r["steps"]),
                       "grammar_ms_per_pass": 1e3 * r["seconds"] / max(r["passes"], 1)}
                for name, r in rows.items()}

@@ -292,6 +292,16 @@ def _decode_ingests(runtime, seed: int = 5) -> None:
                    torch.randint(0, 50, (2,), generator=generator), torch.tensor([9, 10]))
 
 
+def assert_same_caches(want_runtime, got_runtime, req_ids) -> None:
+    """Both runtimes cache the same positions, K/V rows and last outputs."""
+    for req_id in req_ids:
+        want, got = want_runtime.cache_of(req_id), got_runtime.cache_of(req_id)
+        assert got.positions.tolist() == want.positions.tolist()
+        for name in ("keys", "values", "last_out", "last_logits"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name),
+                                       atol=1e-5, rtol=1e-5)
+
+
 def test_padded_decode_ingest_equals_the_eager_ingest():
     """A decode step's ingest padded to fixed shapes (the pass a CUDA graph
     replays; here run eagerly, as after a failed capture) leaves every cache
@@ -312,12 +322,7 @@ def test_padded_decode_ingest_equals_the_eager_ingest():
     for runtime in (ragged, padded):
         _decode_ingests(runtime)
     assert calls == [(4, 4), (1, 4), (4, 2), (1, 2)]  # (padded batch, rows) per decode ingest
-    for req_id in "abc":
-        want, got = ragged.cache_of(req_id), padded.cache_of(req_id)
-        assert got.positions.tolist() == want.positions.tolist()
-        for name in ("keys", "values", "last_out", "last_logits"):
-            torch.testing.assert_close(getattr(got, name), getattr(want, name),
-                                       atol=1e-5, rtol=1e-5)
+    assert_same_caches(ragged, padded, "abc")
     assert ragged.cache_of("b").positions.tolist() == list(range(11))
     roots, positions = torch.tensor([1, 2, 3]), torch.tensor([9, 11, 8])
     trees = [r.draft_trees(list("abc"), roots, positions, 3, 3, 8) for r in (ragged, padded)]

@@ -120,6 +120,7 @@ def test_a_runtime_on_the_kernel_caches_and_drafts_as_on_the_einsums(device, dra
     """Two runtimes over one drafter, one on each attention path: the same
     ingests leave the same caches, and both draft the same trees and chains
     (float32)."""
+    from tests.test_tree_eagle_unit import assert_same_caches
     from vllm_specplug.proposers import head_attention
 
     launches = []
@@ -131,12 +132,7 @@ def test_a_runtime_on_the_kernel_caches_and_drafts_as_on_the_einsums(device, dra
     assert not launches
     _ingests(kernel, width, device)
     assert launches and set(launches) == {"triton"}
-    for req_id in "abc":
-        want, got = einsum.cache_of(req_id), kernel.cache_of(req_id)
-        assert got.positions.tolist() == want.positions.tolist()
-        for name in ("keys", "values", "last_out", "last_logits"):
-            torch.testing.assert_close(getattr(got, name), getattr(want, name),
-                                       atol=1e-5, rtol=1e-5)
+    assert_same_caches(einsum, kernel, "abc")
     roots = torch.tensor([1, 2, 3], device=device)
     positions = torch.tensor([9, 62, 8], device=device)
     for shape in [(3, 3, 8), (1, 4, 5)]:

@@ -31,8 +31,8 @@ import torch
 
 from vllm_specplug.verification.backend import (Backend, next_power_of_2, resolve_backend,
                                                 triton_interpreted)
+from vllm_specplug.verification.tree_attention import MIN_DOT
 
-MIN_DOT = 16  # tl.dot's smallest tile side
 MAX_ROW_TILE = 64  # query rows (tokens x heads of one KV group) per program
 BLOCK_KEYS = 64  # keys a program reads at a time
 

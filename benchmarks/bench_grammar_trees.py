@@ -31,14 +31,18 @@ def methods(head: str) -> dict[str, tuple[dict | None, dict]]:
     """name: (speculative config, engine arguments)."""
     tree = {"method": "specplug_eagle3", "model": head, "topk": 4, "num_steps": 4,
             "num_draft_tokens": 16}
+    chain = {"method": "specplug_eagle3", "model": head, "topk": 1, "num_steps": 5}
     return {
         "none": (None, {}),
         "ours-tree16": (tree, {}),
+        # the drafter ranks every token; the scheduler prunes what the grammar forbids
+        "ours-tree16-unmasked": ({**tree, "grammar_drafts": False}, {}),
+        "ours-tree16-deep": ({**tree, "topk": 2, "num_steps": 8}, {}),
         # a scheduler that reads drafts as chains: structured-output requests
         # then draft the tree's chain prefix (the lossless fallback)
         "ours-tree16-chain-prefix": (tree, {"scheduler_cls": VLLM_SCHEDULER}),
-        "ours-chain-K5": ({"method": "specplug_eagle3", "model": head, "topk": 1,
-                           "num_steps": 5}, {}),
+        "ours-chain-K5": (chain, {}),
+        "ours-chain-K5-unmasked": ({**chain, "grammar_drafts": False}, {}),
         "vllm-eagle3-K5": ({"method": "eagle3", "model": head,
                             "num_speculative_tokens": 5}, {}),
     }
@@ -92,6 +96,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="a subset of the methods (no speculation always runs)")
     args = parser.parse_args()
     model, head = build_model("tiny"), str(build_head("tiny-eagle3"))
     prompts = held_out_prompts(args.prompts)
@@ -100,7 +106,8 @@ def main() -> None:
               "none": greedy_params(args.max_tokens)}
     baseline: dict = {}
     rows = {name: run_method(model, spec, engine_args, prompts, params, baseline)
-            for name, (spec, engine_args) in tqdm(methods(head).items(), desc="engines")}
+            for name, (spec, engine_args) in tqdm(methods(head).items(), desc="engines")
+            if name == "none" or args.methods is None or name in args.methods}
     rows.pop("none")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grammar_trees.json").write_text(json.dumps(

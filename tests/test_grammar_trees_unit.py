@@ -185,3 +185,82 @@ class _NoTraverse:
         if name == "traverse_draft_tree":
             raise AttributeError(name)
         return getattr(self._matcher, name)
+
+
+# Drafts that know the grammar (integration/grammar_drafting.py): each
+# drafting step's logits masked per beam node to what the node's own path allows.
+
+def _masks(grammars: list, draft_to_target=None):
+    from vllm_specplug.integration.grammar_drafting import PathMasks
+
+    ids = torch.arange(len(VOCAB)) if draft_to_target is None else draft_to_target
+    return PathMasks([f"r{b}" for b in range(len(grammars))], grammars, ids,
+                     lambda rows: xgr.allocate_token_bitmask(rows, len(VOCAB)))
+
+
+def _finite(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+def test_each_beam_node_drafts_what_its_own_path_allows():
+    """Step 0 masks to the request's state; step 1's beam holds siblings "a"
+    and "b" (each also valid after the other, read as a list) and each gets
+    its own path's mask; a request without a grammar is left alone; a beam
+    node whose path was ruled out (-inf) keeps its logits."""
+    from vllm_specplug.verification.tree_build import extend_draft_pool
+
+    matcher = grammar()
+    masks = _masks([matcher, None])
+    first = masks(torch.zeros(2, len(VOCAB)), None, None, None)
+    assert _finite(first[0]) == {A, B} and _finite(first[1]) == set(range(len(VOCAB)))
+    token_ids = torch.tensor([[[A, B, C]], [[A, B, C]]])
+    logprobs = torch.tensor([[[-1.0, -2.0, float("-inf")]]] * 2)
+    pooled = extend_draft_pool(None, token_ids, logprobs, torch.full((2, 1), -1))
+    beam = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    second = masks(torch.zeros(2, 3, len(VOCAB)), None, pooled, beam)
+    assert _finite(second[0, 0]) == path_mask([A]) == {B}
+    assert _finite(second[0, 1]) == path_mask([B]) == {C}
+    assert _finite(second[0, 2]) == set(range(len(VOCAB)))   # "c" was ruled out
+    assert _finite(second[1, 0]) == set(range(len(VOCAB)))   # no grammar
+    assert matcher.num_processed_tokens == 0                 # rolled back
+
+
+def test_masks_map_draft_ids_to_target_ids_and_never_empty_a_row():
+    """A head with its own (smaller) vocabulary: draft id i is target token
+    draft_to_target[i]; a state whose allowed tokens are all outside the
+    draft vocabulary keeps its logits (all -inf would make the log-softmax NaN)."""
+    matcher = grammar()
+    draft_to_target = torch.tensor([B, D, EOS])    # the head drafts "b", "d", "</s>"
+    row = _masks([matcher], draft_to_target)(torch.zeros(1, 3), None, None, None)
+    assert _finite(row[0]) == {0}                    # "b" allowed, "a" not in the head
+    assert matcher.accept_tokens("r", [B])           # next: "c" only, not in the head
+    row = _masks([matcher], draft_to_target)(torch.zeros(1, 3), None, None, None)
+    assert _finite(row[0]) == {0, 1, 2}
+
+
+def test_the_drafters_grammar_follows_verified_tokens_and_stops_on_a_refusal():
+    """`DraftGrammars.grammar_of` accepts each step's new output tokens once;
+    a token its grammar refuses (its state went wrong) turns masking off for
+    that request, and a failed compile does too: drafts go unmasked, the
+    scheduler still checks them."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_specplug.integration.grammar_drafting import DraftGrammars, _Tracked
+
+    grammars = DraftGrammars(vllm_config=None)
+    matcher = grammar()
+    grammars.tracked["r"] = _Tracked(SimpleNamespace(
+        structured_output_request=SimpleNamespace(grammar=matcher)))
+    assert grammars.grammar_of("r", None, np.array([B])) is matcher
+    assert grammars.grammar_of("r", None, np.array([B])) is matcher  # nothing new
+    assert matcher.num_processed_tokens == 1
+    assert grammars.grammar_of("r", None, np.array([B, D])) is None  # "bd" is refused
+    assert grammars.tracked["r"].broken and grammars.grammar_of("r", None, np.array([B])) is None
+    grammars.tracked["e"] = _Tracked(SimpleNamespace(
+        structured_output_request=SimpleNamespace(grammar=RuntimeError("compile"))))
+    assert grammars.grammar_of("e", None, np.array([A])) is None
+    assert grammars.grammar_of("free", SimpleNamespace(structured_outputs=None),
+                               np.array([A])) is None
+    assert "free" not in grammars.tracked

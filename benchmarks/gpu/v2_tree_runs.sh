@@ -7,6 +7,7 @@
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
 #   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30)
+#   tiny-profile  tiny3's engines at batch 64, one repeat, with `--host-profile`
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
 #            results; ROWS=sized: plus our tree sized by batch; ROWS=split-ab: the sized
@@ -91,6 +92,9 @@ run() {
     # the same under a JSON schema (issue 30; compare with tiny3)
     tiny3-schema) tiny_bench tiny3-schema three 8 32 64 96 1100 \
       --json-schema benchmarks/json_schema.json ;;
+    # where each row's host time goes at batch 64 (one repeat; bench offline --host-profile)
+    tiny-profile) tiny_bench tiny-profile three 8 32 64 96 1100 \
+      --host-profile --batch-sizes 64 --repeats 1 ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
       bash benchmarks/gpu/host.sh tiny-bench --model "$W/tiny-mtp" \

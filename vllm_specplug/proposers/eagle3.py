@@ -57,6 +57,11 @@ class TreeOptions(ProposerOptions):
     # the backend attend causally, then recomputes tree rows over the whole
     # cache. Both are exact; other backends always rewrite.
     tree_attention: str = "split"
+    # Under structured outputs, each drafting step ranks only the tokens the
+    # request's grammar allows on that node's path (V1 runner; Model Runner
+    # V2 drafts unmasked: its drafting pass runs ahead of the host). Selection
+    # only: the scheduler still checks every node, so either way is lossless.
+    grammar_drafts: bool = True
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")

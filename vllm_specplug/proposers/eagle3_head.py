@@ -329,7 +329,7 @@ class HeadRuntime:
         """`draft_trees` for pool slots [B] on the device, reading cached
         positions < num_keys (a host upper bound: no sync)."""
         shape = (topk, num_steps, num_draft_tokens)
-        if self.graphs is not None:
+        if self.graphs is not None and self.tree_logits_hook is None:  # a hook runs eagerly
             return run_draft_pass(self.graphs, self._draft_pass, self.pool, slots,
                                   root_token_ids, root_positions, num_keys, shape)
         return self._draft_pass(slots, root_token_ids, root_positions,

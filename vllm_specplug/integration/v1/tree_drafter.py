@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.adaptive.tree_budget import TreeBudget
+from vllm_specplug.integration.grammar_drafting import DraftGrammars
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.deferred_ingest import DeferredIngest
@@ -71,6 +72,10 @@ class TreeEagleDrafter(V1DrafterHooks):
         # under the budget, the verified rows of requests that do not draft
         # wait here until they do (deferred_ingest.py)
         self.deferred = DeferredIngest()
+        # the drafter's own grammar per structured request: drafts ranked
+        # among the tokens each node's path allows (grammar_drafting.py)
+        self.grammars = DraftGrammars(vllm_config) if self.options.grammar_drafts else None
+        self._draft_to_target: torch.Tensor | None = None  # [V_draft] int64, CPU
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -87,6 +92,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         if self.adaptive is not None:
             self.adaptive.forget(req_id)
         self.deferred.forget(req_id)
+        if self.grammars is not None:
+            self.grammars.forget(req_id)
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         """[num_tokens, *] what the head reads per token (None: not there)."""
@@ -167,8 +174,9 @@ class TreeEagleDrafter(V1DrafterHooks):
             sizes = [planned[batch.req_ids[row]] for row in rows]
         if rows and allowance > 0:
             req_ids = [batch.req_ids[i] for i in rows]
+            masks = self._grammar_masks(runner, batch, rows)
             self.guard.call("propose", req_ids, self._draft, batch, rows, allowance, drafts,
-                            sizes)
+                            sizes, masks)
             if not self.grammar_aware:
                 self._chains_under_grammars(runner, rows, drafts)
         return drafts
@@ -296,18 +304,42 @@ class TreeEagleDrafter(V1DrafterHooks):
                 self.trees.pop(req_id, None)
         return rows
 
+    def _grammar_masks(self, runner, batch, rows: list[int]):
+        """The drafting pass's logits hook for `rows` under structured
+        outputs (grammar_drafting.py); None: no row has a grammar."""
+        if self.grammars is None:
+            return None
+        grammars = []
+        for row in rows:
+            req_id, state = batch.req_ids[row], runner.requests.get(batch.req_ids[row])
+            start, end = int(batch.num_prompt_tokens[row]), int(batch.num_tokens_no_spec[row])
+            grammars.append(None if state is None else self.grammars.grammar_of(
+                req_id, state.sampling_params, batch.token_ids_cpu[row, start:end]))
+        if self._draft_to_target is None and any(g is not None for g in grammars):
+            layer = self.head.layer
+            self._draft_to_target = layer.to_target(
+                torch.arange(layer.logits_size, device=self.device)).cpu()
+        return self.grammars.masks([batch.req_ids[i] for i in rows], grammars,
+                                   self._draft_to_target)
+
     def _draft(self, batch, rows: list[int], allowance: int, drafts,
-               sizes: list[int] | None = None) -> None:
+               sizes: list[int] | None = None, masks=None) -> None:
         """Trees for `rows`, each cut to its size in `sizes` (the tree
-        budget's; None: the configured tree)."""
+        budget's; None: the configured tree), drafted under the grammars'
+        `masks` (None: unmasked)."""
         started = time.perf_counter()
         num_tokens = batch.num_tokens_no_spec[rows].astype(np.int64)
         roots = torch.from_numpy(batch.token_ids_cpu[rows, num_tokens - 1].astype(np.int64))
         options = self.options
-        tree = self.head.draft_trees([batch.req_ids[i] for i in rows], roots.to(self.device),
-                                     torch.from_numpy(num_tokens - 1).to(self.device),
-                                     options.topk, options.num_steps,
-                                     options.num_draft_tokens)
+        self.head.tree_logits_hook = masks
+        try:
+            tree = self.head.draft_trees([batch.req_ids[i] for i in rows],
+                                         roots.to(self.device),
+                                         torch.from_numpy(num_tokens - 1).to(self.device),
+                                         options.topk, options.num_steps,
+                                         options.num_draft_tokens)
+        finally:
+            self.head.tree_logits_hook = None
         token_ids, parent_ids = tree.token_ids.cpu(), tree.parent_ids.cpu().numpy()
         if self.adaptive is not None:  # the host copies waited for the pass
             self.adaptive.drafted(len(rows), time.perf_counter() - started)

@@ -1,0 +1,198 @@
+"""Drafts that know the grammar (structured outputs on the V1 runner).
+
+Under a grammar the scheduler prunes every draft node the grammar forbids on
+its path (grammar_trees.py), so a drafter that ranks the whole vocabulary
+spends its tree on nodes that are cut before verification: on the tiny model
+under a JSON schema a 16-node tree fell from 3.37 to 2.40 tokens a step.
+Here each drafting step's logits are masked, node by node, to the tokens the
+grammar allows after that node's own path, before the top-k (SGLang masks
+its verification the same way, per node: `generate_token_bitmask`); the same
+replay then gave 3.70 (benchmarks/bench_grammar_drafting.py).
+
+The drafter keeps its own grammar per request: the scheduler's lives in
+another object (on TP > 1, another process) and sits one step behind. It is
+compiled by vLLM's `StructuredOutputManager` in the worker, so the backend
+(xgrammar, guidance, ...) and its options are the scheduler's, and advanced
+by each step's verified tokens. Selection only: the masks change which
+tokens are drafted, never what is verified, so any mask is lossless.
+Requests whose grammar starts after a reasoning section are drafted
+unmasked (the drafter does not track where reasoning ends).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm_specplug.grammar_drafting")
+
+
+@dataclass
+class _Tracked:
+    """One request's grammar as the drafter sees it."""
+    holder: SimpleNamespace  # what vLLM's manager compiles into (`structured_output_request`)
+    num_accepted: int = 0    # output tokens the grammar has accepted
+    broken: bool = False     # compile failed or a verified token was refused: unmasked
+
+
+@dataclass
+class DraftGrammars:
+    """{req_id: grammar} of the requests with structured output, for their
+    drafts. `vllm_config` builds vLLM's manager on the first such request."""
+    vllm_config: object
+    manager: object | None = None
+    tracked: dict[str, _Tracked] = field(default_factory=dict)
+    num_masked_passes: int = 0  # drafting passes that masked at least one request
+
+    def grammar_of(self, req_id: str, sampling_params,
+                   output_token_ids: np.ndarray):
+        """The request's grammar advanced to `output_token_ids` (all its
+        output so far, the root of its next tree last); None: unconstrained,
+        not compiled yet, or broken."""
+        tracked = self.tracked.get(req_id)
+        if tracked is None:
+            if not _constrained(sampling_params) or not self._start(req_id, sampling_params):
+                return None
+            tracked = self.tracked[req_id]
+        if tracked.broken:
+            return None
+        grammar = tracked.holder.structured_output_request.grammar
+        if grammar is None:  # still compiling: its tokens wait
+            return None
+        if isinstance(grammar, Exception):
+            tracked.broken = True
+            return None
+        new = output_token_ids[tracked.num_accepted:].tolist()
+        if new and not grammar.accept_tokens(req_id, new):
+            logger.warning("vllm-specplug: request %s: the drafter's grammar refused a "
+                           "verified token; its drafts go unmasked", req_id)
+            tracked.broken = True
+            return None
+        tracked.num_accepted = len(output_token_ids)
+        return None if grammar.is_terminated() else grammar
+
+    def forget(self, req_id: str) -> None:
+        self.tracked.pop(req_id, None)
+
+    def _start(self, req_id: str, sampling_params) -> bool:
+        """Submit the request's grammar to vLLM's manager (compiled on its
+        threads, as the scheduler's is); False: masking is off for it."""
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.structured_output.request import StructuredOutputRequest
+
+        if self.manager is None:
+            self.manager = StructuredOutputManager(self.vllm_config)
+        if self.manager.reasoner_cls is not None:
+            return False
+        holder = SimpleNamespace(
+            request_id=req_id, sampling_params=sampling_params,
+            structured_output_request=StructuredOutputRequest.from_sampling_params(
+                sampling_params))
+        self.manager.grammar_init(holder)
+        self.tracked[req_id] = _Tracked(holder)
+        return True
+
+    def masks(self, req_ids: list[str], grammars: list, draft_to_target: torch.Tensor):
+        """A `HeadRuntime.tree_logits_hook` for one drafting pass over
+        `req_ids` (grammars[b]: that request's, or None); None when no
+        request of the pass has one."""
+        if all(grammar is None for grammar in grammars):
+            return None
+        self.num_masked_passes += 1
+        return PathMasks(req_ids, grammars, draft_to_target,
+                         self.manager.backend.allocate_token_bitmask)
+
+
+def _constrained(sampling_params) -> bool:
+    params = getattr(sampling_params, "structured_outputs", None)
+    return params is not None and not params.all_constraints_none()
+
+
+class PathMasks:
+    """Each drafting step's logits masked, per beam node, to the tokens the
+    grammar allows after that node's path (root's children: after the
+    request's output). A node on an invalid path (score -inf), past the
+    grammar's end, or whose allowed tokens are all outside the head's draft
+    vocabulary keeps its logits: its children stay at -inf or are pruned
+    by the scheduler, and a row all -inf would make the log-softmax NaN."""
+
+    def __init__(self, req_ids: list[str], grammars: list, draft_to_target: torch.Tensor,
+                 allocate) -> None:
+        self.req_ids, self.grammars = req_ids, grammars
+        self.draft_to_target = draft_to_target  # [V_draft] int64: target id of each draft id
+        self.allocate = allocate  # rows -> [rows, words] int32 bitmask, all allowed
+
+    def __call__(self, logits: torch.Tensor, slots, pooled, beam) -> torch.Tensor:
+        """logits [B, V_draft] (first step) or [B, k, V_draft]; pooled/beam:
+        `HeadRuntime._draft_tree_pass`'s candidate pool and beam."""
+        batch = len(self.grammars)
+        width = 1 if pooled is None else beam.shape[1]
+        bitmask = self.allocate(batch * width)
+        filled = np.zeros(batch * width, dtype=bool)
+        paths = None if pooled is None else _beam_paths(pooled, beam)
+        for b, grammar in enumerate(self.grammars):
+            if grammar is None:
+                continue
+            for j in range(width):
+                path = [] if paths is None else paths[b][j]
+                if path is not None:
+                    filled[b * width + j] = self._fill(grammar, self.req_ids[b], path,
+                                                       bitmask, b * width + j)
+        if not filled.any():
+            return logits
+        allowed = _unpack(bitmask[torch.from_numpy(filled)])[:, self.draft_to_target]
+        allowed = allowed.to(logits.device)
+        rows = logits.view(batch * width, -1)
+        keep = allowed.any(-1)  # a row with no allowed draft id stays as it was
+        masked = rows[torch.from_numpy(filled).to(logits.device)]
+        masked = torch.where(keep[:, None], masked.masked_fill(~allowed, float("-inf")),
+                             masked)
+        rows = rows.clone()
+        rows[torch.from_numpy(filled).to(logits.device)] = masked
+        return rows.view_as(logits)
+
+    @staticmethod
+    def _fill(grammar, req_id: str, path: list[int], bitmask: torch.Tensor, row: int) -> bool:
+        """Row `row` of `bitmask` in the state after `path`; False: not filled."""
+        if path and not grammar.accept_tokens(req_id, path):
+            return False  # not reached: a path of allowed tokens is accepted
+        try:
+            if grammar.is_terminated():
+                return False
+            grammar.fill_bitmask(bitmask, row)
+            return True
+        finally:
+            if path:
+                grammar.rollback(len(path))
+
+
+def _beam_paths(pooled, beam) -> list[list[list[int] | None]]:
+    """Target token ids from the root's child down to each beam node ([B][k];
+    None: a node on a path the masks ruled out, score -inf)."""
+    token_ids = pooled.token_ids.cpu().numpy()
+    parent_ids = pooled.parent_ids.cpu().numpy()
+    finite = torch.isfinite(pooled.scores).cpu().numpy()
+    paths = []
+    for b, nodes in enumerate(beam.cpu().numpy()):
+        row = []
+        for node in nodes.tolist():
+            if not finite[b, node]:
+                row.append(None)
+                continue
+            path = []
+            while node >= 0:
+                path.append(int(token_ids[b, node]))
+                node = int(parent_ids[b, node])
+            row.append(path[::-1])
+        paths.append(row)
+    return paths
+
+
+def _unpack(bitmask: torch.Tensor) -> torch.Tensor:
+    """[rows, words] int32, 32 tokens a word (bit t of word w: token 32w + t)
+    -> [rows, 32 * words] bool."""
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((bitmask[..., None] >> bits) & 1).bool().flatten(1)

@@ -1,8 +1,12 @@
-"""Draft trees under a JSON schema (issue 30), CPU, the built-in tiny model and
-its EAGLE-3 head: exactness against no speculation with the same schema, and
-acceptance with and without the schema, per method:
+"""Draft trees under a JSON schema (issue 30), CPU: the built-in tiny model and
+its EAGLE-3 head on held-out prompts, or SmolLM2-135M-Instruct and its
+`smollm2-eagle3-demo` head on MT-Bench questions answered as JSON; exactness
+against no speculation with the same schema, and acceptance with and
+without the schema, per method:
 
     .venv/bin/python benchmarks/bench_grammar_trees.py --out docs/results/grammar_trees_cpu
+    .venv/bin/python benchmarks/bench_grammar_trees.py --target smollm2 --prompts 16 \
+        --out docs/results/grammar_trees_cpu/smollm2
 
 `tokens/step` is output tokens over engine steps (every step emits one token
 plus its accepted drafts): vLLM's acceptance length (`accept len`) counts
@@ -24,6 +28,13 @@ SCHEMA = {"type": "object", "required": ["name", "age", "tags", "ok"], "properti
     "name": {"type": "string"}, "age": {"type": "integer"},
     "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
     "ok": {"type": "boolean"}}}
+# SmolLM2's workload: MT-Bench questions, each answered as this object
+MT_BENCH_SCHEMA = {"type": "object", "required": ["topic", "answer", "key_points"],
+                   "properties": {"topic": {"type": "string"}, "answer": {"type": "string"},
+                                  "key_points": {"type": "array", "items": {"type": "string"},
+                                                 "maxItems": 5}}}
+MT_BENCH_INSTRUCTION = ("\n\nReply with a JSON object with the fields topic, answer and "
+                        "key_points (a list of at most 5 strings).")
 VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 
 
@@ -85,24 +96,50 @@ def table(rows: dict, num_prompts: int) -> str:
     return "\n".join(lines)
 
 
+def tiny_workload(num_prompts: int) -> tuple[str, str, list[str], dict]:
+    """The tiny model, its head, held-out prompts and SCHEMA."""
+    from vllm_specplug.models import build_model, held_out_prompts
+    from vllm_specplug.models.heads import build_head
+
+    return (str(build_model("tiny")), str(build_head("tiny-eagle3")),
+            held_out_prompts(num_prompts), SCHEMA)
+
+
+def smollm2_workload(num_prompts: int) -> tuple[str, str, list[str], dict]:
+    """SmolLM2-135M-Instruct (fp32), its EAGLE-3 head `smollm2-eagle3-demo`,
+    MT-Bench's first turns as chats asking for MT_BENCH_SCHEMA's object."""
+    from transformers import AutoTokenizer
+
+    from vllm_specplug.models.heads import build_head
+    from vllm_specplug.models.smollm2 import build_smollm2
+    from vllm_specplug.public_sets import mt_bench
+
+    model = str(build_smollm2("float32"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [tokenizer.apply_chat_template(
+        [{"role": "user", "content": turns[0] + MT_BENCH_INSTRUCTION}], tokenize=False,
+        add_generation_prompt=True) for turns in mt_bench(num_prompts)]
+    return model, str(build_head("smollm2-eagle3-demo")), prompts, MT_BENCH_SCHEMA
+
+
 def main() -> None:
     from vllm.sampling_params import StructuredOutputsParams
 
     from vllm_specplug.engine import greedy_params
-    from vllm_specplug.models import build_model, held_out_prompts
-    from vllm_specplug.models.heads import build_head
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--target", choices=("tiny", "smollm2"), default="tiny",
+                        help="smollm2: MT-Bench questions answered as JSON objects")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=None,
                         help="a subset of the methods (no speculation always runs)")
     args = parser.parse_args()
-    model, head = build_model("tiny"), str(build_head("tiny-eagle3"))
-    prompts = held_out_prompts(args.prompts)
+    workload = tiny_workload if args.target == "tiny" else smollm2_workload
+    model, head, prompts, schema = workload(args.prompts)
     params = {"schema": greedy_params(args.max_tokens, structured_outputs=
-                                      StructuredOutputsParams(json=SCHEMA)),
+                                      StructuredOutputsParams(json=schema)),
               "none": greedy_params(args.max_tokens)}
     baseline: dict = {}
     rows = {name: run_method(model, spec, engine_args, prompts, params, baseline)
@@ -111,9 +148,9 @@ def main() -> None:
     rows.pop("none")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grammar_trees.json").write_text(json.dumps(
-        {"schema": SCHEMA, "prompts": args.prompts, "max_tokens": args.max_tokens,
-         "rows": rows}, indent=1))
-    text = table(rows, args.prompts)
+        {"target": args.target, "schema": schema, "prompts": len(prompts),
+         "max_tokens": args.max_tokens, "rows": rows}, indent=1))
+    text = table(rows, len(prompts))
     (args.out / "grammar_trees.txt").write_text(text + "\n")
     print(text)
 

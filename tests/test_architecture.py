@@ -19,6 +19,9 @@ EXTENSION_POINTS = {
     "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
     "vllm_specplug/integration/v2/draft_confidences.py":
         "the acceptance estimator of vLLM's adaptive verification (enable_adaptive_verification)",
+    "vllm_specplug/integration/grammar_drafting.py":
+        "vLLM's StructuredOutputManager compiles the drafter's grammars (the backend and "
+        "options of structured_outputs_config, as the scheduler's)",
     "vllm_specplug/integration/v2/tree_sampler.py":
         "the rejection sampler a ModelState supplies (custom_sampler)",
     "vllm_specplug/testing/scheduler_sim.py": "test harness: vLLM's real scheduler classes",

@@ -2,6 +2,8 @@
 for token, on single prompts, batches and the edge cases of a request's life."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
@@ -11,6 +13,7 @@ from vllm_specplug.testing.engine import (generate, generate_each,
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
 from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS, speculative_engines
+from tests.constraints import OUTPUT_PATTERNS, constraint
 
 CONFIGS = {
     "specplug_ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4,
@@ -98,3 +101,26 @@ def test_adaptive_controller_cuts_drafts_where_they_do_not_pay_and_stays_exact(
 def test_abort_mid_generation_leaves_others_exact(spec_llm, baseline_llm, eval_prompts):
     assert_abort_leaves_others_exact(spec_llm, baseline_llm, eval_prompts[:4],
                                      greedy_params(MAX_NEW_TOKENS))
+
+
+KINDS = ["json", "regex", "choice", "grammar", None]
+
+
+def test_constrained_requests_in_one_batch_equal_no_speculation(spec_llm, baseline_llm,
+                                                                  eval_prompts):
+    """A JSON schema, a regex, a choice, an EBNF grammar and no constraint,
+    in turn over one batch (issue 30): every output equals no
+    speculation's, and each holds its constraint. vLLM's scheduler cuts each
+    draft at its first token the grammar forbids."""
+    prompts = eval_prompts[:10]
+    kinds = [KINDS[i % len(KINDS)] for i in range(len(prompts))]
+    params = [greedy_params(32, structured_outputs=constraint(kind) if kind else None)
+              for kind in kinds]
+    expected = generate(baseline_llm, prompts, params)
+    ours = generate(spec_llm, prompts, params)
+    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+    for kind, text in zip(kinds, ours.texts):
+        if kind == "json":
+            assert text.lstrip().startswith("{"), text
+        elif kind is not None:
+            assert re.fullmatch(OUTPUT_PATTERNS[kind], text), (kind, text)

@@ -16,6 +16,7 @@ from vllm_specplug.testing.engine import (generate, generate_each,
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
 from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS, SAMPLE_TEMPERATURE
+from tests.constraints import OUTPUT_PATTERNS, constraint
 from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
 from tests.test_proposers_engine import REPETITIVE
 
@@ -76,10 +77,6 @@ def test_abort_mid_generation_leaves_others_exact(tree_llm, baseline_llm, eval_p
                                      greedy_params(MAX_NEW_TOKENS))
 
 
-JSON_SCHEMA = {"type": "object", "required": ["name", "age", "tags", "ok"], "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
-    "ok": {"type": "boolean"}}}
 # Tokens per decode step under JSON_SCHEMA, 24 held-out prompts, 64 tokens
 # (benchmarks/bench_grammar_trees.py, 2026-11-27): tree 16 drafting under
 # the grammar (integration/grammar_drafting.py) 4.20; the same tree drafting
@@ -111,17 +108,6 @@ def test_json_schema_outputs_equal_no_speculation_and_every_node_is_checked(
     assert ours.num_output_tokens / steps > MIN_TOKENS_PER_STEP_UNDER_SCHEMA
 
 
-def constraint(kind: str):
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams(**{
-        "json": {"json": JSON_SCHEMA},
-        "regex": {"regex": r"(def|class) [a-z_]{1,12}\(([a-z_]{1,8}(, )?){0,3}\):"},
-        "choice": {"choice": ["return None", "return self", "raise ValueError"]},
-        "grammar": {"grammar": 'root ::= "x = " num (" + " num)*\nnum ::= [0-9]{1,3}'},
-    }[kind])
-
-
 @pytest.mark.parametrize("kind", ["regex", "choice", "grammar"])
 @pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
 def test_constrained_and_free_requests_in_one_batch_equal_no_speculation(
@@ -139,9 +125,8 @@ def test_constrained_and_free_requests_in_one_batch_equal_no_speculation(
     ours = generate(tree_llm, prompts, params)
     counts = read_spec_decode_counts(tree_llm) - before
     assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
-    pattern = {"regex": constraint("regex").regex, "grammar": r"x = \d{1,3}( \+ \d{1,3})*( \+ ?)?",  # cut at 32 tokens
-               "choice": "|".join(re.escape(c) for c in constraint("choice").choice)}[kind]
-    assert all(re.fullmatch(pattern, text) for text in ours.texts[1::2]), ours.texts[1::2]
+    assert all(re.fullmatch(OUTPUT_PATTERNS[kind], text) for text in ours.texts[1::2]), \
+        ours.texts[1::2]
     assert counts.num_accepted_tokens > 0
 
 

@@ -143,15 +143,12 @@ class PathMasks:
                                                        bitmask, b * width + j)
         if not filled.any():
             return logits
-        allowed = _unpack(bitmask[torch.from_numpy(filled)])[:, self.draft_to_target]
-        allowed = allowed.to(logits.device)
-        rows = logits.view(batch * width, -1)
-        keep = allowed.any(-1)  # a row with no allowed draft id stays as it was
-        masked = rows[torch.from_numpy(filled).to(logits.device)]
-        masked = torch.where(keep[:, None], masked.masked_fill(~allowed, float("-inf")),
-                             masked)
-        rows = rows.clone()
-        rows[torch.from_numpy(filled).to(logits.device)] = masked
+        index = torch.from_numpy(np.flatnonzero(filled))
+        allowed = _draft_bits(bitmask[index], self.draft_to_target).to(logits.device)
+        allowed |= ~allowed.any(-1, keepdim=True)  # no draft id allowed: the row stays
+        index = index.to(logits.device)
+        rows = logits.reshape(batch * width, -1).clone()
+        rows[index] = rows[index].masked_fill(~allowed, float("-inf"))
         return rows.view_as(logits)
 
     @staticmethod
@@ -191,8 +188,10 @@ def _beam_paths(pooled, beam) -> list[list[list[int] | None]]:
     return paths
 
 
-def _unpack(bitmask: torch.Tensor) -> torch.Tensor:
-    """[rows, words] int32, 32 tokens a word (bit t of word w: token 32w + t)
-    -> [rows, 32 * words] bool."""
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((bitmask[..., None] >> bits) & 1).bool().flatten(1)
+def _draft_bits(bitmask: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """[rows, V_draft] bool: whether each row's bitmask ([rows, words] int32,
+    bit t of word w: target token 32w + t) allows each draft id's target
+    token. Only the head's ids are read: a draft vocabulary of 8192 reads
+    8192 bits a row, not the target's 49152."""
+    words = bitmask[:, draft_to_target >> 5]
+    return ((words >> (draft_to_target & 31).to(torch.int32)) & 1).bool()

@@ -1,0 +1,91 @@
+"""Drafts that know the grammar (integration/grammar_drafting.py) on vLLM's
+own `StructuredOutputManager`, as the V1 drafter builds it in the worker: the
+tiny model's tokenizer, xgrammar and llguidance (the backends vLLM picks by
+default), no engine (tests/test_tree_eagle_engine.py runs the drafter in
+one). Language "abd" | "bc", one token a letter."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specplug.integration.grammar_drafting import DraftGrammars
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dir):
+    from vllm.config import ModelConfig, VllmConfig
+
+    return VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir),
+                                               tokenizer=str(tiny_model_dir),
+                                               dtype="float32", max_model_len=256, seed=0))
+
+
+WORDS = ("abd", "bc")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def allowed_after(tokenizer, text: str) -> set[int]:
+    """Every token the language allows after `text`: those that extend it
+    to a prefix of a word (the vocabulary has "bc" and such too), and the
+    stop token after a whole word."""
+    allowed = {token_id for piece, token_id in tokenizer.get_vocab().items()
+               if piece and any(w.startswith(text + piece) for w in WORDS)}
+    return allowed | ({tokenizer.eos_token_id} if text in WORDS else set())
+
+
+def _params(backend: str):
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(regex="abd|bc"))
+    params.structured_outputs._backend = backend  # as vLLM's front end picks it
+    return params
+
+
+def _compiled(grammars: DraftGrammars, params, output: list[int]):
+    for _ in range(600):  # compiled on vLLM's threads
+        grammar = grammars.grammar_of("r", params, np.array(output, dtype=np.int64))
+        if grammar is not None:
+            return grammar
+        time.sleep(0.05)
+    raise AssertionError("the drafter's grammar never compiled")
+
+
+def _first_step_allowed(grammars: DraftGrammars, grammar, vocab_size: int) -> set[int]:
+    masks = grammars.masks(["r"], [grammar], torch.arange(vocab_size))
+    row = masks(torch.zeros(1, vocab_size), None, None, None)[0]
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_the_drafters_grammar_is_vllms_and_follows_the_output(vllm_config, tokenizer,
+                                                               backend):
+    """A request's first drafting step, with no output yet, may draft what
+    starts a word; after the output "b", what continues it; after "bc", the
+    stop token; once that is out the grammar has ended and drafts go
+    unmasked (vLLM's full row)."""
+    grammars = DraftGrammars(vllm_config)
+    params = _params(backend)
+    vocab_size = vllm_config.model_config.get_vocab_size()
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "bc"}
+    _compiled(grammars, params, [])
+    for text in ("", "b", "bc"):
+        output = tokenizer.convert_tokens_to_ids(list(text))
+        grammar = grammars.grammar_of("r", params, np.array(output, dtype=np.int64))
+        assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(
+            tokenizer, text), text
+    assert {ids["b"]} < allowed_after(tokenizer, "") and allowed_after(tokenizer, "b") == {ids["c"]}
+    done = np.array([ids["b"], ids["c"], tokenizer.eos_token_id])
+    assert grammars.grammar_of("r", params, done) is None
+    assert grammars.num_masked_passes == 3
+    grammars.forget("r")
+    assert "r" not in grammars.tracked

@@ -1,11 +1,13 @@
 """Does a grammar-aware drafter pay? (issue 30, item 2): the tree's top-k at
 each node taken from the tokens the grammar allows on that node's path,
-against top-k over the whole vocabulary (what every drafter does today; the
-scheduler then prunes invalid nodes before verification).
+against top-k over the whole vocabulary (vLLM's drafters, and ours with
+`grammar_drafts: false`; the scheduler then prunes invalid nodes before
+verification).
 
 No engine: the built-in tiny model in transformers is the target, its
 `tiny-eagle3` head drafts through our head runtime (`HeadRuntime`, with
-`tree_logits_hook` masking each step's logits), and xgrammar holds the JSON
+`tree_logits_hook` masking each step's logits with the engine's masks,
+`integration/grammar_drafting.PathMasks`), and xgrammar holds the JSON
 schema of `bench_grammar_trees.py`. For each held-out prompt the target's
 greedy output under the schema is generated first; then decoding is
 replayed step by step as the V1 runner does it: the head ingests the
@@ -40,54 +42,31 @@ from bench_grammar_trees import SCHEMA
 SHAPES = {"tree16": (4, 4, 16), "tree16-deep": (2, 8, 16), "chain5": (1, 5, 6)}
 
 
-class PathMasks:
-    """The grammar's allowed draft tokens at each node of a drafting pass:
-    the matcher sits after the request's verified tokens; each beam node's
-    path is accepted, its next-token mask read, and rolled back."""
+class TimedMasks:
+    """The engine's masks (`integration/grammar_drafting.PathMasks`) over one
+    request's grammar (vLLM's `XgrammarGrammar`, after the request's
+    verified tokens), and the time they take."""
 
-    def __init__(self, xgr, matcher, vocab_size: int, draft_to_target: torch.Tensor):
-        self.xgr, self.matcher = xgr, matcher
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self.vocab_size = vocab_size
-        self.draft_to_target = draft_to_target  # [V_draft] target id of each draft id
+    def __init__(self, xgr, compiled, vocab_size: int, draft_to_target: torch.Tensor):
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+        from vllm_specplug.integration.grammar_drafting import PathMasks
+
+        self.grammar = XgrammarGrammar(vocab_size=vocab_size, ctx=compiled,
+                                       matcher=xgr.GrammarMatcher(compiled))
+        self.masks = PathMasks(["r"], [self.grammar], draft_to_target,
+                               lambda rows: xgr.allocate_token_bitmask(rows, vocab_size))
         self.seconds = 0.0
 
-    def allowed(self) -> torch.Tensor:
-        """[V_draft] bool: the draft ids the grammar allows next."""
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        scores = torch.zeros(1, self.vocab_size)
-        self.xgr.apply_token_bitmask_inplace(scores, self.bitmask)
-        return torch.isfinite(scores[0])[self.draft_to_target]
+    def accept(self, token: int) -> None:
+        self.grammar.accept_tokens("r", [token])
 
-    def path_allowed(self, path: list[int]) -> torch.Tensor:
-        taken = 0
-        for token in path:
-            if not self.matcher.accept_token(token):
-                break
-            taken += 1
-        allowed = self.allowed() if taken == len(path) else torch.zeros_like(
-            self.draft_to_target, dtype=torch.bool)
-        self.matcher.rollback(taken)
-        return allowed
-
-    def __call__(self, logits, slots, pooled, beam) -> torch.Tensor:
+    def __call__(self, *args) -> torch.Tensor:
         started = time.perf_counter()
-        if pooled is None:  # step 0: the root's children
-            masks = self.allowed()[None]
-        else:
-            masks = torch.stack([self.path_allowed(_path(pooled, int(node)))
-                                 for node in beam[0]])[None]
-        self.seconds += time.perf_counter() - started
-        return logits.masked_fill(~masks, float("-inf"))
-
-
-def _path(pooled, node: int) -> list[int]:
-    """Target token ids from the root's child down to pooled candidate `node`."""
-    path = []
-    while node >= 0:
-        path.append(int(pooled.token_ids[0, node]))
-        node = int(pooled.parent_ids[0, node])
-    return path[::-1]
+        try:
+            return self.masks(*args)
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 def greedy_under_schema(model, xgr, compiled, prompt_ids: list[int], max_tokens: int):
@@ -128,7 +107,7 @@ def aux_hidden(model, ids: list[int], layer_ids) -> torch.Tensor:
     return torch.cat([states[layer][0] for layer in layer_ids], -1)
 
 
-def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMasks | None):
+def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: TimedMasks | None):
     """Tokens per step (accepted + 1) over the output, drafting with `shape`."""
     runtime.forget("r")
     runtime.tree_logits_hook = masks
@@ -136,7 +115,7 @@ def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMask
                    torch.arange(num_prompt))
     root, steps = num_prompt, []
     if masks is not None:
-        masks.matcher.accept_token(ids[root])
+        masks.accept(ids[root])
     while root < len(ids) - 1:
         tree = runtime.draft_trees(["r"], torch.tensor([ids[root]]), torch.tensor([root]),
                                    *shape)
@@ -148,7 +127,7 @@ def replay(runtime, aux, ids: list[int], num_prompt: int, shape, masks: PathMask
                            torch.tensor(new))
         for t in range(root + 1, min(root + accepted + 2, len(ids))):
             if masks is not None:
-                masks.matcher.accept_token(ids[t])
+                masks.accept(ids[t])
         root += accepted + 1
     runtime.tree_logits_hook = None
     return steps
@@ -171,7 +150,7 @@ def _label(name: str, constraint: str, masked: bool) -> str:
     return f"{name} {constraint}{' masked' if masked else ''}"
 
 
-def _add(row: dict, steps: list[int], masks: PathMasks | None) -> None:
+def _add(row: dict, steps: list[int], masks: TimedMasks | None) -> None:
     row["steps"] += steps
     row["passes"] += len(steps)
     row["seconds"] += masks.seconds if masks is not None else 0.0
@@ -212,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = prompt_ids + output
             aux = aux_hidden(model, ids, head.config.aux_layer_ids)
             for name, _, masked in (v for v in variants if v[1] == constraint):
-                masks = (PathMasks(xgr, xgr.GrammarMatcher(compiled), vocab_size,
-                                   draft_to_target) if masked else None)
+                masks = (TimedMasks(xgr, compiled, vocab_size, draft_to_target)
+                         if masked else None)
                 steps = replay(runtime, aux, ids, len(prompt_ids), SHAPES[name], masks)
                 _add(rows[_label(name, constraint, masked)], steps, masks)
     summary = {name: {"tokens_per_step": float(np.mean(r["steps"])), "steps": len(r["steps"]),

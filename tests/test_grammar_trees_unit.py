@@ -225,6 +225,25 @@ def test_each_beam_node_drafts_what_its_own_path_allows():
     assert matcher.num_processed_tokens == 0                 # rolled back
 
 
+def test_a_path_the_grammar_refuses_is_left_alone_and_the_grammar_unmoved():
+    """Below a row left unmasked (no allowed draft id) a child can carry a
+    finite score and a token the grammar refuses: "a" then "c" here. Its
+    row keeps its logits, and the grammar is not left part way down the
+    path ("a" accepted, "c" refused), which would corrupt every later mask."""
+    from vllm_specplug.verification.tree_build import extend_draft_pool
+
+    matcher = grammar()
+    masks = _masks([matcher])
+    pooled = extend_draft_pool(None, torch.tensor([[[A]]]), torch.tensor([[[-1.0]]]),
+                               torch.full((1, 1), -1))
+    pooled = extend_draft_pool(pooled, torch.tensor([[[C, B]]]), torch.tensor([[[-1.0, -2.0]]]),
+                               torch.tensor([[0]]))
+    rows = masks(torch.zeros(1, 2, len(VOCAB)), None, pooled, torch.tensor([[1, 2]]))
+    assert _finite(rows[0, 0]) == set(range(len(VOCAB)))      # "ac": refused, left alone
+    assert _finite(rows[0, 1]) == path_mask([A, B]) == {D}     # "ab": its own path's mask
+    assert matcher.num_processed_tokens == 0 and not matcher.is_terminated()
+
+
 def test_masks_map_draft_ids_to_target_ids_and_never_empty_a_row():
     """A head with its own (smaller) vocabulary: draft id i is target token
     draft_to_target[i]; a state whose allowed tokens are all outside the

@@ -114,10 +114,11 @@ def _constrained(sampling_params) -> bool:
 class PathMasks:
     """Each drafting step's logits masked, per beam node, to the tokens the
     grammar allows after that node's path (root's children: after the
-    request's output). A node on an invalid path (score -inf), past the
-    grammar's end, or whose allowed tokens are all outside the head's draft
-    vocabulary keeps its logits: its children stay at -inf or are pruned
-    by the scheduler, and a row all -inf would make the log-softmax NaN."""
+    request's output). A node on an invalid path (score -inf, or a token
+    the grammar refuses), past the grammar's end, or whose allowed tokens
+    are all outside the head's draft vocabulary keeps its logits: a row all
+    -inf would make the log-softmax NaN, and the scheduler prunes what the
+    grammar forbids."""
 
     def __init__(self, req_ids: list[str], grammars: list, draft_to_target: torch.Tensor,
                  allocate) -> None:
@@ -153,9 +154,14 @@ class PathMasks:
 
     @staticmethod
     def _fill(grammar, req_id: str, path: list[int], bitmask: torch.Tensor, row: int) -> bool:
-        """Row `row` of `bitmask` in the state after `path`; False: not filled."""
+        """Row `row` of `bitmask` in the state after `path`; False: not filled.
+        A path is validated first: below a row left unmasked (no allowed
+        draft id) a finite score does not mean an allowed token, and a
+        refused accept would leave the grammar part way down the path."""
+        if path and len(grammar.validate_tokens(path)) < len(path):
+            return False
         if path and not grammar.accept_tokens(req_id, path):
-            return False  # not reached: a path of allowed tokens is accepted
+            return False  # not reached: a validated path is accepted whole
         try:
             if grammar.is_terminated():
                 return False

@@ -3,14 +3,15 @@
 Under a grammar the scheduler prunes every draft node the grammar forbids on
 its path (grammar_trees.py), so a drafter that ranks the whole vocabulary
 spends its tree on nodes that are cut before verification: on the tiny model
-under a JSON schema a 16-node tree fell from 3.37 to 2.40 tokens a step.
+under a JSON schema a 16-node tree fell from 3.48 to 2.43 tokens a step.
 Here each drafting step's logits are masked, node by node, to the tokens the
 grammar allows after that node's own path, before the top-k (SGLang masks
-its verification the same way, per node: `generate_token_bitmask`); the same
-replay then gave 3.70 (benchmarks/bench_grammar_drafting.py).
+its verification the same way, per node: `generate_token_bitmask`): the
+same tree then gives 4.20 (benchmarks/bench_grammar_trees.py).
 
-The drafter keeps its own grammar per request: the scheduler's lives in
-another object (on TP > 1, another process) and sits one step behind. It is
+The drafter keeps its own grammar per request: the scheduler's lives in the
+engine core's process (the worker runs in another) and sits one step
+behind. It is
 compiled by vLLM's `StructuredOutputManager` in the worker, so the backend
 (xgrammar, guidance, ...) and its options are the scheduler's, and advanced
 by each step's verified tokens. Selection only: the masks change which

@@ -174,7 +174,9 @@ class TreeEagleDrafter(V1DrafterHooks):
             sizes = [planned[batch.req_ids[row]] for row in rows]
         if rows and allowance > 0:
             req_ids = [batch.req_ids[i] for i in rows]
-            masks = self._grammar_masks(runner, batch, rows)
+            # a grammar's fault costs this step its masks, never the engine
+            masks = self.guard.call("grammar_masks", req_ids, self._grammar_masks, runner,
+                                    batch, rows, effect="this step drafts unmasked")[1]
             self.guard.call("propose", req_ids, self._draft, batch, rows, allowance, drafts,
                             sizes, masks)
             if not self.grammar_aware:

@@ -161,8 +161,7 @@ class PathMasks:
         refused accept would leave the grammar part way down the path."""
         if path and len(grammar.validate_tokens(path)) < len(path):
             return False
-        if path and not grammar.accept_tokens(req_id, path):
-            return False  # not reached: a validated path is accepted whole
+        grammar.accept_tokens(req_id, path)  # validated: accepted whole
         try:
             if grammar.is_terminated():
                 return False

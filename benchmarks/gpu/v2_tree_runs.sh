@@ -21,6 +21,9 @@
 #            issue's table (ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
 #            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; HEAD as above, default
 #            .gpu/heads/smollm2-eagle3-demo)
+#   smollm2-tp2  SmolLM2 + its head sharded over 2 GPUs (tensor_parallel_size 2; issue 29):
+#            vLLM eagle3 K=5 and ngram against our chain, tree 16 and specplug_ngram,
+#            MT-Bench (HEAD as smollm2-sets)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -123,6 +126,14 @@ run() {
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
+        --out "$RESULTS/${RUN_NAME:-$1}" ;;
+    smollm2-tp2)
+      # the head rows of `smollm2` and the n-gram rows of smollm2-sets, on a sharded target
+      mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3-demo}"; full_specs ngram -)
+      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
+        --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
+        --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
+        --engine-args '{"tensor_parallel_size": 2, "compilation_config": {"max_cudagraph_capture_size": 1024}}' \
         --out "$RESULTS/${RUN_NAME:-$1}" ;;
     steps8b)
       # spawn: a forked engine after CUDA is up hung at model loading (2026-11-25)

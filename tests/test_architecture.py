@@ -24,6 +24,9 @@ EXTENSION_POINTS = {
         "options of structured_outputs_config, as the scheduler's)",
     "vllm_specplug/integration/v2/tree_sampler.py":
         "the rejection sampler a ModelState supplies (custom_sampler)",
+    "vllm_specplug/integration/first_rank.py":
+        "vLLM's tensor-parallel group (get_tp_group), the collective a sharded model's "
+        "own layers use: the first rank's decisions broadcast to the others",
     "vllm_specplug/testing/scheduler_sim.py": "test harness: vLLM's real scheduler classes",
     "vllm_specplug/testing/worker_probe.py": "test harness: worker extension",
 }

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.v2_helpers import K, Spy, States, make_speculator, step
-from vllm_specplug.integration.v2.speculator import SharedDrafts, gather_step_tokens
+from vllm_specplug.integration.first_rank import FirstRankShare
+from vllm_specplug.integration.v2.speculator import gather_step_tokens
 from vllm_specplug.proposers.base import StopReason
 
 
@@ -101,13 +102,13 @@ class Broadcast:
     def __init__(self) -> None:
         self.posted: list[torch.Tensor] = []
 
-    def rank(self, first: bool) -> SharedDrafts:
+    def rank(self, first: bool) -> FirstRankShare:
         def broadcast(drafts: torch.Tensor) -> None:
             if first:
                 self.posted.append(drafts.clone())
             else:
                 drafts.copy_(self.posted.pop(0))
-        return SharedDrafts(first, broadcast)
+        return FirstRankShare(first, broadcast)
 
 
 def test_a_sharded_target_drafts_once_on_the_first_rank():
@@ -232,12 +233,16 @@ def test_tree_budget_runs_on_the_v1_runner_with_one_rank(tiny_model_dir, tiny_ea
     assert not config.use_v2_model_runner
 
 
-def test_tree_budget_is_refused_on_a_sharded_target(tiny_model_dir, tiny_eagle3_dir):
-    """Each rank would time its own steps and could keep trees of other
-    sizes than the first rank's drafts, which the scheduler sends to all.
-    (vLLM's config validation wraps our error: the message is ours.)"""
-    with pytest.raises(ValueError, match="adaptive=true.*sharded over 2 ranks.*Drop"):
-        _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir), tensor_parallel_size=2)
+def test_tree_budget_runs_on_a_sharded_target_and_not_over_pipeline_stages(
+        tiny_model_dir, tiny_eagle3_dir):
+    """At tensor parallelism the first rank sizes every rank's trees
+    (tests/test_tensor_parallel_engine.py runs it); pipeline stages are
+    refused, naming the fix. (vLLM's config validation wraps our error: the
+    message is ours.)"""
+    config = _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir), tensor_parallel_size=2)
+    assert config.speculative_config is not None and not config.use_v2_model_runner
+    with pytest.raises(ValueError, match="adaptive=true.*not on 2 pipeline stages.*Drop"):
+        _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir), pipeline_parallel_size=2)
 
 
 def test_tree_budget_is_refused_on_model_runner_v2(tiny_model_dir, tiny_eagle3_dir,

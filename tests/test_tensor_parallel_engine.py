@@ -4,7 +4,8 @@ kind of method of ours (model-free through `specplug_hybrid`, EAGLE-3 chain
 and tree, MTP tree): greedy output equal to the same sharded target's without
 speculation, and speculating (the model-free ones under their adaptive
 controller, on by default, drafting on the first rank only: the scheduler
-hands its drafts to both); and the fault guard. Extraction at
+hands its drafts to both), the tree budget (the first rank sizes both
+ranks' trees); and the fault guard. Extraction at
 TP=2: tests/test_extraction_engine.py. On this one-NUMA-node machine the plugin
 gives each rank its share of the CPUs (integration/cpu_threads.py;
 tests/test_cpu_threads_unit.py). Each engine runs its prompts once and stops
@@ -40,7 +41,13 @@ METHODS = {
     "eagle3_chain": ("tiny", ("eagle3", TREES["chain_k3"])),
     "eagle3_tree16": ("tiny", ("eagle3", TREES["tree16_topk4"])),
     "mtp_tree16": ("tiny-mtp", MTP_TREES["ours_tree16"]),
+    "eagle3_tree16_budget": ("tiny", ("eagle3", TREES["tree16_topk4"], {"adaptive": True})),
 }
+# The tree budget's ranks pinned to disagree (tests/test_tree_budget_engine.py:
+# (fixed ms, ms per verified token)): on its own clock the first rank would
+# keep whole trees, the second skip every drafting pass. Each rank must keep
+# the first rank's trees, whose tokens the scheduler sends to both.
+DISAGREEING_PINS = ((1000.0, 1e-6, 0), (0.0, 1000.0, 1))
 
 
 @contextmanager
@@ -57,12 +64,14 @@ def _unset_binding():
                 os.environ[name] = value
 
 
-def _run(target_dir, config, prompts) -> dict:
+def _run(target_dir, config, prompts, pins=()) -> dict:
     with _unset_binding():
         llm = make_llm(target_dir, config, tensor_parallel_size=TP,
                        worker_extension_cls=PROBE_QUALNAME)
         binding = os.environ.get(ENV)
         try:
+            for pin in pins:  # (fixed ms, ms per token, rank)
+                llm.collective_rpc("specplug_adaptive_pin", args=pin)
             before = read_spec_decode_counts(llm)
             token_ids = generate(llm, prompts, greedy_params(MAX_TOKENS)).token_ids
             return {"token_ids": token_ids, "binding": binding,
@@ -90,9 +99,10 @@ def no_speculation(targets, tp_prompts) -> dict:
 @pytest.fixture(scope="module", params=list(METHODS))
 def sharded(request, targets, tiny_eagle3_dir, tp_prompts):
     target, config = METHODS[request.param]
-    if isinstance(config, tuple):  # an EAGLE-3 shape, on the built-in head
-        config = tree_config(tiny_eagle3_dir, *config[1])
-    return request.param, target, _run(targets[target], config, tp_prompts)
+    if isinstance(config, tuple):  # an EAGLE-3 shape on the built-in head, + options
+        config = {**tree_config(tiny_eagle3_dir, *config[1]), **(config[2:] or ({},))[0]}
+    pins = DISAGREEING_PINS if config.get("adaptive") else ()
+    return request.param, target, _run(targets[target], config, tp_prompts, pins)
 
 
 def test_every_method_is_exact_and_speculates_on_a_sharded_target(sharded, no_speculation,
@@ -106,6 +116,10 @@ def test_every_method_is_exact_and_speculates_on_a_sharded_target(sharded, no_sp
         first, second = ours["adaptive"]
         assert first["num_offered"] > 0 and first["num_verified_drafts"] > 0, first
         assert second["num_offered"] == 0, second
+    if name == "eagle3_tree16_budget":  # the first rank sized both ranks' trees
+        first, second = ours["adaptive"]
+        assert first["num_kept"] > 0 and first["num_skipped"] < first["num_steps"], first
+        assert second["num_steps"] == 0, second
 
 
 def test_the_plugin_gave_each_rank_its_cpus(no_speculation):

@@ -83,7 +83,7 @@ tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]:
   bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
     --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
     --max-tokens "$6" --dtype float32 --phases \
-    --engine-args "{\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
+    --engine-args "{${TP:+\"tensor_parallel_size\": $TP, }\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
     --out "$RESULTS/$1" "${@:8}"
 }
 

@@ -137,25 +137,25 @@ def check_adaptive_verification(method: str, cls, options, rest: dict[str, Any])
         f"{ADAPTIVE_VERIFICATION_FIELD}")
 
 
-def check_tree_budget_placement(selection: ProposerSelection, num_ranks: int,
+def check_tree_budget_placement(selection: ProposerSelection, num_pipeline_stages: int,
                                 on_model_runner_v2: bool) -> None:
     """The tree budget (`"adaptive": true` for specplug_eagle3/specplug_mtp,
-    adaptive/tree_budget.py) runs on vLLM's V1 runner with one rank: there
-    each rank would time its own steps and could keep trees of other sizes,
-    while the scheduler sends every rank the first rank's drafts."""
+    adaptive/tree_budget.py) runs on vLLM's V1 runner, with the target on one
+    rank or sharded (the first rank of the tensor-parallel group sizes every
+    rank's trees, integration/first_rank.py), in one pipeline stage."""
     from vllm_specplug.proposers.eagle3 import TreeProposer
 
     if selection.adaptive != "on" or not issubclass(get_proposer_class(selection.method),
                                                     TreeProposer):
         return
     where = ("Model Runner V2 (CUDA)" if on_model_runner_v2 else
-             f"a target sharded over {num_ranks} ranks" if num_ranks > 1 else None)
+             f"{num_pipeline_stages} pipeline stages" if num_pipeline_stages > 1 else None)
     if where is None:
         return
     raise ProposerConfigError(
         f"speculative_config for method {selection.method!r}: {ADAPTIVE_OPTION}=true (per-step "
-        f"tree sizes) runs on vLLM's V1 runner with one rank so far, not on {where}. Drop "
-        f"{ADAPTIVE_OPTION}; on CUDA size trees per batch with "
+        f"tree sizes) runs on vLLM's V1 runner in one pipeline stage so far, not on {where}. "
+        f"Drop {ADAPTIVE_OPTION}; on CUDA size trees per batch with "
         "num_speculative_tokens_per_batch_size, or use a chain (topk=1) with "
         "enable_adaptive_verification")
 

@@ -89,7 +89,7 @@ def _tree_budget_placement(config) -> None:
         return
     parallel = config.parallel_config
     check_tree_budget_placement(
-        selection, parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        selection, parallel.pipeline_parallel_size,
         _v2_capable_selection(config) is not None
         and bool(getattr(config, "use_v2_model_runner", False)))
 

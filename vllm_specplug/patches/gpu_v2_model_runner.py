@@ -36,6 +36,7 @@ def _ours(runner):
 def _init_speculator(original):
     def init_speculator(vllm_config, device, req_states):
         from vllm_specplug.integration.config import selection_of
+        from vllm_specplug.integration.first_rank import first_rank_share
         from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
         from vllm_specplug.integration.v2.speculator import SpecplugV2Speculator
         from vllm_specplug.proposers.eagle3 import TreeProposer
@@ -47,24 +48,9 @@ def _init_speculator(original):
         if issubclass(get_proposer_class(selection.method), TreeProposer):
             return SpecplugV2HeadSpeculator(vllm_config, device, req_states)
         return SpecplugV2Speculator(vllm_config, device, req_states,
-                                    shared=_shared_drafts(vllm_config))
+                                    shared=first_rank_share(vllm_config))
 
     return init_speculator
-
-
-def _shared_drafts(vllm_config):
-    """With the target sharded, the first rank of the tensor-parallel group
-    drafts on the host and broadcasts its drafts to the others
-    (`SharedDrafts`); trees draft on every rank (a replicated head, the
-    same tokens: the same trees)."""
-    if vllm_config.parallel_config.tensor_parallel_size == 1:
-        return None
-    from vllm.distributed.parallel_state import get_tp_group
-
-    from vllm_specplug.integration.v2.speculator import SharedDrafts
-
-    group = get_tp_group()
-    return SharedDrafts(group.is_first_rank, lambda drafts: group.broadcast(drafts, src=0))
 
 
 def _take_draft_token_ids(original):

@@ -71,13 +71,18 @@ class SpecplugProbe:
 
         return adaptive_stats(self)
 
-    def specplug_adaptive_pin(self, fixed_ms: float | None, per_token_ms: float = 0.0
-                              ) -> None:
+    def specplug_adaptive_pin(self, fixed_ms: float | None, per_token_ms: float = 0.0,
+                              only_rank: int | None = None) -> None:
         """Pin the adaptive controller's step-cost line (None: back to the
         measured fit), so a test can make speculation pay or not; the tree
-        budget's line for steps without drafts is pinned to the same one."""
+        budget's line for steps without drafts is pinned to the same one.
+        `only_rank`: on that tensor-parallel rank only (ranks that disagree)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         from vllm_specplug.bench.worker_info import adaptive_controller
 
+        if only_rank is not None and get_tensor_model_parallel_rank() != only_rank:
+            return
         controller = adaptive_controller(self)
         pinned = None if fixed_ms is None else (fixed_ms / 1e3, per_token_ms / 1e3)
         for line in (controller.cost, getattr(controller, "plain_cost", None)):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.adaptive.tree_budget import TreeBudget
+from vllm_specplug.integration.first_rank import first_rank_share
 from vllm_specplug.integration.grammar_drafting import DraftGrammars
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v1 import tree_step
@@ -69,6 +70,9 @@ class TreeEagleDrafter(V1DrafterHooks):
         # "adaptive": true: each step's tree sizes, down to no drafting pass
         self.adaptive = (TreeBudget(self.options.num_draft_tokens - 1)
                          if self.drafter.adaptive == "on" else None)
+        # a sharded target: the first rank sizes the trees, from its own step
+        # times, for every rank (first_rank.py)
+        self.plan_share = first_rank_share(vllm_config) if self.adaptive is not None else None
         # under the budget, the verified rows of requests that do not draft
         # wait here until they do (deferred_ingest.py)
         self.deferred = DeferredIngest()
@@ -200,13 +204,26 @@ class TreeEagleDrafter(V1DrafterHooks):
         if not rows or allowance <= 0:
             return {}
         max_nodes = min(allowance, self.options.num_draft_tokens - 1)
-        sizes = self.adaptive.plan([batch.req_ids[i] for i in rows], len(batch.req_ids),
-                                   max_nodes)
+        sizes = self._plan([batch.req_ids[i] for i in rows], len(batch.req_ids), max_nodes)
         planned = {batch.req_ids[row]: size for row, size in zip(rows, sizes) if size > 0}
         for req_id in batch.req_ids:
             if req_id not in planned:
                 self.trees.pop(req_id, None)
         return planned
+
+    def _plan(self, req_ids: list[str], num_reqs: int, max_nodes: int) -> list[int]:
+        """The tree budget's node counts for `req_ids`; on a sharded target
+        the first rank's, broadcast: every rank drafts the same trees (a
+        replicated head on the same tokens), and must keep the same nodes,
+        as the scheduler sends every rank the first rank's draft tokens."""
+        share = self.plan_share
+        if share is None:
+            return self.adaptive.plan(req_ids, num_reqs, max_nodes)
+        sizes = torch.zeros(len(req_ids), dtype=torch.int64)
+        if share.decides_here:
+            sizes[:] = torch.tensor(self.adaptive.plan(req_ids, num_reqs, max_nodes))
+        share.broadcast(sizes)
+        return sizes.tolist()
 
     def _chains_under_grammars(self, runner, rows: list[int], drafts) -> None:
         """vLLM's scheduler reads a draft list as a chain: for requests with

@@ -22,8 +22,8 @@ into `req_states.draft_tokens`. Our proposers run on the host, so each step:
 
 With the target sharded (tensor parallelism), only the first rank drafts on
 the host; a broadcast over the ranks' group gives the others its padded
-drafts (`SharedDrafts`). Every rank feeds its own `req_states.draft_tokens`
-to the next forward, so ranks whose controllers timed their own steps and
+drafts (`FirstRankShare`, integration/first_rank.py). Every rank feeds its
+own `req_states.draft_tokens` to the next forward, so ranks whose controllers timed their own steps and
 cut drafts differently would verify different tokens; and the others would
 only repeat the first rank's work.
 
@@ -34,14 +34,13 @@ n-gram does; the scheduler then reserves K slots per request.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from typing import Callable
 
 import numpy as np
 import torch
 
+from vllm_specplug.integration.first_rank import FirstRankShare
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
 from vllm_specplug.proposers.base import DeviceProposeBatch, ProposeBatch, StopReason
 
@@ -112,17 +111,6 @@ def lengths_reach_scheduler(scheduler_config) -> bool:
     return any(c.__name__ == "SpecplugAsyncScheduler" for c in getattr(cls, "__mro__", ()))
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedDrafts:
-    """How the ranks of a sharded target share host drafts: the first rank
-    drafts, and `broadcast` (collective, in place) sends its [num_reqs, K]
-    drafts to the others. Built where vLLM's groups are known
-    (`patches/gpu_v2_model_runner.py`)."""
-
-    drafts_here: bool
-    broadcast: Callable[[torch.Tensor], None]
-
-
 class V2SpeculatorHooks:
     """What Model Runner V2 asks of every speculator (`BaseSpeculator`,
     duck-typed: vLLM's ABC needs no registration) besides `propose`, as our
@@ -156,7 +144,7 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
 
     def __init__(self, vllm_config, device: torch.device, req_states,
                  use_device_drafter: bool | None = None,
-                 shared: SharedDrafts | None = None) -> None:
+                 shared: FirstRankShare | None = None) -> None:
         self.session = ProposerSession(vllm_config)
         self.req_states = req_states
         self.device = device
@@ -204,7 +192,7 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         started = time.perf_counter()
         if self.device_drafter is not None:
             drafts = self._propose_on_device(input_batch, num_sampled[:num_reqs])
-        elif self.shared is not None and not self.shared.drafts_here:
+        elif self.shared is not None and not self.shared.decides_here:
             drafts = self.drafts[:num_reqs]  # filled by the broadcast below
         else:
             drafts = self._propose_on_host(input_batch, last_hidden_states, num_sampled,

@@ -158,9 +158,13 @@ class TreeEagleDrafter(V1DrafterHooks):
             self.on_request_removed(req_id)
         aux = None if step is None else self.target_hidden(hidden_states, aux_hidden_states,
                                                            step.num_tokens)
-        if self.guard.disabled or aux is None:
-            return drafts
         allowance = scheduler_output.num_spec_tokens_to_schedule
+        if self.guard.disabled or aux is None:
+            if aux is not None and self.plan_share is not None:
+                # a rank whose guard gave up still joins the sizes' broadcast,
+                # which the other ranks wait in
+                self._budgeted(batch, sampled_token_ids, allowance)
+            return drafts
         planned = None  # the tree budget's {req_id: nodes} (None: no budget)
         if self.adaptive is not None:
             self._record_verified(step)

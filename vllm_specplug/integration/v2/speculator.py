@@ -23,9 +23,9 @@ into `req_states.draft_tokens`. Our proposers run on the host, so each step:
 With the target sharded (tensor parallelism), only the first rank drafts on
 the host; a broadcast over the ranks' group gives the others its padded
 drafts (`FirstRankShare`, integration/first_rank.py). Every rank feeds its
-own `req_states.draft_tokens` to the next forward, so ranks whose controllers timed their own steps and
-cut drafts differently would verify different tokens; and the others would
-only repeat the first rank's work.
+own `req_states.draft_tokens` to the next forward, so ranks whose
+controllers timed their own steps and cut drafts differently would verify
+different tokens; and the others would only repeat the first rank's work.
 
 A proposer that offers a `device_drafter` (specplug_ngram) skips all of that:
 its kernels read `req_states.all_token_ids` where vLLM keeps it and write the

@@ -120,3 +120,42 @@ def test_builtin_proposers_say_how_sure_they_are_of_each_token():
     hybrid.start_request("a", np.array([1, 2, 3, 9, 1, 2, 3]))
     drafts = hybrid.propose(make_batch([[1, 2, 3, 9, 1, 2, 3]], 2, ["a"]))
     assert drafts == [[9, 1]] and drafts.confidences[0] is not None
+
+
+def _forbidding(token: int):
+    """A stand-in grammar: every token but `token` allowed, anywhere."""
+    def allowed(token_ids: list[int]) -> int:
+        return next((n for n, t in enumerate(token_ids) if t == token), len(token_ids))
+    return allowed
+
+
+def test_suffix_offers_the_likeliest_path_the_grammar_allows():
+    """After [1, 2] the prompt continues with 3 4 (twice), 3 9 and 3 7: the
+    chain is 3 4 ...; where the grammar forbids 4, suffix offers 3 then the
+    likeliest allowed child of 3 from arctic's speculation tree, not a chain
+    the scheduler would cut after 3. Unconstrained rows, and
+    `grammar_drafts: false`, keep the chain. Hybrid hands each member its
+    rows' checks."""
+    prompt = np.array([1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 1, 2, 3, 4, 6, 1, 2, 3, 7, 1, 2])
+
+    def propose(options, valid_prefix, proposer_cls=SuffixProposer):
+        proposer = proposer_cls(options, CONTEXT)
+        for req_id in ("free", "json"):
+            proposer.start_request(req_id, prompt)
+        batch = make_batch([prompt.tolist()] * 2, 3, ["free", "json"])
+        batch.valid_prefix.update(valid_prefix)
+        return proposer.propose(batch)
+
+    options = SuffixOptions(min_token_prob=0.0, max_spec_factor=4.0, max_cached_requests=0)
+    chain = propose(options, {})
+    assert chain[0] == chain[1] and chain[0][:2] == [3, 4]
+    drafts = propose(options, {1: _forbidding(4)})
+    assert drafts[0] == chain[0]
+    assert drafts[1][0] == 3 and drafts[1][1] in (9, 7) and 4 not in drafts[1]
+    assert len(drafts.confidences[1]) == len(drafts[1])
+    off = SuffixOptions(min_token_prob=0.0, max_spec_factor=4.0, max_cached_requests=0,
+                        grammar_drafts=False)
+    assert propose(off, {1: _forbidding(4)}) == chain
+    hybrid = HybridOptions(proposers=[{"method": "specplug_suffix", "min_token_prob": 0.0,
+                                       "max_spec_factor": 4.0, "max_cached_requests": 0}])
+    assert propose(hybrid, {1: _forbidding(4)}, HybridProposer) == drafts

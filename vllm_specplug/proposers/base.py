@@ -105,9 +105,24 @@ class ProposeBatch:
     num_tokens: np.ndarray  # [num_reqs] int64
     num_spec_tokens: int  # the most draft tokens the scheduler allows this step
     hidden_states: torch.Tensor | None = None  # [num_reqs, hidden] target's last hidden state; model-based proposers only
+    # Rows under a grammar (structured outputs): row -> how many leading
+    # tokens of a candidate draft the grammar allows after the row's output.
+    # vLLM's scheduler cuts a draft at its first forbidden token, so a
+    # proposer that has other candidates may prefer allowed ones (selection
+    # only: verification, and so the output, is unchanged).
+    valid_prefix: dict[int, typing.Callable[[list[int]], int]] = dataclasses.field(
+        default_factory=dict)
 
     def history(self, i: int) -> np.ndarray:
         return self.token_ids[i, :self.num_tokens[i]]
+
+    def rows(self, rows: list[int]) -> "ProposeBatch":
+        """The batch of `rows` only, in that order (composite proposers)."""
+        valid_prefix = {j: self.valid_prefix[i] for j, i in enumerate(rows)
+                        if i in self.valid_prefix}
+        hidden = None if self.hidden_states is None else self.hidden_states[rows]
+        return ProposeBatch([self.req_ids[i] for i in rows], self.token_ids[rows],
+                            self.num_tokens[rows], self.num_spec_tokens, hidden, valid_prefix)
 
 
 @dataclass

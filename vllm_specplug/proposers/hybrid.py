@@ -77,11 +77,7 @@ class HybridProposer(Proposer):
         for member in self.members:
             if not pending:
                 break
-            sub = ProposeBatch([batch.req_ids[i] for i in pending], batch.token_ids[pending],
-                               batch.num_tokens[pending], batch.num_spec_tokens,
-                               None if batch.hidden_states is None
-                               else batch.hidden_states[pending])
-            proposed = member.propose(sub)
+            proposed = member.propose(batch.rows(pending))
             if not isinstance(proposed, Drafts):
                 proposed = Drafts(proposed, [None] * len(proposed))
             for i, draft, confidences in zip(list(pending), proposed.token_ids,

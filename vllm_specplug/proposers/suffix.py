@@ -25,6 +25,9 @@ class SuffixOptions(ProposerOptions):
     max_spec_factor: float = 1.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
+    # under structured outputs, a draft the grammar cuts is replaced by the
+    # likeliest path of arctic's speculation tree that the grammar allows
+    grammar_drafts: bool = True
 
     def validate(self, name: str) -> None:
         require(self.max_tree_depth >= 1, name,
@@ -70,15 +73,58 @@ class SuffixProposer(Proposer):
         for i, req_id in enumerate(batch.req_ids):
             # arctic wants a contiguous, writable int32 array (the history is read-only)
             context = np.array(batch.history(i)[-opts.max_tree_depth:], dtype=np.int32)
-            draft = self.cache.speculate(
-                req_id, context,
-                max_spec_tokens=batch.num_spec_tokens,  # None hits an arctic bug
-                max_spec_factor=opts.max_spec_factor,
-                max_spec_offset=opts.max_spec_offset,
-                min_token_prob=opts.min_token_prob, use_tree_spec=False)
-            drafts.token_ids.append(list(draft.token_ids))
-            drafts.confidences.append(_conditional(draft.probs))
+            draft = self._speculate(req_id, context, batch.num_spec_tokens, tree=False)
+            token_ids, probs = list(draft.token_ids), list(draft.probs)
+            allowed = batch.valid_prefix.get(i) if opts.grammar_drafts else None
+            num_allowed = len(token_ids) if allowed is None else allowed(token_ids)
+            if num_allowed < len(token_ids):
+                tree = self._speculate(req_id, context, batch.num_spec_tokens, tree=True)
+                path = allowed_path(tree, allowed, batch.num_spec_tokens)
+                # the longer of the chain's allowed prefix and the tree's allowed path
+                token_ids, probs = (path if len(path[0]) > num_allowed else
+                                    (token_ids[:num_allowed], probs[:num_allowed]))
+            drafts.token_ids.append(token_ids)
+            drafts.confidences.append(_conditional(probs))
         return drafts
+
+    def _speculate(self, req_id: str, context: np.ndarray, num_spec_tokens: int, tree: bool):
+        """arctic's chain, or its speculation tree (grown best-first, so its
+        likeliest paths come first) of GRAMMAR_TREE_WIDTH times the nodes, so
+        that it reaches about as deep as the chain."""
+        opts: SuffixOptions = self.options
+        width = GRAMMAR_TREE_WIDTH if tree else 1
+        return self.cache.speculate(
+            req_id, context,
+            max_spec_tokens=width * num_spec_tokens,  # None hits an arctic bug
+            max_spec_factor=width * opts.max_spec_factor,
+            max_spec_offset=width * opts.max_spec_offset,
+            min_token_prob=opts.min_token_prob, use_tree_spec=tree)
+
+
+GRAMMAR_TREE_WIDTH = 4  # see SuffixProposer._speculate
+
+
+def allowed_path(tree, allowed, max_tokens: int) -> tuple[list[int], list[float]]:
+    """From the root of arctic's speculation `tree` (token_ids, parents with
+    -1 for the root's children, cumulative path probs), each step the
+    likeliest child whose path `allowed` accepts whole (`allowed(path)`: how
+    many leading tokens the grammar allows): (token ids, their path probs),
+    at most `max_tokens`."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parents):
+        children.setdefault(int(parent), []).append(node)
+    path: list[int] = []
+    probs: list[float] = []
+    node = -1
+    while len(path) < max_tokens:
+        ranked = sorted(children.get(node, ()), key=lambda c: -tree.probs[c])
+        node = next((c for c in ranked if allowed(path + [int(tree.token_ids[c])]) > len(path)),
+                    None)
+        if node is None:
+            break
+        path.append(int(tree.token_ids[node]))
+        probs.append(float(tree.probs[node]))
+    return path, probs
 
 
 def _conditional(path_probs) -> list[float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specplug.integration.grammar_drafting import DraftGrammars
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.proposers.base import ProposeBatch, StopReason
@@ -23,6 +24,12 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
     # would repeat its work, and their adaptive controllers, timing their own
     # steps, would cut differently (patches/gpu_model_runner.py).
     drafts_on_every_rank = False
+
+    def __init__(self, vllm_config) -> None:
+        super().__init__(vllm_config)
+        # the drafter's own grammar per structured request, so a proposer with
+        # other candidates can offer what the grammar allows (grammar_drafting.py)
+        self.grammars = DraftGrammars(vllm_config)
 
     def no_drafts(self, runner) -> list[list[int]]:
         runner._draft_probs = None
@@ -37,6 +44,7 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
         `_on_request_state_removed`, also in steps that schedule nothing)."""
         if req_id in self.active:
             self.stop(req_id, StopReason.FINISHED)
+        self.grammars.forget(req_id)
 
     def _retire(self, scheduler_output) -> None:
         """Preempted requests (they come back as new to us if they resume;
@@ -82,10 +90,29 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
                                           outputs["spec_decode_metadata"])[np.asarray(rows)]
         batch = ProposeBatch([input_batch.req_ids[i] for i in rows],
                              read_only_rows(input_batch.token_ids_cpu, rows, num_tokens[rows]),
-                             read_only(num_tokens[rows]), k, hidden)
+                             read_only(num_tokens[rows]), k, hidden,
+                             self._valid_prefixes(runner, rows))
         for i, draft in zip(rows, self.draft(batch, num_reqs)):
             drafts[i] = draft
         return drafts
+
+
+    def _valid_prefixes(self, runner, rows: list[int]) -> dict:
+        """{batch row: how many leading tokens of a draft the request's
+        grammar allows} for the rows with structured output (ProposeBatch)."""
+        input_batch, checks = runner.input_batch, {}
+        for j, row in enumerate(rows):
+            req_id = input_batch.req_ids[row]
+            state = runner.requests.get(req_id)
+            if state is None or state.sampling_params is None:
+                continue
+            start, end = int(input_batch.num_prompt_tokens[row]), int(
+                input_batch.num_tokens_no_spec[row])
+            grammar = self.grammars.grammar_of(req_id, state.sampling_params,
+                                               input_batch.token_ids_cpu[row, start:end])
+            if grammar is not None:
+                checks[j] = lambda token_ids, g=grammar: len(g.validate_tokens(token_ids))
+        return checks
 
 
 def last_accepted_hidden(sample_hidden_states: torch.Tensor, sampled_token_ids,

@@ -78,6 +78,17 @@ class DraftGrammars:
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
 
+    def of_row(self, runner, row: int):
+        """`grammar_of` the request in `row` of the V1 runner's input batch,
+        advanced to its output so far (None: no grammar to draft under)."""
+        batch = runner.input_batch
+        req_id = batch.req_ids[row]
+        state = runner.requests.get(req_id)
+        if state is None or state.sampling_params is None:
+            return None
+        start, end = int(batch.num_prompt_tokens[row]), int(batch.num_tokens_no_spec[row])
+        return self.grammar_of(req_id, state.sampling_params, batch.token_ids_cpu[row, start:end])
+
     def _start(self, req_id: str, sampling_params) -> bool:
         """Submit the request's grammar to vLLM's manager (compiled on its
         threads, as the scheduler's is); False: masking is off for it."""

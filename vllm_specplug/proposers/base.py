@@ -185,6 +185,9 @@ class Proposer(ABC):
     """
     options_cls: ClassVar[type[ProposerOptions]] = ProposerOptions
     uses_hidden_states: ClassVar[bool] = False
+    # Reads `ProposeBatch.valid_prefix` (drafts under structured outputs);
+    # where False the drafter skips the grammar work
+    reads_grammars: bool = False
     # Runs under vLLM's Model Runner V2 on CUDA (integration/v2/speculator.py);
     # False keeps the method on the V1 runner, whose patches it needs.
     runs_on_model_runner_v2: ClassVar[bool] = True

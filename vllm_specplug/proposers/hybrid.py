@@ -56,6 +56,7 @@ class HybridProposer(Proposer):
             member_options = parse_options(entry["method"], _member_options(entry))
             self.members.append(get_proposer_class(entry["method"])(member_options, context))
         self.uses_hidden_states = any(m.uses_hidden_states for m in self.members)
+        self.reads_grammars = any(m.reads_grammars for m in self.members)
 
     def start_request(self, req_id: str, prompt_token_ids: np.ndarray) -> None:
         for member in self.members:

@@ -49,6 +49,7 @@ class SuffixProposer(Proposer):
 
         self.cache = SuffixDecodingCache(max_tree_depth=options.max_tree_depth,
                                          max_cached_requests=options.max_cached_requests)
+        self.reads_grammars = options.grammar_drafts
 
     def start_request(self, req_id: str, prompt_token_ids: np.ndarray) -> None:
         if req_id in self.cache.cached_requests:  # a resumed or reused id

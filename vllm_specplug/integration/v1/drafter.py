@@ -96,20 +96,15 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
             drafts[i] = draft
         return drafts
 
-
     def _valid_prefixes(self, runner, rows: list[int]) -> dict:
         """{batch row: how many leading tokens of a draft the request's
-        grammar allows} for the rows with structured output (ProposeBatch)."""
-        input_batch, checks = runner.input_batch, {}
+        grammar allows} for the rows with structured output (ProposeBatch),
+        for a proposer that reads them."""
+        if not self.proposer.reads_grammars:
+            return {}
+        checks = {}
         for j, row in enumerate(rows):
-            req_id = input_batch.req_ids[row]
-            state = runner.requests.get(req_id)
-            if state is None or state.sampling_params is None:
-                continue
-            start, end = int(input_batch.num_prompt_tokens[row]), int(
-                input_batch.num_tokens_no_spec[row])
-            grammar = self.grammars.grammar_of(req_id, state.sampling_params,
-                                               input_batch.token_ids_cpu[row, start:end])
+            grammar = self.grammars.of_row(runner, row)
             if grammar is not None:
                 checks[j] = lambda token_ids, g=grammar: len(g.validate_tokens(token_ids))
         return checks

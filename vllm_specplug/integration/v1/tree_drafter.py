@@ -332,12 +332,7 @@ class TreeEagleDrafter(V1DrafterHooks):
         outputs (grammar_drafting.py); None: no row has a grammar."""
         if self.grammars is None:
             return None
-        grammars = []
-        for row in rows:
-            req_id, state = batch.req_ids[row], runner.requests.get(batch.req_ids[row])
-            start, end = int(batch.num_prompt_tokens[row]), int(batch.num_tokens_no_spec[row])
-            grammars.append(None if state is None else self.grammars.grammar_of(
-                req_id, state.sampling_params, batch.token_ids_cpu[row, start:end]))
+        grammars = [self.grammars.of_row(runner, row) for row in rows]
         if self._draft_to_target is None and any(g is not None for g in grammars):
             layer = self.head.layer
             self._draft_to_target = layer.to_target(

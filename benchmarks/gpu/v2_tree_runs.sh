@@ -5,7 +5,8 @@
 # to $OUT: keep 5 N under the call's timeout, or the call dies before the copy):
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
-#            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3
+#            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3 (TP=2: the target
+#            sharded over a 2-GPU kind, detached: about 11 minutes)
 #   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30)
 #   tiny-profile  tiny3's engines at batch 64, one repeat, with `--host-profile`
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
@@ -21,9 +22,10 @@
 #            issue's table (ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
 #            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; HEAD as above, default
 #            .gpu/heads/smollm2-eagle3-demo)
-#   smollm2-tp2  SmolLM2 + its head sharded over 2 GPUs (tensor_parallel_size 2; issue 29):
-#            vLLM eagle3 K=5 and ngram against our chain, tree 16 and specplug_ngram,
-#            MT-Bench (HEAD as smollm2-sets)
+#   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
+#            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
+#            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
+#            smollm2-sets)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -127,13 +129,13 @@ run() {
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
         --out "$RESULTS/${RUN_NAME:-$1}" ;;
-    smollm2-tp2)
+    smollm2-tp)
       # the head rows of `smollm2` and the n-gram rows of smollm2-sets, on a sharded target
       mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3-demo}"; full_specs ngram -)
       bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
-        --engine-args '{"tensor_parallel_size": 2, "compilation_config": {"max_cudagraph_capture_size": 1024}}' \
+        --engine-args "{\"tensor_parallel_size\": ${TP:-3}, \"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
         --out "$RESULTS/${RUN_NAME:-$1}" ;;
     steps8b)
       # spawn: a forked engine after CUDA is up hung at model loading (2026-11-25)

@@ -3,8 +3,8 @@
 draft at a forbidden token, the likeliest path of arctic's speculation tree
 that the grammar allows (`grammar_drafts`, on by default)? The built-in tiny
 model, 24 held-out prompts, 64 greedy tokens, under a JSON schema, a regex
-and an EBNF grammar (tests/constraints.py); the adaptive controller off, so
-every run drafts the same. Exactness against no speculation per constraint.
+and an EBNF grammar (vllm_specplug/testing/constraints.py); the adaptive
+controller off. Exactness against no speculation per constraint.
 
     .venv/bin/python benchmarks/bench_grammar_free.py --out docs/results/grammar_free_cpu
 """
@@ -20,18 +20,17 @@ from tqdm import tqdm
 KINDS = ("json", "regex", "grammar")
 
 
-def _rows() -> dict:
-    from tests.test_proposers_engine import CONFIGS
+SUFFIX = {"method": "specplug_suffix", "num_speculative_tokens": 6, "min_token_prob": 0.1,
+          "adaptive": False}
 
-    rows = {"none": None}
-    for on in (True, False):
-        rows[f"specplug_suffix grammar_drafts={str(on).lower()}"] = {
-            **CONFIGS["specplug_suffix"], "adaptive": False, "grammar_drafts": on}
-    return rows
+
+def _rows() -> dict:
+    return {"none": None, **{f"specplug_suffix grammar_drafts={str(on).lower()}":
+                             {**SUFFIX, "grammar_drafts": on} for on in (True, False)}}
 
 
 def _run(target, config, prompts, expected: dict) -> list[dict]:
-    from tests.constraints import constraint
+    from vllm_specplug.testing.constraints import constraint
     from vllm_specplug.testing.compare import assert_same_tokens
     from vllm_specplug.testing.engine import generate, greedy_params, running_llm
     from vllm_specplug.testing.metrics import read_spec_decode_counts

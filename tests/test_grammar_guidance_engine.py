@@ -16,10 +16,10 @@ import re
 import pytest
 
 from vllm_specplug.testing.compare import assert_same_tokens
+from vllm_specplug.testing.constraints import OUTPUT_PATTERNS, constraint
 from vllm_specplug.testing.engine import generate, greedy_params, running_llm
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 
-from tests.constraints import OUTPUT_PATTERNS, constraint
 from tests.test_tree_eagle_engine import TREES, tree_config
 
 GUIDANCE = {"backend": "guidance"}

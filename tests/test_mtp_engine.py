@@ -15,8 +15,8 @@ import pytest
 from vllm_specplug.testing.engine import generate, greedy_params, make_llm, shutdown_llm
 from vllm_specplug.testing.metrics import read_spec_decode_counts
 from vllm_specplug.models import end_to_end as e2e
+from vllm_specplug.testing.constraints import constraint
 
-from tests.constraints import constraint
 
 K = 3
 NUM_EVAL, NUM_ALONE, MAX_NEW_TOKENS, NUM_UNDER_SCHEMA = 24, 4, 48, 8

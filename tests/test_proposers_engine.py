@@ -11,9 +11,9 @@ from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
 from vllm_specplug.testing.engine import (generate, generate_each,
                                           greedy_params)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
+from vllm_specplug.testing.constraints import OUTPUT_PATTERNS, constraint
 
 from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS, speculative_engines
-from tests.constraints import OUTPUT_PATTERNS, constraint
 
 CONFIGS = {
     "specplug_ngram": {"method": "specplug_ngram", "num_speculative_tokens": 4,

@@ -100,7 +100,8 @@ def no_speculation(targets, tp_prompts) -> dict:
 def sharded(request, targets, tiny_eagle3_dir, tp_prompts):
     target, config = METHODS[request.param]
     if isinstance(config, tuple):  # an EAGLE-3 shape on the built-in head, + options
-        config = {**tree_config(tiny_eagle3_dir, *config[1]), **(config[2:] or ({},))[0]}
+        options = config[2] if len(config) > 2 else {}
+        config = {**tree_config(tiny_eagle3_dir, *config[1]), **options}
     pins = DISAGREEING_PINS if config.get("adaptive") else ()
     return request.param, target, _run(targets[target], config, tp_prompts, pins)
 

@@ -14,9 +14,9 @@ from vllm_specplug.testing.compare import (assert_abort_leaves_others_exact,
 from vllm_specplug.testing.engine import (generate, generate_each,
                                           greedy_params, make_llm, shutdown_llm)
 from vllm_specplug.testing.metrics import read_spec_decode_counts
+from vllm_specplug.testing.constraints import OUTPUT_PATTERNS, constraint
 
 from tests.conftest import MAX_NEW_TOKENS, NUM_SINGLE_PROMPTS, SAMPLE_TEMPERATURE
-from tests.constraints import OUTPUT_PATTERNS, constraint
 from tests.test_cpu_kernel_fix import P_MIN, same_distribution_p, sample_positions
 from tests.test_proposers_engine import REPETITIVE
 

@@ -19,8 +19,10 @@ import re
 import pytest
 import torch
 
+from vllm_specplug.testing.constraints import JSON_SCHEMA, constraint
+from vllm_specplug.testing.constraints import OUTPUT_PATTERNS as PATTERNS
+
 from tests.gpu.test_model_runner_v2 import _engine, prompts, work  # noqa: F401
-from tests.constraints import JSON_SCHEMA, OUTPUT_PATTERNS as PATTERNS, constraint
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

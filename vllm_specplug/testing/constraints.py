@@ -1,4 +1,4 @@
-"""The structured-output constraints the engine tests run under (issue 30):
+"""The structured-output constraints the engine tests and benchmarks run under (issue 30):
 a JSON schema, a regex, a choice and a small EBNF grammar, with the pattern
 each output must match (cut at 32 tokens where the constraint allows more)."""
 from __future__ import annotations

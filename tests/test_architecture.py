@@ -15,6 +15,9 @@ EXTENSION_POINTS = {
     "vllm_specplug/extraction/connector.py": "KV connector base class (kv_transfer_config)",
     "vllm_specplug/extraction/registrar.py": "KVConnectorFactory.register_connector",
     "vllm_specplug/integration/scheduler.py": "Scheduler / AsyncScheduler subclasses (scheduler_cls)",
+    "vllm_specplug/integration/batch_schedule.py":
+        "Scheduler / AsyncScheduler subclasses (scheduler_cls) in the place of the dynamic "
+        "table (num_speculative_tokens_per_batch_size)",
     "vllm_specplug/integration/v1/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
     "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
     "vllm_specplug/integration/v2/draft_confidences.py":

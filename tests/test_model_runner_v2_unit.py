@@ -175,7 +175,8 @@ def test_ours_on_cuda_gets_v2_runner_and_async_scheduling(tiny_model_dir,
     assert "speculative method 'custom_class'" not in \
         config._get_v2_model_runner_unsupported_features()
     assert config.scheduler_config.async_scheduling
-    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+    # one draft length per step for the batch (integration/batch_schedule.py)
+    assert issubclass(config.scheduler_config.get_scheduler_cls(), AsyncScheduler)
     ours = _config(tiny_model_dir, OUR_SPEC, scheduler_cls=OUR_SCHEDULER)
     assert ours.scheduler_config.async_scheduling
     assert ours.scheduler_config.scheduler_cls == OUR_SCHEDULER
@@ -245,8 +246,49 @@ def test_tree_budget_runs_on_a_sharded_target_and_not_over_pipeline_stages(
         _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir), pipeline_parallel_size=2)
 
 
-def test_tree_budget_is_refused_on_model_runner_v2(tiny_model_dir, tiny_eagle3_dir,
-                                                   as_if_cuda_with_v2):
-    with pytest.raises(ValueError,
-                       match="not on Model Runner V2.*num_speculative_tokens_per_batch_size"):
-        _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir))
+def test_model_runner_v2_chooses_one_draft_length_per_step(tiny_model_dir,
+                                                           as_if_cuda_with_v2):
+    """Model-free methods by default: our scheduler in the place of vLLM's
+    dynamic table, whose lengths (every one captured) are the candidates;
+    off with adaptive=false; a user's static table is kept as given, and
+    with adaptive=true its lengths are the candidates."""
+    from vllm_specplug.integration.batch_schedule import SpecplugBatchDraftAsyncScheduler
+
+    config = _config(tiny_model_dir, OUR_SPEC)
+    assert config.scheduler_config.get_scheduler_cls() is SpecplugBatchDraftAsyncScheduler
+    table = config.speculative_config.num_speculative_tokens_per_batch_size
+    k = config.speculative_config.num_speculative_tokens
+    assert sorted({entry[2] for entry in table}) == sorted({0, 1, k} | {2 ** i for i in
+                                                                     range(k.bit_length())
+                                                                     if 2 ** i < k})
+    off = _config(tiny_model_dir, {**OUR_SPEC, "adaptive": False})
+    assert off.scheduler_config.scheduler_cls is None
+    assert off.speculative_config.num_speculative_tokens_per_batch_size is None
+    mine = [(1, 4, 3), (5, 256, 1)]
+    given = _config(tiny_model_dir, {**OUR_SPEC, "num_speculative_tokens_per_batch_size": mine})
+    assert given.scheduler_config.scheduler_cls is None  # a static table, as given
+    chosen = _config(tiny_model_dir, {**OUR_SPEC, "num_speculative_tokens_per_batch_size": mine,
+                                      "adaptive": True})
+    assert chosen.scheduler_config.get_scheduler_cls() is SpecplugBatchDraftAsyncScheduler
+    assert chosen.speculative_config.num_speculative_tokens_per_batch_size == mine
+
+
+def test_tree_budget_on_model_runner_v2_is_one_tree_size_per_step(
+        tiny_model_dir, tiny_eagle3_dir, as_if_cuda_with_v2):
+    """`adaptive: true` for a tree on V2: grammar-aware trees, one size per
+    step; a user's scheduler rules it out, and the error names the fix."""
+    from vllm_specplug.integration.batch_schedule import (
+        SpecplugBatchDraftTreeAsyncScheduler)
+    from vllm_specplug.integration.scheduler import TreeGrammarScheduler
+
+    config = _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir))
+    cls = config.scheduler_config.get_scheduler_cls()
+    assert cls is SpecplugBatchDraftTreeAsyncScheduler and issubclass(cls, TreeGrammarScheduler)
+    lengths = {entry[2] for entry in
+               config.speculative_config.num_speculative_tokens_per_batch_size}
+    assert lengths == {0, 1, 2, 4, 8, 15}
+    static = _config(tiny_model_dir, {**_tree_budget_spec(tiny_eagle3_dir), "adaptive": False})
+    assert static.speculative_config.num_speculative_tokens_per_batch_size is None
+    with pytest.raises(ValueError, match="not on Model Runner V2.*Drop adaptive, or the scheduler_cls"):
+        _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir),
+                scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler")

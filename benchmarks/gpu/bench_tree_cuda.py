@@ -66,6 +66,10 @@ def tiny_methods(head: str) -> dict[str, dict | None]:
     }
 
 
+# enough for batch 256 (v2_tree_runs.sh tiny-batchk, issue 27)
+HELD_OUT_PROMPTS = 320
+
+
 def prepare(work: Path) -> None:
     from vllm_specplug.bench.prompts import write_bench_prompts
     from vllm_specplug.models import held_out_prompts
@@ -74,7 +78,7 @@ def prepare(work: Path) -> None:
     for name in ("tiny-eagle3", "tiny-mtp"):
         shutil.copytree(build_head(name), work / name, dirs_exist_ok=True)
     # the held-out prompts as a bench file (`host.sh tiny-bench`)
-    write_bench_prompts(work / "held_out.jsonl", held_out_prompts(160))
+    write_bench_prompts(work / "held_out.jsonl", held_out_prompts(HELD_OUT_PROMPTS))
     print(f"wrote {work}/tiny-eagle3, {work}/tiny-mtp and {work}/held_out.jsonl")
 
 

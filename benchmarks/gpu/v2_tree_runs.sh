@@ -26,6 +26,11 @@
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
 #            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
 #            smollm2-sets)
+#   tiny-batchk  issue 27: one draft length per step (our default on V2) against static
+#            lengths and vLLM's table, tiny model + its head, batch 1 4 16 64 128 256
+#            (BATCHK=heads, the default: vLLM eagle3 K=5 fixed and sized, ours chain K=5
+#            and tree 16 static and adaptive; BATCHK=free: vLLM ngram, ours ngram static
+#            and adaptive)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -80,6 +85,25 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
   return 0
 }
 
+batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adaptive
+  local h=$2
+  local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+  local chain="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5"
+  local n='"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5'
+  if [ "$1" = free ]; then
+    printf '%s\n' --spec "vllm-ngram={\"method\": \"ngram\", $n}" \
+      --spec "ours-ngram-static={\"method\": \"specplug_ngram\", $n, \"adaptive\": false}" \
+      --spec "ours-ngram-adaptive={\"method\": \"specplug_ngram\", $n}"
+    return 0
+  fi
+  printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+    --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}" \
+    --spec "ours-chain-K5={$chain}" \
+    --spec "ours-chain-adaptive={$chain, \"adaptive\": true}" \
+    --spec "ours-tree16={$tree}" \
+    --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}"
+}
+
 tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]: the tiny model's run
   mapfile -t S < <(specs "$2" "$W/tiny-eagle3")
   bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
@@ -100,6 +124,14 @@ run() {
     # where each row's host time goes at batch 64 (one repeat; bench offline --host-profile)
     tiny-profile) tiny_bench tiny-profile three 8 32 64 96 1100 \
       --host-profile --batch-sizes 64 --repeats 1 ;;
+    tiny-batchk)
+      mapfile -t S < <(batchk_specs "${BATCHK:-heads}" "$W/tiny-eagle3")
+      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 4 16 64 128 256 \
+        --limit-prompts 1=6 --limit-prompts 4=16 --limit-prompts 16=48 --limit-prompts 64=128 \
+        --limit-prompts 128=256 --limit-prompts 256=320 --repeats 3 --max-tokens 96 \
+        --dtype float32 --phases \
+        --engine-args '{"max_num_seqs": 256, "compilation_config": {"max_cudagraph_capture_size": 1100}}' \
+        --out "$RESULTS/${RUN_NAME:-tiny-batchk-${BATCHK:-heads}}" ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
       bash benchmarks/gpu/host.sh tiny-bench --model "$W/tiny-mtp" \

@@ -124,6 +124,19 @@ def parse_adaptive(method: str, value: Any, supported: bool, by_default: bool = 
     return "on" if value else "off"
 
 
+# Model-free methods under async scheduling on Model Runner V2: one draft
+# length per step for the whole batch with `adaptive` left unset ("auto")
+BATCH_DRAFT_LENGTH_BY_DEFAULT = True
+
+
+def batch_draft_length_wanted(selection: ProposerSelection) -> bool:
+    """Whether `adaptive` asks for one draft length per step on Model Runner
+    V2 under async scheduling (integration/batch_schedule.py): "on" for any
+    method that adapts, "auto" where it is the default."""
+    return selection.adaptive == "on" or (selection.adaptive == "auto"
+                                          and BATCH_DRAFT_LENGTH_BY_DEFAULT)
+
+
 def check_adaptive_verification(method: str, cls, options, rest: dict[str, Any]) -> None:
     """vLLM's `enable_adaptive_verification` only where the proposer fills
     the draft confidences it reads (EAGLE-3 and MTP chains)."""
@@ -142,7 +155,9 @@ def check_tree_budget_placement(selection: ProposerSelection, num_pipeline_stage
     """The tree budget (`"adaptive": true` for specplug_eagle3/specplug_mtp,
     adaptive/tree_budget.py) runs on vLLM's V1 runner, with the target on one
     rank or sharded (the first rank of the tensor-parallel group sizes every
-    rank's trees, integration/first_rank.py), in one pipeline stage."""
+    rank's trees, integration/first_rank.py), in one pipeline stage. On
+    Model Runner V2 under async scheduling it is one tree size per step
+    (integration/batch_schedule.py), which the caller checks first."""
     from vllm_specplug.proposers.eagle3 import TreeProposer
 
     if selection.adaptive != "on" or not issubclass(get_proposer_class(selection.method),
@@ -154,10 +169,10 @@ def check_tree_budget_placement(selection: ProposerSelection, num_pipeline_stage
         return
     raise ProposerConfigError(
         f"speculative_config for method {selection.method!r}: {ADAPTIVE_OPTION}=true (per-step "
-        f"tree sizes) runs on vLLM's V1 runner in one pipeline stage so far, not on {where}. "
-        f"Drop {ADAPTIVE_OPTION}; on CUDA size trees per batch with "
-        "num_speculative_tokens_per_batch_size, or use a chain (topk=1) with "
-        "enable_adaptive_verification")
+        f"tree sizes) runs on vLLM's V1 runner in one pipeline stage, or on Model Runner V2 "
+        f"with async scheduling and vLLM's or our scheduler, not on {where}. "
+        f"Drop {ADAPTIVE_OPTION}, or the scheduler_cls / async_scheduling=False that rules "
+        "it out; size trees per batch with num_speculative_tokens_per_batch_size instead")
 
 
 DRAFT_TP_FIELD = "draft_tensor_parallel_size"

@@ -72,10 +72,47 @@ def _post_init(original):
         if wanted is not NOT_OURS:
             _decide_async(self, wanted)
         _grammar_tree_scheduler(self)
+        if wanted is not NOT_OURS:
+            _batch_draft_schedule(self)
         _cpu_thread_binding(self)
         _tree_budget_placement(self)
 
     return post_init
+
+
+def _batch_draft_schedule(config) -> None:
+    """Under async scheduling on Model Runner V2, `adaptive` chooses one
+    draft length (or tree size) per step for the whole batch
+    (integration/batch_schedule.py): our scheduler stands in for vLLM's
+    dynamic table, and the table set here makes vLLM capture a FULL-graph
+    family per candidate length. A user's scheduler or data parallelism
+    (vLLM turns tables off there) keep it off; a user's table too, unless
+    `adaptive` is true (then its lengths are the candidates)."""
+    from vllm_specplug.integration import batch_schedule
+    from vllm_specplug.integration.config import batch_draft_length_wanted
+
+    selection = _v2_capable_selection(config)
+    scheduler, spec = config.scheduler_config, config.speculative_config
+    if (selection is None or not config.use_v2_model_runner or not scheduler.async_scheduling
+            or not batch_draft_length_wanted(selection)
+            or config.parallel_config.data_parallel_size > 1):
+        return
+    tree = scheduler.scheduler_cls == TREE_ASYNC_SCHEDULER
+    if scheduler.scheduler_cls and not tree:
+        logger.info("vllm-specplug: scheduler_cls %s kept; no per-step draft length",
+                    scheduler.scheduler_cls)
+        return
+    if spec.num_speculative_tokens_per_batch_size is not None and selection.adaptive != "on":
+        return  # the user's static table, as given
+    if spec.num_speculative_tokens_per_batch_size is None:
+        candidates = batch_schedule.draft_length_candidates(spec.num_speculative_tokens)
+        spec.num_speculative_tokens_per_batch_size = batch_schedule.capture_table(
+            candidates, scheduler.max_num_seqs)
+    name = ("SpecplugBatchDraftTreeAsyncScheduler" if tree
+            else "SpecplugBatchDraftAsyncScheduler")
+    scheduler.scheduler_cls = f"{batch_schedule.__name__}.{name}"
+    logger.info("vllm-specplug %s: one draft length per step, from %s (%s)", selection.method,
+                batch_schedule.table_lengths(spec.num_speculative_tokens_per_batch_size), name)
 
 
 def _tree_budget_placement(config) -> None:
@@ -91,7 +128,13 @@ def _tree_budget_placement(config) -> None:
     check_tree_budget_placement(
         selection, parallel.pipeline_parallel_size,
         _v2_capable_selection(config) is not None
-        and bool(getattr(config, "use_v2_model_runner", False)))
+        and bool(getattr(config, "use_v2_model_runner", False))
+        and not _batch_draft_scheduled(config))
+
+
+def _batch_draft_scheduled(config) -> bool:
+    cls = config.scheduler_config.scheduler_cls
+    return isinstance(cls, str) and ".batch_schedule.SpecplugBatchDraft" in cls
 
 
 def _cpu_thread_binding(config) -> None:

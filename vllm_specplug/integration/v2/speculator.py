@@ -150,20 +150,21 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         self.device = device
         self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        if use_device_drafter is None:  # adaptive "on" needs the drafts on the host
-            use_device_drafter = (device.type == "cuda" and self.session.adaptive_mode != "on"
+        lengths_sized = lengths_reach_scheduler(vllm_config.scheduler_config)
+        if use_device_drafter is None:  # per-request cuts need the drafts on the host
+            use_device_drafter = (device.type == "cuda"
+                                  and not (self.session.adaptive_mode == "on" and lengths_sized)
                                   and os.environ.get(HOST_DRAFTING_ENV) != "1")
         self.device_drafter = (self.session.proposer.device_drafter(max_num_reqs)
                                if use_device_drafter else None)
         # device drafts are computed alike on every rank from the same tokens
         self.shared = shared if self.device_drafter is None else None
-        if self.device_drafter is not None or not (
-                self.session.adaptive_mode == "on"
-                or lengths_reach_scheduler(vllm_config.scheduler_config)):
+        if self.device_drafter is not None or not lengths_sized:
             # device drafts never reach the host: nothing for the controller
             # to cut without a synchronisation (the host path adapts); and
             # where the scheduler reserves K slots whatever the lengths, a
-            # cut token would be padded and verified all the same
+            # cut token would be padded and verified all the same (there the
+            # batch's K is chosen per step instead: integration/batch_schedule)
             self.session.adaptive = None
         self.stats = SpeculatorStats(device)
         if self.device_drafter is None:  # the host path mirrors every history

@@ -1,0 +1,108 @@
+"""One draft length (or tree size) per step for the whole batch
+(integration/batch_schedule.py, issue 27) in a real engine on CPU: vLLM's sync
+scheduler with our lookup in place of its dynamic table, the V1 runner.
+
+On CUDA our config installs the async variant under Model Runner V2 by
+default (tests/test_model_runner_v2_unit.py checks the config; GPU runs in
+docs/results/). Here it is named as `scheduler_cls`. The step costs are
+pinned on the scheduler's own cost lines, so each phase's decision does not
+depend on this machine's speed: "costly" makes every verified token cost a
+second (no draft pays: K = 0), "cheap" makes the step's fixed part dominate
+(the longest draft pays). Outputs must equal no speculation's whatever was
+decided, and after K = 0 steps the drafts must be accepted as before
+(TensorRT-LLM #16888: acceptance silently collapsed after K = 0 steps).
+"""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength
+from vllm_specplug.testing.compare import assert_same_tokens
+from vllm_specplug.testing.engine import greedy_params, make_llm, shutdown_llm
+from vllm_specplug.testing.metrics import read_spec_decode_counts
+
+from tests.conftest import MAX_NEW_TOKENS
+from tests.test_tree_eagle_engine import TREES, tree_config
+
+COSTLY = (0.0, 1.0)   # (fixed s, s per verified token)
+CHEAP = (1.0, 1e-9)
+NUM_COSTLY_STEPS = 24
+SCHEDULERS = "vllm_specplug.integration.batch_schedule."
+CONFIGS = {
+    "tree16": ("SpecplugBatchDraftTreeScheduler", None),
+    "suffix": ("SpecplugBatchDraftScheduler", {"method": "specplug_suffix",
+                                               "num_speculative_tokens": 5,
+                                               "adaptive": False}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def batch_llm(request, tiny_model_dir, tiny_eagle3_dir):
+    scheduler, config = CONFIGS[request.param]
+    config = config or tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"])
+    llm = make_llm(tiny_model_dir, config, scheduler_cls=SCHEDULERS + scheduler)
+    yield llm
+    shutdown_llm(llm)
+
+
+def _scheduler(llm):
+    """The engine core's scheduler (the core runs in this process in tests)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _fresh_policy(llm) -> BatchDraftLength:
+    """A new policy with a short warm-up, as the scheduler's lookup."""
+    scheduler = _scheduler(llm)
+    policy = BatchDraftLength(scheduler.draft_length.candidates, num_warmup=1, explore_every=8)
+    scheduler.draft_length = scheduler.dynamic_sd_lookup = policy
+    return policy
+
+
+def _pin(policy: BatchDraftLength, line: tuple[float, float]) -> None:
+    for stats in policy.lengths.values():
+        stats.cost.pinned = line
+
+
+def _phased(llm, prompts, phases):
+    """Generate `prompts` stepping the engine by hand, each phase with its
+    cost line pinned for its number of steps (None: to the end). Returns
+    the token ids per prompt and the speculative counts of each phase."""
+    engine, policy = llm.llm_engine, _fresh_policy(llm)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy_params(MAX_NEW_TOKENS))
+    produced = {str(i): [] for i in range(len(prompts))}
+    counts = []
+    for num_steps, line in phases:
+        _pin(policy, line)
+        before, steps = read_spec_decode_counts(llm), 0
+        while engine.has_unfinished_requests() and (num_steps is None or steps < num_steps):
+            for output in engine.step():
+                produced[output.request_id] = list(output.outputs[0].token_ids)
+            steps += 1
+        counts.append(read_spec_decode_counts(llm) - before)
+    return [produced[str(i)] for i in range(len(prompts))], counts, policy
+
+
+def test_costly_steps_draft_nothing_and_stay_exact(batch_llm, eval_prompts, baseline_outputs):
+    token_ids, (counts,), policy = _phased(batch_llm, eval_prompts, [(None, COSTLY)])
+    assert_same_tokens(baseline_outputs["batched"], token_ids, eval_prompts)
+    chosen = policy.as_dict()["chosen"]
+    assert policy.current == 0 and chosen[0] > sum(chosen.values()) - chosen[0], chosen
+    # the warm-up and explorations verified drafts now and then
+    assert counts.num_drafts > 0
+
+
+def test_drafts_after_steps_without_drafts_are_accepted_as_before(
+        batch_llm, eval_prompts, baseline_outputs):
+    """The longest draft from the first step, then the same prompts with
+    NUM_COSTLY_STEPS steps at K = 0 first: exact, and the drafts after those
+    steps accepted as well as the whole run's."""
+    whole, (reference,), cheap = _phased(batch_llm, eval_prompts, [(None, CHEAP)])
+    assert_same_tokens(baseline_outputs["batched"], whole, eval_prompts)
+    assert cheap.current == cheap.candidates[-1], cheap.as_dict()
+    token_ids, (_, resumed), _ = _phased(batch_llm, eval_prompts,
+                                         [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)])
+    assert_same_tokens(baseline_outputs["batched"], token_ids, eval_prompts)
+    assert reference.num_drafts > 0 and resumed.num_drafts > 0
+    assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (
+        resumed.mean_acceptance_length, reference.mean_acceptance_length)

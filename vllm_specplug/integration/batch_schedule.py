@@ -1,0 +1,126 @@
+"""Schedulers that choose one draft length per step for the whole batch
+(adaptive/batch_draft_length.py), through vLLM's dynamic speculative decoding.
+
+vLLM's `Scheduler.schedule` reads `self.dynamic_sd_lookup[num_reqs]` each step
+(built from `num_speculative_tokens_per_batch_size`) and sends the result to
+the workers as `num_spec_tokens_to_schedule`: every speculator, vLLM's and
+ours, drafts that many tokens for the next step, and Model Runner V2 replays
+the FULL graph of that query length. `BatchDraftSchedule` puts a
+`BatchDraftLength` in the lookup's place and feeds it each step's output: the
+accepted counts and the wall time between outputs. The table the config sets
+(`capture_table`) only makes vLLM capture a graph family per candidate
+length; its values are never read. Output is unchanged: verification is.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
+from vllm_specplug.integration.scheduler import TreeGrammarScheduler
+
+logger = logging.getLogger("vllm_specplug.adaptive")
+
+LOG_INTERVAL_S = 10.0
+
+
+def capture_table(candidates: tuple[int, ...], max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """A `num_speculative_tokens_per_batch_size` table whose values are the
+    candidates (so vLLM captures decode graphs for each), one batch size
+    each, the last to `max_num_seqs`. Candidates beyond `max_num_seqs` rows
+    are dropped (`table_lengths` reads back which are left)."""
+    lengths = sorted(candidates, reverse=True)[:max(1, max_num_seqs)]
+    table = [(i + 1, i + 1, k) for i, k in enumerate(lengths[:-1])]
+    return table + [(len(lengths), max(max_num_seqs, len(lengths)), lengths[-1])]
+
+
+def table_lengths(table) -> tuple[int, ...]:
+    return tuple(sorted({int(entry[2]) for entry in table}))
+
+
+class BatchDraftSchedule:
+    """Mixin for a vLLM `Scheduler`: `dynamic_sd_lookup` is a live
+    `BatchDraftLength` over the lengths of the configured table."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        spec = self.vllm_config.speculative_config
+        table = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        lengths = (table_lengths(table) if table
+                   else draft_length_candidates(self.num_spec_tokens))
+        self.draft_length = BatchDraftLength(tuple(k for k in lengths
+                                                   if k <= self.num_spec_tokens))
+        self.dynamic_sd_lookup = self.draft_length
+        self._last_output_at: float | None = None
+        self._last_log = time.monotonic()
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        now = time.perf_counter()
+        seconds = None if self._last_output_at is None else now - self._last_output_at
+        self._last_output_at = now
+        self._observe(scheduler_output, model_runner_output, seconds)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _observe(self, scheduler_output, model_runner_output, seconds: float | None) -> None:
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_reqs = len(scheduler_output.num_scheduled_tokens)
+        if num_reqs == 0:
+            return
+        verified_k = max((len(ids) for ids in spec.values()), default=0)
+        accepted = _accepted_counts(spec, model_runner_output)
+        self.draft_length.verified(verified_k, accepted)
+        pure_decode = scheduler_output.total_num_scheduled_tokens == num_reqs + sum(
+            len(ids) for ids in spec.values()) and len(spec) in (0, num_reqs)
+        drafted_k = scheduler_output.num_spec_tokens_to_schedule
+        if seconds is not None and pure_decode and drafted_k == verified_k:
+            self.draft_length.measured(verified_k, scheduler_output.total_num_scheduled_tokens,
+                                       seconds)
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        d = self.draft_length.as_dict()
+        logger.info("vllm-specplug batch draft length: K=%s now, chosen %s, explored %d of %d "
+                    "steps, tokens/request expected %s vs realised %s", d["current"],
+                    d["chosen"], d["num_explored"], d["num_steps"],
+                    _fmt(d["expected_tokens_per_request"]),
+                    _fmt(d["realised_tokens_per_request"]))
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _accepted_counts(spec: dict, model_runner_output) -> list[int]:
+    """Accepted drafts per request that had drafts: its sampled tokens - 1."""
+    index = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    counts = []
+    for req_id, ids in spec.items():
+        i = index.get(req_id)
+        if ids and i is not None and i < len(sampled) and len(sampled[i]):
+            counts.append(min(len(sampled[i]) - 1, len(ids)))
+    return counts
+
+
+class SpecplugBatchDraftScheduler(BatchDraftSchedule, Scheduler):
+    """vLLM's sync `Scheduler`, one draft length per step."""
+
+
+class SpecplugBatchDraftAsyncScheduler(BatchDraftSchedule, AsyncScheduler):
+    """vLLM's `AsyncScheduler`, one draft length per step (Model Runner V2)."""
+
+
+class SpecplugBatchDraftTreeScheduler(BatchDraftSchedule, TreeGrammarScheduler, Scheduler):
+    """Grammar-aware trees (scheduler.SpecplugTreeScheduler), one tree size per step."""
+
+
+class SpecplugBatchDraftTreeAsyncScheduler(BatchDraftSchedule, TreeGrammarScheduler,
+                                           AsyncScheduler):
+    """Grammar-aware trees under async scheduling, one tree size per step."""

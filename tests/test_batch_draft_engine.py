@@ -5,7 +5,7 @@ scheduler with our lookup in place of its dynamic table, the V1 runner.
 On CUDA our config installs the async variant under Model Runner V2 by
 default (tests/test_model_runner_v2_unit.py checks the config; GPU runs in
 docs/results/). Here it is named as `scheduler_cls`. The step costs are
-pinned on the scheduler's own cost lines, so each phase's decision does not
+pinned on the scheduler's own step times, so each phase's decision does not
 depend on this machine's speed: "costly" makes every verified token cost a
 second (no draft pays: K = 0), "cheap" makes the step's fixed part dominate
 (the longest draft pays). Outputs must equal no speculation's whatever was
@@ -50,24 +50,25 @@ def _scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def _fresh_policy(llm) -> BatchDraftLength:
-    """A new policy with a short warm-up, as the scheduler's lookup."""
+def _fresh_policy(llm, candidates: tuple[int, ...] | None) -> BatchDraftLength:
+    """A new policy exploring often, as the scheduler's lookup (by default
+    over the scheduler's own candidates)."""
     scheduler = _scheduler(llm)
-    policy = BatchDraftLength(scheduler.draft_length.candidates, num_warmup=1, explore_every=8)
+    policy = BatchDraftLength(candidates or scheduler.draft_length.candidates, explore_every=8)
     scheduler.draft_length = scheduler.dynamic_sd_lookup = policy
     return policy
 
 
 def _pin(policy: BatchDraftLength, line: tuple[float, float]) -> None:
-    for stats in policy.lengths.values():
-        stats.cost.pinned = line
+    policy.times.pinned = line
 
 
-def _phased(llm, prompts, phases):
+def _phased(llm, prompts, phases, candidates: tuple[int, ...] | None = None):
     """Generate `prompts` stepping the engine by hand, each phase with its
-    cost line pinned for its number of steps (None: to the end). Returns
-    the token ids per prompt and the speculative counts of each phase."""
-    engine, policy = llm.llm_engine, _fresh_policy(llm)
+    step times pinned to a line for its number of steps (None: to the end).
+    Returns the token ids per prompt, the speculative counts of each phase
+    and the policy."""
+    engine, policy = llm.llm_engine, _fresh_policy(llm, candidates)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy_params(MAX_NEW_TOKENS))
     produced = {str(i): [] for i in range(len(prompts))}
@@ -96,12 +97,16 @@ def test_drafts_after_steps_without_drafts_are_accepted_as_before(
         batch_llm, eval_prompts, baseline_outputs):
     """The longest draft from the first step, then the same prompts with
     NUM_COSTLY_STEPS steps at K = 0 first: exact, and the drafts after those
-    steps accepted as well as the whole run's."""
-    whole, (reference,), cheap = _phased(batch_llm, eval_prompts, [(None, CHEAP)])
+    steps accepted as well as the whole run's. The choice is between no
+    draft and the longest, so that both runs draft alike once drafting."""
+    longest = _scheduler(batch_llm).draft_length.candidates[-1]
+    whole, (reference,), cheap = _phased(batch_llm, eval_prompts, [(None, CHEAP)],
+                                         (0, longest))
     assert_same_tokens(baseline_outputs["batched"], whole, eval_prompts)
-    assert cheap.current == cheap.candidates[-1], cheap.as_dict()
-    token_ids, (_, resumed), _ = _phased(batch_llm, eval_prompts,
-                                         [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)])
+    assert cheap.current == longest, cheap.as_dict()
+    token_ids, (_, resumed), policy = _phased(
+        batch_llm, eval_prompts, [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)], (0, longest))
+    assert policy.lengths[0].num_chosen >= NUM_COSTLY_STEPS // 2, policy.as_dict()
     assert_same_tokens(baseline_outputs["batched"], token_ids, eval_prompts)
     assert reference.num_drafts > 0 and resumed.num_drafts > 0
     assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (

@@ -29,8 +29,9 @@
 #   tiny-batchk  issue 27: one draft length per step (our default on V2) against static
 #            lengths and vLLM's table, tiny model + its head, batch 1 4 16 64 128 256
 #            (BATCHK=heads, the default: vLLM eagle3 K=5 fixed and sized, ours chain K=5
-#            and tree 16 static and adaptive; BATCHK=free: vLLM ngram, ours ngram static
-#            and adaptive)
+#            and tree 16 static and adaptive; BATCHK=lean: the same without our chain;
+#            BATCHK=free: vLLM ngram, ours ngram static and adaptive; SIZES="1 16 64" and
+#            MAX_TOKENS=64 shorten it: the whole heads run takes over 40 minutes)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -97,11 +98,11 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
     return 0
   fi
   printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
-    --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}" \
-    --spec "ours-chain-K5={$chain}" \
-    --spec "ours-chain-adaptive={$chain, \"adaptive\": true}" \
-    --spec "ours-tree16={$tree}" \
-    --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}"
+    --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
+  # trees: the chain rows only with BATCHK=heads (a lean run fits one lease)
+  [ "$1" = heads ] && printf '%s\n' --spec "ours-chain-K5={$chain}" \
+    --spec "ours-chain-adaptive={$chain, \"adaptive\": true}"
+  printf '%s\n' --spec "ours-tree16={$tree}" --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}"
 }
 
 tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]: the tiny model's run
@@ -126,10 +127,11 @@ run() {
       --host-profile --batch-sizes 64 --repeats 1 ;;
     tiny-batchk)
       mapfile -t S < <(batchk_specs "${BATCHK:-heads}" "$W/tiny-eagle3")
-      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 4 16 64 128 256 \
+      # SIZES / MAX_TOKENS: fewer for a run that fits one lease (BATCHK=lean)
+      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64 128 256} \
         --limit-prompts 1=6 --limit-prompts 4=16 --limit-prompts 16=48 --limit-prompts 64=128 \
-        --limit-prompts 128=256 --limit-prompts 256=320 --repeats 3 --max-tokens 96 \
-        --dtype float32 --phases \
+        --limit-prompts 128=256 --limit-prompts 256=320 --repeats 3 --max-tokens "${MAX_TOKENS:-96}" \
+        --dtype float32 ${PHASES---phases} \
         --engine-args '{"max_num_seqs": 256, "compilation_config": {"max_cudagraph_capture_size": 1100}}' \
         --out "$RESULTS/${RUN_NAME:-tiny-batchk-${BATCHK:-heads}}" ;;
     tiny-mtp)

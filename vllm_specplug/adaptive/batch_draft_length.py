@@ -15,19 +15,26 @@ table: asked for batch size b, it returns the K among its candidates
 
 where E comes from the accepted counts of recent steps verified at that K
 (a request gains 1 + accepted tokens; for chains and trees alike the mean
-can only grow with K, so it is kept non-decreasing), and seconds(b, K) from
-a line per K in the step's tokens b * (K + 1) (cost_model.StepCostModel),
-fitted to the wall time between steps. A step counts for the cost of K only
-when it both verified K drafts per request and drafted K for the next (the
-drafting of step t is paid in step t, its verification in step t + 1), and
-only when it was a pure decode step.
+can only grow with K, so it is kept non-decreasing), and seconds(b, K) is
+the median time of recent decode steps at that K in b's bucket of batch
+sizes (powers of two: 1, 2-3, 4-7, ...). A GPU's step time is flat, then
+steep, in steps, with graph sizes: a line through all batch sizes misjudged
+one bucket by another (docs/results/batch_draft_length_h100). The median
+of the last 8 keeps out one-off steps (the first step at a new shape, which
+captures a drafting graph, took 200-450 ms on the H100 where others took
+4). A length not measured in this bucket is priced by its ratio to the
+current length in the nearest bucket where both were measured. A step
+counts for the time of K only when it both verified K drafts per request
+and drafted K for the next (the drafting of step t is paid in step t, its
+verification in step t + 1), and only when it was a pure decode step.
 
-Every candidate is measured `num_warmup` times first. After that, one step
-in `explore_every` tries another length, twice in a row so that one of the
-two counts: mostly a neighbour of the current one (cheap to try, and where
-the best length moves as the batch grows and shrinks), at times the length
-measured least recently. A change needs a `switch_margin` gain over
-the current K: two lengths that are about as good do not alternate.
+Each length is measured `MIN_SAMPLES` times at the first batch sizes seen
+(and at others, where no ratio prices it). After that, one step in
+`explore_every` tries another length, twice in a row so that one of the two
+counts: mostly a neighbour of the current one (cheap to try, and where the
+best length moves as the batch grows and shrinks), at times the length
+measured least recently. A change needs a `switch_margin` gain over the
+current K: two lengths that are about as good do not alternate.
 
 Related: vLLM's adaptive verification (DSpark, per-slot budgets from draft
 confidences); SpecDec++ (Huang et al., 2024) and DISCO (Mamou et al., 2024)
@@ -35,10 +42,13 @@ choose K per step from acceptance alone, without the step's cost.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from collections import deque
+from dataclasses import dataclass
 
-from vllm_specplug.adaptive.cost_model import StepCostModel
-
+# samples of a (length, bucket) before its median counts, and how many it keeps
+MIN_SAMPLES = 3
+WINDOW = 8
 # one exploration in this many measures the length measured least recently
 # (the others try the current length's neighbours)
 FAR_EVERY = 4
@@ -56,24 +66,67 @@ def draft_length_candidates(max_k: int) -> tuple[int, ...]:
     return tuple(sorted(lengths))
 
 
+def batch_bucket(batch_size: int) -> int:
+    """1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (powers of two)."""
+    return max(int(batch_size), 1).bit_length()
+
+
+class StepTimes:
+    """Seconds of recent decode steps per (length, batch bucket)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple[int, int], deque] = {}
+        # (fixed, per verified token) seconds that override the samples (tests)
+        self.pinned: tuple[float, float] | None = None
+
+    def add(self, k: int, batch_size: int, seconds: float) -> None:
+        key = (k, batch_bucket(batch_size))
+        self.samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
+
+    def median(self, k: int, bucket: int) -> float | None:
+        window = self.samples.get((k, bucket))
+        if window is None or len(window) < MIN_SAMPLES:
+            return None
+        return statistics.median(window)
+
+    def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
+        """Seconds of a step at `k` in `batch_size`'s bucket: measured there,
+        or the `anchor` length's time there times their ratio in the nearest
+        bucket where both were measured; None when neither is known."""
+        if self.pinned is not None:
+            return self.pinned[0] + self.pinned[1] * batch_size * (k + 1)
+        bucket = batch_bucket(batch_size)
+        own = self.median(k, bucket)
+        if own is not None or k == anchor:
+            return own
+        base = self.median(anchor, bucket)
+        if base is None:
+            return None
+        buckets = sorted({b for (length, b) in self.samples if length == k},
+                         key=lambda b: abs(b - bucket))
+        for other in buckets:
+            mine, theirs = self.median(k, other), self.median(anchor, other)
+            if mine is not None and theirs is not None:
+                return base * mine / theirs
+        return None
+
+
 @dataclass
 class LengthStats:
-    """What is known about one candidate K."""
-    cost: StepCostModel = field(default_factory=StepCostModel)
+    """What is known about one candidate K besides its step times."""
     accepted: float = 0.0  # faded sum of accepted drafts per request
     num_requests: float = 0.0  # faded count of requests verified at this K
-    last_measured: int = -1  # decode step at which its cost was last observed
+    last_measured: int = -1  # decode step at which its time was last observed
     num_chosen: int = 0  # steps it was chosen for (not explored)
-    num_tries: int = 0  # explorations of it
 
 
 @dataclass
 class BatchDraftStats:
     num_steps: int = 0  # steps scheduled with a decision
     num_explored: int = 0
-    num_measured: int = 0  # steps whose cost counted
-    # expected vs realised tokens per request of the steps verified at a
-    # length chosen for exploitation (not for exploration)
+    num_measured: int = 0  # steps whose time counted
+    # expected vs realised tokens per request of the steps verified at the
+    # length it exploits
     expected_tokens: float = 0.0
     realised_tokens: float = 0.0
     num_requests: int = 0
@@ -90,15 +143,15 @@ class BatchDraftLength:
     """
 
     def __init__(self, candidates: tuple[int, ...], explore_every: int = 32,
-                 num_warmup: int = 4, switch_margin: float = 0.02,
-                 acceptance_fade: float = 0.995) -> None:
+                 switch_margin: float = 0.02, acceptance_fade: float = 0.995) -> None:
         if not candidates or list(candidates) != sorted(set(candidates)) or candidates[0] < 0:
             raise ValueError(f"candidates must be ascending lengths >= 0, got {candidates}")
         self.candidates = tuple(candidates)
-        self.lengths = {k: LengthStats(cost=StepCostModel(num_warmup=num_warmup))
-                        for k in candidates}
-        self.explore_every, self.num_warmup = explore_every, num_warmup
-        self.switch_margin, self.acceptance_fade = switch_margin, acceptance_fade
+        self.lengths = {k: LengthStats() for k in candidates}
+        self.times = StepTimes()
+        self.tries: dict[tuple[int, int], int] = {}  # (K, bucket) -> explorations
+        self.explore_every, self.switch_margin = explore_every, switch_margin
+        self.acceptance_fade = acceptance_fade
         self.current = candidates[-1]
         self.exploring: int | None = None  # the length an exploration holds
         self.explore_left = 0  # steps it still holds it
@@ -114,25 +167,23 @@ class BatchDraftLength:
         if self.explore_left > 0:
             self.explore_left -= 1
             return self.exploring
-        untried = [k for k in self.candidates if self._untried(k)]
-        if untried:
-            return self._hold(min(untried, key=lambda k: self.lengths[k].num_tries))
-        if self.stats.num_steps % self.explore_every == 0:
-            return self._hold(self._next_to_explore())
-        rates = {k: self.tokens_per_second(k, batch_size) for k in self.candidates}
-        best = max(rates, key=rates.get)
-        if rates[best] > rates[self.current] * (1 + self.switch_margin):
-            self.current = best
+        seconds = {k: self.times.predict(k, batch_size, self.current) for k in self.candidates}
+        if seconds[self.current] is not None:
+            unknown = [k for k in self.candidates if seconds[k] is None
+                       and self.tries.get((k, batch_bucket(batch_size)), 0) < 4 * MIN_SAMPLES]
+            if unknown:
+                return self._hold(unknown[-1], batch_size)
+            if self.stats.num_steps % self.explore_every == 0:
+                return self._hold(self._next_to_explore(), batch_size)
+            rates = {k: batch_size * self.expected_tokens(k) / max(t, 1e-9)
+                     for k, t in seconds.items() if t is not None}
+            best = max(rates, key=rates.get)
+            if rates[best] > rates[self.current] * (1 + self.switch_margin):
+                self.current = best
+        # else: the current length is being measured in this bucket first
         self.lengths[self.current].num_chosen += 1
         self.last_expected[self.current] = self.expected_tokens(self.current)
         return self.current
-
-    def _untried(self, k: int) -> bool:
-        """Measured fewer than `num_warmup` times, and not for lack of tries
-        (a length whose steps never count, all mixed with prefills, stops
-        being tried after 4 x `num_warmup`)."""
-        stats = self.lengths[k]
-        return stats.cost.num_samples < self.num_warmup and stats.num_tries < 4 * self.num_warmup
 
     def _next_to_explore(self) -> int:
         """The current length's neighbours in turn (where the best length
@@ -144,32 +195,36 @@ class BatchDraftLength:
         if self.stats.num_explored % FAR_EVERY == 0 or not near:
             others = [k for k in self.candidates if k != self.current] or [self.current]
             return min(others, key=lambda k: self.lengths[k].last_measured)
-        return near[self.stats.num_explored // FAR_EVERY % len(near)
-                    if len(near) == 1 else self.stats.num_explored % 2]
+        return near[self.stats.num_explored % len(near)]
 
-    def _hold(self, k: int) -> int:
+    def _hold(self, k: int, batch_size: int) -> int:
         """Try `k` for this step and the next: only the second both drafts
-        and verifies k, and counts for its cost."""
+        and verifies k, and counts for its time."""
         self.exploring, self.explore_left = k, 1
-        self.lengths[k].num_tries += 1
+        key = (k, batch_bucket(batch_size))
+        self.tries[key] = self.tries.get(key, 0) + 1
         return k
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens a request gains per step | K = k]: 1 + accepted, non-
         decreasing in K (a longer chain or a bigger tree keeps the shorter
-        one's nodes); a length not yet verified takes the one below it."""
+        one's nodes). A length not verified yet is taken at its best, 1 + k,
+        so that it is tried once where its step time allows: otherwise a
+        longer draft, never verified, would look no better than a shorter
+        one and never be chosen."""
         best = 1.0
         for length in self.candidates:
             stats = self.lengths[length]
-            if length > 0 and stats.num_requests > 0:
-                best = max(best, 1.0 + stats.accepted / stats.num_requests)
+            if length > 0:
+                best = max(best, 1.0 + (stats.accepted / stats.num_requests
+                                        if stats.num_requests > 0 else length))
             if length == k:
                 return best
         raise KeyError(k)
 
-    def tokens_per_second(self, k: int, batch_size: int) -> float:
-        seconds = self.lengths[k].cost.predict(batch_size * (k + 1))
-        return batch_size * self.expected_tokens(k) / max(seconds, 1e-9)
+    def tokens_per_second(self, k: int, batch_size: int) -> float | None:
+        seconds = self.times.predict(k, batch_size, self.current)
+        return None if seconds is None else batch_size * self.expected_tokens(k) / seconds
 
     def verified(self, k: int, num_accepted: list[int]) -> None:
         """A step verified `k` drafts per request; `num_accepted` per request.
@@ -186,15 +241,15 @@ class BatchDraftLength:
             self.stats.realised_tokens += len(num_accepted) + sum(num_accepted)
             self.stats.num_requests += len(num_accepted)
 
-    def measured(self, k: int, num_tokens: int, seconds: float) -> None:
-        """A pure decode step that verified and drafted `k` took `seconds`."""
-        if k not in self.lengths:
+    def measured(self, k: int, batch_size: int, seconds: float) -> None:
+        """A pure decode step of `batch_size` requests that verified and
+        drafted `k` took `seconds`."""
+        if k not in self.lengths or seconds <= 0:
             return
         self.num_decode_steps += 1
-        stats = self.lengths[k]
-        if stats.cost.observe(num_tokens, seconds):
-            stats.last_measured = self.num_decode_steps
-            self.stats.num_measured += 1
+        self.times.add(k, batch_size, seconds)
+        self.lengths[k].last_measured = self.num_decode_steps
+        self.stats.num_measured += 1
 
     def as_dict(self) -> dict:
         s = self.stats
@@ -206,5 +261,6 @@ class BatchDraftLength:
                                                 if s.num_requests else None),
                 "realised_tokens_per_request": (s.realised_tokens / s.num_requests
                                                 if s.num_requests else None),
-                "cost_lines": {k: list(self.lengths[k].cost.coefficients())
-                               for k in self.candidates}}
+                "step_ms": {f"{k}@{2 ** (b - 1)}": round(1e3 * self.times.median(k, b), 3)
+                            for (k, b) in sorted(self.times.samples)
+                            if self.times.median(k, b) is not None}}

@@ -76,8 +76,7 @@ class BatchDraftSchedule:
             len(ids) for ids in spec.values()) and len(spec) in (0, num_reqs)
         drafted_k = scheduler_output.num_spec_tokens_to_schedule
         if seconds is not None and pure_decode and drafted_k == verified_k:
-            self.draft_length.measured(verified_k, scheduler_output.total_num_scheduled_tokens,
-                                       seconds)
+            self.draft_length.measured(verified_k, num_reqs, seconds)
         self._maybe_log()
 
     def _maybe_log(self) -> None:

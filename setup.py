@@ -31,6 +31,9 @@ setup(
     entry_points={
         "vllm.general_plugins": ["vllm_specplug = vllm_specplug.plugin:register"],
         "console_scripts": ["vllm-specplug = vllm_specplug.cli.main:main"],
+        # per-step draft lengths in a server's /metrics (integration/stat_logger.py)
+        "vllm.stat_logger_plugins": [
+            "vllm_specplug = vllm_specplug.integration.stat_logger:SpecplugStatLogger"],
         # Our built-ins register exactly as third-party proposers do.
         "vllm_specplug.proposers": [
             "specplug_ngram = vllm_specplug.proposers.ngram:NgramProposer",

@@ -81,7 +81,7 @@ def test_within_5_percent_of_the_best_static_length(num_reqs):
 @pytest.mark.parametrize("num_reqs", [1, 64])
 def test_one_off_slow_steps_do_not_mislead_it(num_reqs):
     """The first step at each length 100x slower (a graph captured on first
-    use): the median keeps it out, and the best length is still found."""
+    use): the lower quartile keeps it out, and the best length is still found."""
     engine_args = dict(rates=RATES, fixed=4e-3, per_token=2e-5, per_draft=3e-4)
     static = {k: _run(_ChainEngine(**engine_args, seed=4), num_reqs, 2000, lambda b, k=k: k)
               for k in draft_length_candidates(8)}

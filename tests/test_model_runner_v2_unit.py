@@ -175,8 +175,7 @@ def test_ours_on_cuda_gets_v2_runner_and_async_scheduling(tiny_model_dir,
     assert "speculative method 'custom_class'" not in \
         config._get_v2_model_runner_unsupported_features()
     assert config.scheduler_config.async_scheduling
-    # one draft length per step for the batch (integration/batch_schedule.py)
-    assert issubclass(config.scheduler_config.get_scheduler_cls(), AsyncScheduler)
+    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
     ours = _config(tiny_model_dir, OUR_SPEC, scheduler_cls=OUR_SCHEDULER)
     assert ours.scheduler_config.async_scheduling
     assert ours.scheduler_config.scheduler_cls == OUR_SCHEDULER
@@ -248,13 +247,15 @@ def test_tree_budget_runs_on_a_sharded_target_and_not_over_pipeline_stages(
 
 def test_model_runner_v2_chooses_one_draft_length_per_step(tiny_model_dir,
                                                            as_if_cuda_with_v2):
-    """Model-free methods by default: our scheduler in the place of vLLM's
-    dynamic table, whose lengths (every one captured) are the candidates;
-    off with adaptive=false; a user's static table is kept as given, and
-    with adaptive=true its lengths are the candidates."""
+    """Model-free methods with adaptive=true: our scheduler in the place of
+    vLLM's dynamic table, whose lengths (every one captured) are the
+    candidates; not by default yet (BATCH_DRAFT_LENGTH_BY_DEFAULT); a
+    user's static table is kept as given, and with adaptive=true its
+    lengths are the candidates."""
     from vllm_specplug.integration.batch_schedule import SpecplugBatchDraftAsyncScheduler
+    from vllm_specplug.integration.config import BATCH_DRAFT_LENGTH_BY_DEFAULT
 
-    config = _config(tiny_model_dir, OUR_SPEC)
+    config = _config(tiny_model_dir, {**OUR_SPEC, "adaptive": True})
     assert config.scheduler_config.get_scheduler_cls() is SpecplugBatchDraftAsyncScheduler
     table = config.speculative_config.num_speculative_tokens_per_batch_size
     k = config.speculative_config.num_speculative_tokens
@@ -264,8 +265,11 @@ def test_model_runner_v2_chooses_one_draft_length_per_step(tiny_model_dir,
     off = _config(tiny_model_dir, {**OUR_SPEC, "adaptive": False})
     assert off.scheduler_config.scheduler_cls is None
     assert off.speculative_config.num_speculative_tokens_per_batch_size is None
+    default = _config(tiny_model_dir, OUR_SPEC)
+    assert (default.scheduler_config.scheduler_cls is not None) == BATCH_DRAFT_LENGTH_BY_DEFAULT
     mine = [(1, 4, 3), (5, 256, 1)]
-    given = _config(tiny_model_dir, {**OUR_SPEC, "num_speculative_tokens_per_batch_size": mine})
+    given = _config(tiny_model_dir, {**OUR_SPEC, "num_speculative_tokens_per_batch_size": mine,
+                                     "adaptive": False})
     assert given.scheduler_config.scheduler_cls is None  # a static table, as given
     chosen = _config(tiny_model_dir, {**OUR_SPEC, "num_speculative_tokens_per_batch_size": mine,
                                       "adaptive": True})

@@ -119,6 +119,20 @@ def test_metrics_show_speculation(servers):
     assert len(counts.accepted_per_pos) == SPEC["num_speculative_tokens"]
     plain = urllib.request.urlopen(servers["none"] + "/metrics", timeout=10).read().decode()
     assert parse_prometheus_counts(plain).num_drafts == 0
+    # our per-step decisions (integration/stat_logger.py): servers of ours only
+    steps = _sample(page, "specplug:draft_tokens_per_request_count")
+    assert steps is not None and 0 < steps <= counts.num_drafts
+    total = _sample(page, "specplug:draft_tokens_per_request_sum")
+    assert 0 < total / steps <= SPEC["num_speculative_tokens"]
+    assert _sample(plain, "specplug:draft_tokens_per_request_count") is None
+
+
+def _sample(page: str, name: str) -> float | None:
+    """The first sample of `name` on a Prometheus page (None: absent)."""
+    for line in page.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 def test_bench_online_against_both_servers(servers, tmp_path):

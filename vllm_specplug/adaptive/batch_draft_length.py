@@ -16,13 +16,13 @@ table: asked for batch size b, it returns the K among its candidates
 where E comes from the accepted counts of recent steps verified at that K
 (a request gains 1 + accepted tokens; for chains and trees alike the mean
 can only grow with K, so it is kept non-decreasing), and seconds(b, K) is
-the median time of recent decode steps at that K in b's bucket of batch
-sizes (powers of two: 1, 2-3, 4-7, ...). A GPU's step time is flat, then
+the lower quartile of recent decode steps' times at that K in b's bucket
+of batch sizes (powers of two: 1, 2-3, 4-7, ...). A GPU's step time is flat, then
 steep, in steps, with graph sizes: a line through all batch sizes misjudged
-one bucket by another (docs/results/batch_draft_length_h100). The median
-of the last 8 keeps out one-off steps (the first step at a new shape, which
-captures a drafting graph, took 200-450 ms on the H100 where others took
-4). A length not measured in this bucket is priced by its ratio to the
+one bucket by another (docs/results/batch_draft_length_h100). The lower
+quartile of the last 8 keeps out one-off steps (the first step at a new
+shape, which captures a drafting graph, took 200-450 ms on the H100 where
+others took 4). A length not measured in this bucket is priced by its ratio to the
 current length in the nearest bucket where both were measured. A step
 counts for the time of K only when it both verified K drafts per request
 and drafted K for the next (the drafting of step t is paid in step t, its
@@ -42,11 +42,10 @@ choose K per step from acceptance alone, without the step's cost.
 """
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
-# samples of a (length, bucket) before its median counts, and how many it keeps
+# samples of a (length, bucket) before its typical time counts, and how many it keeps
 MIN_SAMPLES = 3
 WINDOW = 8
 # one exploration in this many measures the length measured least recently
@@ -83,11 +82,16 @@ class StepTimes:
         key = (k, batch_bucket(batch_size))
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
 
-    def median(self, k: int, bucket: int) -> float | None:
+    def typical(self, k: int, bucket: int) -> float | None:
+        """The lower quartile of the bucket's last `WINDOW` step times (None
+        under `MIN_SAMPLES`): a step's time only strays upwards (a graph
+        captured on first use, a stall), and within a bucket each new padded
+        batch size captures once, so a plain median of 3 could still be
+        two captures."""
         window = self.samples.get((k, bucket))
         if window is None or len(window) < MIN_SAMPLES:
             return None
-        return statistics.median(window)
+        return sorted(window)[len(window) // 4]
 
     def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
         """Seconds of a step at `k` in `batch_size`'s bucket: measured there,
@@ -96,16 +100,16 @@ class StepTimes:
         if self.pinned is not None:
             return self.pinned[0] + self.pinned[1] * batch_size * (k + 1)
         bucket = batch_bucket(batch_size)
-        own = self.median(k, bucket)
+        own = self.typical(k, bucket)
         if own is not None or k == anchor:
             return own
-        base = self.median(anchor, bucket)
+        base = self.typical(anchor, bucket)
         if base is None:
             return None
         buckets = sorted({b for (length, b) in self.samples if length == k},
                          key=lambda b: abs(b - bucket))
         for other in buckets:
-            mine, theirs = self.median(k, other), self.median(anchor, other)
+            mine, theirs = self.typical(k, other), self.typical(anchor, other)
             if mine is not None and theirs is not None:
                 return base * mine / theirs
         return None
@@ -261,6 +265,6 @@ class BatchDraftLength:
                                                 if s.num_requests else None),
                 "realised_tokens_per_request": (s.realised_tokens / s.num_requests
                                                 if s.num_requests else None),
-                "step_ms": {f"{k}@{2 ** (b - 1)}": round(1e3 * self.times.median(k, b), 3)
+                "step_ms": {f"{k}@{2 ** (b - 1)}": round(1e3 * self.times.typical(k, b), 3)
                             for (k, b) in sorted(self.times.samples)
-                            if self.times.median(k, b) is not None}}
+                            if self.times.typical(k, b) is not None}}

@@ -18,6 +18,8 @@ EXTENSION_POINTS = {
     "vllm_specplug/integration/batch_schedule.py":
         "Scheduler / AsyncScheduler subclasses (scheduler_cls) in the place of the dynamic "
         "table (num_speculative_tokens_per_batch_size)",
+    "vllm_specplug/integration/stat_logger.py":
+        "StatLoggerBase subclass (vllm.stat_logger_plugins entry point)",
     "vllm_specplug/integration/v1/kernel_overrides.py": "triton_utils.dispatcher.register_kernels",
     "vllm_specplug/integration/v2/tree_state.py": "Model Runner V2 ModelState subclass",
     "vllm_specplug/integration/v2/draft_confidences.py":

@@ -411,3 +411,14 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
     assert ours.counts.num_drafts > 0 and ours.counts.mean_acceptance_length > 1.5
     verified = ours.adaptive["num_verified_drafts"]  # both engines' steps, summed
     assert 0.9 * verified <= ours.counts.num_drafts <= 1.1 * verified
+
+
+def test_ramp_stages_double_up_and_halve_down():
+    from vllm_specplug.bench.ramp import ramp_stages
+
+    assert ramp_stages(1, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 128, 64, 32, 16, 8, 4,
+                                   2, 1]
+    assert ramp_stages(3, 10) == [3, 6, 10, 6, 3]
+    assert ramp_stages(4, 4) == [4]
+    with pytest.raises(ValueError, match="--ramp 8 2"):
+        ramp_stages(8, 2)

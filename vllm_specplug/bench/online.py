@@ -63,6 +63,8 @@ class OnlineRow:
     speedup: float = math.nan          # tokens/s over the first server's
     num_mismatches: int | None = None  # greedy texts differing from the first server's
     texts: list[str] = field(default_factory=list, repr=False)
+    load: str = "steady"  # or the ramp's stages (bench/ramp.py)
+    repeat: int = 0
 
     @property
     def requests_per_second(self) -> float:
@@ -161,6 +163,15 @@ def run_level(server: Server, prompts: list[BenchPrompt], concurrency: int,
     row = OnlineRow(server.name, concurrency, len(prompts))
     before = read_counts(server)
     start = time.perf_counter()
+    timings = send_all(server, prompts, concurrency, max_tokens, temperature, timeout,
+                       progress)
+    fill_row(row, timings, time.perf_counter() - start, read_counts(server) - before)
+    return row
+
+
+def send_all(server: Server, prompts: list[BenchPrompt], concurrency: int, max_tokens: int,
+             temperature: float, timeout: float, progress) -> list[RequestTiming]:
+    """`prompts` through `concurrency` streaming clients; timings in order."""
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         futures = [pool.submit(stream_request, server, p, max_tokens, temperature, timeout)
                    for p in prompts]
@@ -168,15 +179,18 @@ def run_level(server: Server, prompts: list[BenchPrompt], concurrency: int,
         for future in futures:
             timings.append(future.result())
             progress.update(1)
-    row.seconds = time.perf_counter() - start
-    row.counts = read_counts(server) - before
+    return timings
+
+
+def fill_row(row: OnlineRow, timings: list[RequestTiming], seconds: float,
+             counts: SpecDecodeCounts) -> None:
+    row.seconds, row.counts = seconds, counts
     done = [t for t in timings if t.error is None]
     row.num_completed, row.num_failed = len(done), len(timings) - len(done)
     row.num_output_tokens = sum(t.num_tokens for t in done)
     row.ttft_ms = _percentiles([t.ttft for t in done])
     row.itl_ms = _percentiles([t.itl for t in done])
     row.texts = [t.text if t.error is None else None for t in timings]
-    return row
 
 
 def run_online(servers: list[Server], prompts: list[BenchPrompt], concurrencies: list[int],
@@ -190,14 +204,17 @@ def run_online(servers: list[Server], prompts: list[BenchPrompt], concurrencies:
             for level in concurrencies:
                 rows.append(run_level(server, prompts, level, max_tokens, temperature,
                                       timeout, progress))
-    _compare_to_first(rows, servers[0].name, greedy=temperature == 0)
+    compare_to_first(rows, servers[0].name, greedy=temperature == 0)
     return rows
 
 
-def _compare_to_first(rows: list[OnlineRow], first: str, greedy: bool) -> None:
-    base = {r.concurrency: r for r in rows if r.name == first}
+def compare_to_first(rows: list[OnlineRow], first: str, greedy: bool) -> None:
+    """Speed-up and exactness against the first server's row of the same
+    load, concurrency and repeat."""
+    key = (lambda r: (r.load, r.concurrency, r.repeat))
+    base = {key(r): r for r in rows if r.name == first}
     for row in rows:
-        ref = base[row.concurrency]
+        ref = base[key(row)]
         if ref.tokens_per_second:
             row.speedup = row.tokens_per_second / ref.tokens_per_second
         if greedy and row.num_failed == 0 and ref.num_failed == 0:

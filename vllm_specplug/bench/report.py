@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict
 from functools import reduce
 from operator import add
@@ -183,12 +184,39 @@ def format_online_table(rows) -> str:
         length, per_pos = _acceptance_text(row.counts)
         speedup = "-" if math.isnan(row.speedup) else f"{row.speedup:.2f}"
         lines.append(
-            f"{row.name:<14}{row.concurrency:>5}{row.num_completed:>6}{row.num_failed:>5}"
+            f"{row.name:<14}{_load_text(row):>5}{row.num_completed:>6}{row.num_failed:>5}"
             f"{row.requests_per_second:>7.2f}{row.tokens_per_second:>8.1f}{speedup:>8}"
             f"{row.ttft_ms[50]:>8.1f}/{row.ttft_ms[99]:<8.1f}"
             f"{row.itl_ms[50]:>7.2f}/{row.itl_ms[99]:<8.2f}{length:>11}"
             f"{_exact_text(row.num_mismatches):>8}  {per_pos}")
     return "\n".join(lines)
+
+
+def _load_text(row) -> str:
+    """The concurrency of a steady load; a ramp's repeat (bench/ramp.py)."""
+    return str(row.concurrency) if row.load == "steady" else f"r{row.repeat + 1}"
+
+
+def format_ramp_summary(rows) -> str:
+    """Per server over the ramp's repeats: tokens/s and its ratio to the
+    first server's in the same repeat, median [range]."""
+    names = list(dict.fromkeys(r.name for r in rows))
+    header = f"{'server':<14}{'repeats':>8}{'tok/s median [range]':>28}{'x first median [range]':>26}"
+    lines = [header, "-" * len(header)]
+    for name in names:
+        mine = [r for r in rows if r.name == name]
+        speed = [r.tokens_per_second for r in mine]
+        ratio = [r.speedup for r in mine if not math.isnan(r.speedup)]
+        lines.append(f"{name:<14}{len(mine):>8}{_spread(speed, '.1f'):>28}"
+                     f"{_spread(ratio, '.2f'):>26}")
+    return "\n".join(lines)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{statistics.median(ordered):{fmt}} [{ordered[0]:{fmt}}-{ordered[-1]:{fmt}}]"
 
 
 def row_dict(row) -> dict:
@@ -246,7 +274,7 @@ def plot_rows(rows, path: Path, x_name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    online = x_name == "online"
+    online = x_name in ("online", "ramp")
     groups = _by_name(rows)
     palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     colours = {name: palette(i % palette.N) for i, name in enumerate(groups)}
@@ -256,7 +284,8 @@ def plot_rows(rows, path: Path, x_name: str) -> None:
         xs = [r.concurrency if online else r.batch_size for r in group]
         speedups = [r.speedup for r in group]
         if len(xs_all) == 1:
-            left.bar(i, speedups[0], color=colours[name])
+            finite = [v for v in speedups if not math.isnan(v)]  # a ramp's repeats
+            left.bar(i, statistics.median(finite) if finite else math.nan, color=colours[name])
         else:
             left.plot(xs, speedups, marker="o", label=name, color=colours[name])
         counts = reduce(add, (r.counts for r in group), SpecDecodeCounts())

@@ -92,6 +92,12 @@ def add_parser(sub) -> None:
     online.add_argument("--model-name", default=None,
                         help="served model name (default: the server's first)")
     online.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    online.add_argument("--ramp", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="instead of --concurrency: a mixed load, concurrency doubling "
+                        "from LOW to HIGH and halving back, servers interleaved per repeat")
+    online.add_argument("--requests-per-client", type=int, default=2,
+                        help="--ramp: requests per client at each stage")
+    online.add_argument("--repeats", type=int, default=3, help="--ramp: passes of the ramp")
     _common(online)
     online.set_defaults(func=run_online_command)
 
@@ -343,11 +349,33 @@ def run_online_command(args) -> int:
         servers = _servers(args.url, args.model_name)
     except (ServerError, PromptFileError, ValueError) as error:
         return _fail(error)
-    rows = run_online(servers, prompts, args.concurrency, args.max_tokens,
-                      args.temperature, args.timeout)
     settings = {"servers": {s.name: s.url for s in servers}, "prompts": args.prompts[0],
                 "num_prompts": len(prompts), "max_tokens": args.max_tokens,
                 "temperature": args.temperature}
+    if args.ramp:
+        return _run_ramp(args, servers, prompts, settings)
+    rows = run_online(servers, prompts, args.concurrency, args.max_tokens,
+                      args.temperature, args.timeout)
     print(f"\n{len(prompts)} requests per level, {args.max_tokens} max new tokens, "
           f"temperature {args.temperature}; latency percentiles in ms")
     return _finish(rows, format_online_table(rows), args.out, "online", settings)
+
+
+def _run_ramp(args, servers, prompts, settings: dict) -> int:
+    from vllm_specplug.bench.ramp import ramp_stages, run_ramps
+    from vllm_specplug.bench.report import format_online_table, format_ramp_summary
+
+    try:
+        _positive(args, "requests_per_client", "repeats")
+        stages = ramp_stages(*args.ramp)
+    except ValueError as error:
+        return _fail(error)
+    rows = run_ramps(servers, prompts, stages, args.requests_per_client, args.repeats,
+                     args.max_tokens, args.temperature, args.timeout)
+    settings.update(ramp=stages, requests_per_client=args.requests_per_client,
+                    repeats=args.repeats)
+    print(f"\nramp {stages}, {args.requests_per_client} requests per client a stage, "
+          f"{args.max_tokens} max new tokens, temperature {args.temperature}; "
+          "latency percentiles in ms")
+    table = format_online_table(rows) + "\n\n" + format_ramp_summary(rows)
+    return _finish(rows, table, args.out, "ramp", settings)

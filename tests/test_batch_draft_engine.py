@@ -2,9 +2,9 @@
 (integration/batch_schedule.py, issue 27) in a real engine on CPU: vLLM's sync
 scheduler with our lookup in place of its dynamic table, the V1 runner.
 
-On CUDA our config installs the async variant under Model Runner V2 by
-default (tests/test_model_runner_v2_unit.py checks the config; GPU runs in
-docs/results/). Here it is named as `scheduler_cls`. The step costs are
+Selected as a user does, with `"adaptive": "batch"` (on CUDA `"adaptive":
+true` also selects it, under Model Runner V2: tests/test_model_runner_v2_unit.py
+checks the config; GPU runs in docs/results/). The step costs are
 pinned on the scheduler's own step times, so each phase's decision does not
 depend on this machine's speed: "costly" makes every verified token cost a
 second (no draft pays: K = 0), "cheap" makes the step's fixed part dominate
@@ -27,20 +27,19 @@ from tests.test_tree_eagle_engine import TREES, tree_config
 COSTLY = (0.0, 1.0)   # (fixed s, s per verified token)
 CHEAP = (1.0, 1e-9)
 NUM_COSTLY_STEPS = 24
-SCHEDULERS = "vllm_specplug.integration.batch_schedule."
-CONFIGS = {
-    "tree16": ("SpecplugBatchDraftTreeScheduler", None),
-    "suffix": ("SpecplugBatchDraftScheduler", {"method": "specplug_suffix",
-                                               "num_speculative_tokens": 5,
-                                               "adaptive": False}),
+CONFIGS = {  # None: the tree
+    "tree16": None,
+    "suffix": {"method": "specplug_suffix", "num_speculative_tokens": 5},
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def batch_llm(request, tiny_model_dir, tiny_eagle3_dir):
-    scheduler, config = CONFIGS[request.param]
-    config = config or tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"])
-    llm = make_llm(tiny_model_dir, config, scheduler_cls=SCHEDULERS + scheduler)
+    config = CONFIGS[request.param] or tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"])
+    llm = make_llm(tiny_model_dir, {**config, "adaptive": "batch"})
+    cls = type(_scheduler(llm)).__name__
+    assert cls == ("SpecplugBatchDraftTreeScheduler" if request.param == "tree16"
+                   else "SpecplugBatchDraftScheduler"), cls
     yield llm
     shutdown_llm(llm)
 

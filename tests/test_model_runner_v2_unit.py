@@ -245,6 +245,22 @@ def test_tree_budget_runs_on_a_sharded_target_and_not_over_pipeline_stages(
         _config(tiny_model_dir, _tree_budget_spec(tiny_eagle3_dir), pipeline_parallel_size=2)
 
 
+def test_batch_mode_on_the_v1_runner_and_bad_values(tiny_model_dir, tiny_eagle3_dir):
+    """`"adaptive": "batch"` on CPU: the sync variants, the tree's with its
+    grammar checks; a value that is none of true, false, "batch" is refused
+    naming them."""
+    from vllm_specplug.integration.batch_schedule import (
+        SpecplugBatchDraftScheduler, SpecplugBatchDraftTreeScheduler)
+
+    free = _config(tiny_model_dir, {**OUR_SPEC, "adaptive": "batch"})
+    assert free.scheduler_config.get_scheduler_cls() is SpecplugBatchDraftScheduler
+    assert free.speculative_config.num_speculative_tokens_per_batch_size is None
+    tree = _config(tiny_model_dir, {**_tree_budget_spec(tiny_eagle3_dir), "adaptive": "batch"})
+    assert tree.scheduler_config.get_scheduler_cls() is SpecplugBatchDraftTreeScheduler
+    with pytest.raises(ValueError, match="adaptive='per-step' must be true, false or 'batch'"):
+        _config(tiny_model_dir, {**OUR_SPEC, "adaptive": "per-step"})
+
+
 def test_model_runner_v2_chooses_one_draft_length_per_step(tiny_model_dir,
                                                            as_if_cuda_with_v2):
     """Model-free methods with adaptive=true: our scheduler in the place of

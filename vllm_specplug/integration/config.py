@@ -22,6 +22,8 @@ from vllm_specplug.registry import (UnknownProposerError, available_proposers,
 
 SELECTION_ATTR = "specplug_selection"
 ADAPTIVE_OPTION = "adaptive"
+# `"adaptive": "batch"`: one draft length per step for the whole batch
+BATCH_MODE = "batch"
 # vLLM's SpeculativeConfig field for its adaptive verification (Model Runner V2)
 ADAPTIVE_VERIFICATION_FIELD = "enable_adaptive_verification"
 
@@ -34,8 +36,9 @@ class ProposerSelection:
     max_proposer_failures: int = DEFAULT_MAX_PROPOSER_FAILURES
     # Per-request draft lengths chosen each step (vllm_specplug/adaptive/):
     # "auto" (the default where the method supports it: on, except where a
-    # device drafter keeps drafts off the host), "on" (forced: Model Runner
-    # V2 drafts on the host to adapt) or "off".
+    # device drafter keeps drafts off the host), "on" (forced), "batch" (one
+    # length per step for the whole batch on any runner:
+    # integration/batch_schedule.py) or "off".
     adaptive: str = "off"
 
     @property
@@ -108,14 +111,18 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
 
 
 def parse_adaptive(method: str, value: Any, supported: bool, by_default: bool = True) -> str:
-    """The `adaptive` option as "auto", "on" or "off" (ProposerSelection)."""
+    """The `adaptive` option as "auto", "on", "batch" or "off" (ProposerSelection)."""
     if value is None:
         return "auto" if supported and by_default else "off"
+    if value == BATCH_MODE and supported:
+        return BATCH_MODE
     if not isinstance(value, bool):
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: {ADAPTIVE_OPTION}={value!r} must be "
-            "true or false (per-request draft lengths or tree sizes from live acceptance "
-            "and measured step costs; false verifies every draft token the proposer makes)")
+            f"true, false or {BATCH_MODE!r} (true: draft lengths or tree sizes from live "
+            f"acceptance and measured step costs, per request on vLLM's V1 runner; "
+            f"{BATCH_MODE!r}: one length per step for the whole batch, on any runner; "
+            "false verifies every draft token the proposer makes)")
     if value and not supported:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: {ADAPTIVE_OPTION}=true is not "
@@ -133,10 +140,10 @@ BATCH_DRAFT_LENGTH_BY_DEFAULT = False
 
 def batch_draft_length_wanted(selection: ProposerSelection) -> bool:
     """Whether `adaptive` asks for one draft length per step on Model Runner
-    V2 under async scheduling (integration/batch_schedule.py): "on" for any
-    method that adapts, "auto" where it is the default."""
-    return selection.adaptive == "on" or (selection.adaptive == "auto"
-                                          and BATCH_DRAFT_LENGTH_BY_DEFAULT)
+    V2 under async scheduling (integration/batch_schedule.py): "on" or
+    "batch" for any method that adapts, "auto" where it is the default."""
+    return selection.adaptive in ("on", BATCH_MODE) or (selection.adaptive == "auto"
+                                                        and BATCH_DRAFT_LENGTH_BY_DEFAULT)
 
 
 def check_adaptive_verification(method: str, cls, options, rest: dict[str, Any]) -> None:

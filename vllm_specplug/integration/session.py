@@ -16,7 +16,7 @@ import logging
 import numpy as np
 
 from vllm_specplug.adaptive.controller import AdaptiveController
-from vllm_specplug.integration.config import selection_of
+from vllm_specplug.integration.config import BATCH_MODE, selection_of
 from vllm_specplug.integration.guard import (InvalidDraftError, ProposerGuard,
                                              check_confidences, check_draft, check_drafts)
 from vllm_specplug.proposers.base import Drafts, ProposeBatch, ProposerContext, StopReason
@@ -51,8 +51,9 @@ class ProposerSession:
         self.quarantined: set[str] = set()  # a lifecycle call failed: no drafts until removed
         # per-request draft lengths from live acceptance and step costs (None: off)
         self.adaptive_mode = selection.adaptive
+        # "batch": the scheduler chooses one length for all (batch_schedule.py)
         self.adaptive = (AdaptiveController(spec.num_speculative_tokens)
-                         if selection.adaptive != "off" else None)
+                         if selection.adaptive not in ("off", BATCH_MODE) else None)
         logger.info("vllm-specplug proposer %s with %s (adaptive draft lengths %s)",
                     self.method, options, "on" if self.adaptive else "off")
 

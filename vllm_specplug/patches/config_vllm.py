@@ -72,8 +72,7 @@ def _post_init(original):
         if wanted is not NOT_OURS:
             _decide_async(self, wanted)
         _grammar_tree_scheduler(self)
-        if wanted is not NOT_OURS:
-            _batch_draft_schedule(self)
+        _batch_draft_schedule(self)
         _cpu_thread_binding(self)
         _tree_budget_placement(self)
 
@@ -81,38 +80,42 @@ def _post_init(original):
 
 
 def _batch_draft_schedule(config) -> None:
-    """Under async scheduling on Model Runner V2, `adaptive` chooses one
-    draft length (or tree size) per step for the whole batch
+    """One draft length (or tree size) per step for the whole batch
     (integration/batch_schedule.py): our scheduler stands in for vLLM's
-    dynamic table, and the table set here makes vLLM capture a FULL-graph
-    family per candidate length. A user's scheduler or data parallelism
-    (vLLM turns tables off there) keep it off; a user's table too, unless
-    `adaptive` is true (then its lengths are the candidates)."""
+    dynamic table. Under async scheduling on Model Runner V2 with `adaptive`
+    true (or "batch"), where the table set here makes vLLM capture a
+    FULL-graph family per candidate length; on the sync path (vLLM's V1
+    runner) with `adaptive: "batch"`. A user's scheduler or data parallelism
+    (vLLM turns tables off there) keeps it off; a user's table too, unless
+    `adaptive` asks (then its lengths are the candidates)."""
     from vllm_specplug.integration import batch_schedule
-    from vllm_specplug.integration.config import batch_draft_length_wanted
+    from vllm_specplug.integration.config import (BATCH_MODE, batch_draft_length_wanted,
+                                                  selection_of)
 
-    selection = _v2_capable_selection(config)
-    scheduler, spec = config.scheduler_config, config.speculative_config
-    if (selection is None or not config.use_v2_model_runner or not scheduler.async_scheduling
-            or not batch_draft_length_wanted(selection)
-            or config.parallel_config.data_parallel_size > 1):
+    spec = getattr(config, "speculative_config", None)
+    selection = selection_of(spec) if spec is not None else None
+    scheduler = config.scheduler_config
+    if selection is None or config.parallel_config.data_parallel_size > 1:
         return
-    tree = scheduler.scheduler_cls == TREE_ASYNC_SCHEDULER
+    on_v2 = (_v2_capable_selection(config) is not None and config.use_v2_model_runner
+             and scheduler.async_scheduling)
+    if not (batch_draft_length_wanted(selection) if on_v2 else selection.adaptive == BATCH_MODE):
+        return
+    tree = scheduler.scheduler_cls in (TREE_ASYNC_SCHEDULER, TREE_SCHEDULER)
     if scheduler.scheduler_cls and not tree:
         logger.info("vllm-specplug: scheduler_cls %s kept; no per-step draft length",
                     scheduler.scheduler_cls)
         return
-    if spec.num_speculative_tokens_per_batch_size is not None and selection.adaptive != "on":
+    if spec.num_speculative_tokens_per_batch_size is not None and selection.adaptive == "auto":
         return  # the user's static table, as given
-    if spec.num_speculative_tokens_per_batch_size is None:
+    if on_v2 and spec.num_speculative_tokens_per_batch_size is None:
         candidates = batch_schedule.draft_length_candidates(spec.num_speculative_tokens)
         spec.num_speculative_tokens_per_batch_size = batch_schedule.capture_table(
             candidates, scheduler.max_num_seqs)
-    name = ("SpecplugBatchDraftTreeAsyncScheduler" if tree
-            else "SpecplugBatchDraftAsyncScheduler")
+    name = "SpecplugBatchDraft" + ("Tree" if tree else "") + (
+        "AsyncScheduler" if scheduler.async_scheduling else "Scheduler")
     scheduler.scheduler_cls = f"{batch_schedule.__name__}.{name}"
-    logger.info("vllm-specplug %s: one draft length per step, from %s (%s)", selection.method,
-                batch_schedule.table_lengths(spec.num_speculative_tokens_per_batch_size), name)
+    logger.info("vllm-specplug %s: one draft length per step (%s)", selection.method, name)
 
 
 def _tree_budget_placement(config) -> None:

@@ -18,8 +18,8 @@ import pytest
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength
 from vllm_specplug.testing.compare import assert_same_tokens
-from vllm_specplug.testing.engine import greedy_params, make_llm, shutdown_llm
-from vllm_specplug.testing.metrics import read_spec_decode_counts
+from vllm_specplug.testing.engine import (generate_in_phases, greedy_params, make_llm,
+                                          shutdown_llm)
 
 from tests.conftest import MAX_NEW_TOKENS
 from tests.test_tree_eagle_engine import TREES, tree_config
@@ -27,21 +27,28 @@ from tests.test_tree_eagle_engine import TREES, tree_config
 COSTLY = (0.0, 1.0)   # (fixed s, s per verified token)
 CHEAP = (1.0, 1e-9)
 NUM_COSTLY_STEPS = 24
-CONFIGS = {  # None: the tree
-    "tree16": None,
-    "suffix": {"method": "specplug_suffix", "num_speculative_tokens": 5},
-}
+NUM_PROMPTS = 12  # of the eval prompts: CI time
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def batch_llm(request, tiny_model_dir, tiny_eagle3_dir):
-    config = CONFIGS[request.param] or tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"])
+@pytest.fixture(scope="module")
+def batch_llm(tiny_model_dir, tiny_eagle3_dir):
+    """A tree of the head: the drafter whose state must follow the steps
+    without drafts (the model-free methods draft from the token history)."""
+    config = tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"])
     llm = make_llm(tiny_model_dir, {**config, "adaptive": "batch"})
-    cls = type(_scheduler(llm)).__name__
-    assert cls == ("SpecplugBatchDraftTreeScheduler" if request.param == "tree16"
-                   else "SpecplugBatchDraftScheduler"), cls
+    assert type(_scheduler(llm)).__name__ == "SpecplugBatchDraftTreeScheduler"
     yield llm
     shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def prompts(eval_prompts):
+    return eval_prompts[:NUM_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(baseline_outputs):
+    return baseline_outputs["batched"][:NUM_PROMPTS]
 
 
 def _scheduler(llm):
@@ -67,46 +74,34 @@ def _phased(llm, prompts, phases, candidates: tuple[int, ...] | None = None):
     step times pinned to a line for its number of steps (None: to the end).
     Returns the token ids per prompt, the speculative counts of each phase
     and the policy."""
-    engine, policy = llm.llm_engine, _fresh_policy(llm, candidates)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, greedy_params(MAX_NEW_TOKENS))
-    produced = {str(i): [] for i in range(len(prompts))}
-    counts = []
-    for num_steps, line in phases:
-        _pin(policy, line)
-        before, steps = read_spec_decode_counts(llm), 0
-        while engine.has_unfinished_requests() and (num_steps is None or steps < num_steps):
-            for output in engine.step():
-                produced[output.request_id] = list(output.outputs[0].token_ids)
-            steps += 1
-        counts.append(read_spec_decode_counts(llm) - before)
-    return [produced[str(i)] for i in range(len(prompts))], counts, policy
+    policy = _fresh_policy(llm, candidates)
+    token_ids, counts = generate_in_phases(llm, prompts, greedy_params(MAX_NEW_TOKENS), phases,
+                                           lambda line: _pin(policy, line))
+    return token_ids, counts, policy
 
 
-def test_costly_steps_draft_nothing_and_stay_exact(batch_llm, eval_prompts, baseline_outputs):
-    token_ids, (counts,), policy = _phased(batch_llm, eval_prompts, [(None, COSTLY)])
-    assert_same_tokens(baseline_outputs["batched"], token_ids, eval_prompts)
+def test_costly_steps_draft_nothing_and_stay_exact(batch_llm, prompts, expected):
+    token_ids, (counts,), policy = _phased(batch_llm, prompts, [(None, COSTLY)])
+    assert_same_tokens(expected, token_ids, prompts)
     chosen = policy.as_dict()["chosen"]
     assert policy.current == 0 and chosen[0] > sum(chosen.values()) - chosen[0], chosen
     # the warm-up and explorations verified drafts now and then
     assert counts.num_drafts > 0
 
 
-def test_drafts_after_steps_without_drafts_are_accepted_as_before(
-        batch_llm, eval_prompts, baseline_outputs):
+def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, prompts, expected):
     """The longest draft from the first step, then the same prompts with
     NUM_COSTLY_STEPS steps at K = 0 first: exact, and the drafts after those
     steps accepted as well as the whole run's. The choice is between no
     draft and the longest, so that both runs draft alike once drafting."""
     longest = _scheduler(batch_llm).draft_length.candidates[-1]
-    whole, (reference,), cheap = _phased(batch_llm, eval_prompts, [(None, CHEAP)],
-                                         (0, longest))
-    assert_same_tokens(baseline_outputs["batched"], whole, eval_prompts)
+    whole, (reference,), cheap = _phased(batch_llm, prompts, [(None, CHEAP)], (0, longest))
+    assert_same_tokens(expected, whole, prompts)
     assert cheap.current == longest, cheap.as_dict()
     token_ids, (_, resumed), policy = _phased(
-        batch_llm, eval_prompts, [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)], (0, longest))
+        batch_llm, prompts, [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)], (0, longest))
     assert policy.lengths[0].num_chosen >= NUM_COSTLY_STEPS // 2, policy.as_dict()
-    assert_same_tokens(baseline_outputs["batched"], token_ids, eval_prompts)
+    assert_same_tokens(expected, token_ids, prompts)
     assert reference.num_drafts > 0 and resumed.num_drafts > 0
     assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (
         resumed.mean_acceptance_length, reference.mean_acceptance_length)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplug.testing.compare import assert_same_tokens
-from vllm_specplug.testing.engine import greedy_params, make_llm, shutdown_llm
-from vllm_specplug.testing.metrics import read_spec_decode_counts
+from vllm_specplug.testing.engine import (generate_in_phases, greedy_params, make_llm,
+                                          shutdown_llm)
 from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
 from tests.conftest import MAX_NEW_TOKENS
@@ -38,22 +38,13 @@ def _phased(llm, prompts, phases: list[tuple[int | None, tuple[float, float]]]):
     """Generate `prompts` stepping the engine by hand; each phase pins the
     cost line for its number of steps (None: to the end). Returns the token
     ids per prompt and the speculative counts of each phase."""
-    engine = llm.llm_engine
-    params = greedy_params(MAX_NEW_TOKENS)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    produced = {str(i): [] for i in range(len(prompts))}
-    counts = []
-    for num_steps, (fixed_ms, per_token_ms) in phases:
-        llm.collective_rpc("specplug_adaptive_pin", args=(fixed_ms, per_token_ms))
-        before, steps = read_spec_decode_counts(llm), 0
-        while engine.has_unfinished_requests() and (num_steps is None or steps < num_steps):
-            for output in engine.step():
-                produced[output.request_id] = list(output.outputs[0].token_ids)
-            steps += 1
-        counts.append(read_spec_decode_counts(llm) - before)
+    def pin(line: tuple[float, float]) -> None:
+        llm.collective_rpc("specplug_adaptive_pin", args=line)
+
+    token_ids, counts = generate_in_phases(llm, prompts, greedy_params(MAX_NEW_TOKENS),
+                                           phases, pin)
     llm.collective_rpc("specplug_adaptive_pin", args=(None,))
-    return [produced[str(i)] for i in range(len(prompts))], counts
+    return token_ids, counts
 
 
 def test_costly_steps_skip_drafting_and_stay_exact(budget_llm, eval_prompts, baseline_outputs):

@@ -35,3 +35,26 @@ def generate_with_abort(llm, prompts: list[str], sampling_params, abort_index: i
         if steps == abort_after_steps:
             engine.abort_request([ids[abort_index]])
     return produced
+
+
+def generate_in_phases(llm, prompts: list[str], sampling_params, phases, enter_phase):
+    """Step the engine by hand through `phases`, [(number of steps or None
+    for the rest, phase argument)], calling `enter_phase(argument)` as each
+    begins. Returns the token ids per prompt and vLLM's speculative counts
+    during each phase."""
+    from vllm_specplug.metrics import read_spec_decode_counts
+
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, sampling_params)
+    produced: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    counts = []
+    for num_steps, argument in phases:
+        enter_phase(argument)
+        before, steps = read_spec_decode_counts(llm), 0
+        while engine.has_unfinished_requests() and (num_steps is None or steps < num_steps):
+            for output in engine.step():
+                produced[output.request_id] = list(output.outputs[0].token_ids)
+            steps += 1
+        counts.append(read_spec_decode_counts(llm) - before)
+    return [produced[str(i)] for i in range(len(prompts))], counts

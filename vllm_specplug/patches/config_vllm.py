@@ -136,8 +136,11 @@ def _tree_budget_placement(config) -> None:
 
 
 def _batch_draft_scheduled(config) -> bool:
+    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+
     cls = config.scheduler_config.scheduler_cls
-    return isinstance(cls, str) and ".batch_schedule.SpecplugBatchDraft" in cls
+    return cls is not None and issubclass(config.scheduler_config.get_scheduler_cls(),
+                                          BatchDraftSchedule)
 
 
 def _cpu_thread_binding(config) -> None:

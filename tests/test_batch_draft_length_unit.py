@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
+from vllm_specplug.proposers.head_graphs import padded_batch
 
 
 class _ChainEngine:
@@ -15,13 +16,15 @@ class _ChainEngine:
     fixed + per_token * b * (K + 1) + per_draft * K seconds (verification's
     tokens, and K sequential drafting passes), with 3% noise."""
 
-    def __init__(self, rates, fixed, per_token, per_draft, seed=0, first_slow=False):
+    def __init__(self, rates, fixed, per_token, per_draft, seed=0, first_slow=False,
+                 padded=False):
         self.rates = rates
         self.fixed, self.per_token, self.per_draft = fixed, per_token, per_draft
         self.rng = np.random.default_rng(seed)
         # the first step at each (K, batch size) 100x slower: a drafting graph
-        # captured on first use (200-450 ms against 4 on the H100)
-        self.first_slow, self.seen = first_slow, set()
+        # captured on first use (200-450 ms against 4 on the H100); `padded`:
+        # per (K, padded batch size), as the head captures
+        self.first_slow, self.seen, self.padded = first_slow, set(), padded
 
     def accepted(self, k: int, num_reqs: int) -> list[int]:
         counts = []
@@ -34,17 +37,20 @@ class _ChainEngine:
 
     def seconds(self, k: int, num_reqs: int) -> float:
         mean = self.fixed + self.per_token * num_reqs * (k + 1) + self.per_draft * k
-        if self.first_slow and (k, num_reqs) not in self.seen:
-            self.seen.add((k, num_reqs))
+        shape = (k, padded_batch(num_reqs) if self.padded else num_reqs)
+        if self.first_slow and shape not in self.seen:
+            self.seen.add(shape)
             mean *= 100
         return mean * self.rng.uniform(0.97, 1.03)
 
 
-def _run(engine: _ChainEngine, num_reqs: int, num_steps: int, choose) -> float:
-    """Tokens per second over `num_steps` steps, as the scheduler drives it:
-    the length chosen at step t is drafted in step t and verified in t + 1."""
+def _run(engine: _ChainEngine, batch, num_steps: int, choose) -> float:
+    """Tokens per second over `num_steps` steps of `batch` requests (or
+    `batch()` each step), as the scheduler drives it: the length chosen at
+    step t is drafted in step t and verified in t + 1."""
     tokens, elapsed, verified_k = 0, 0.0, 0
     for _ in range(num_steps):
+        num_reqs = batch() if callable(batch) else batch
         drafted_k = choose[num_reqs] if isinstance(choose, BatchDraftLength) else choose(num_reqs)
         accepted = engine.accepted(verified_k, num_reqs)
         seconds = engine.seconds(max(verified_k, drafted_k), num_reqs)
@@ -88,6 +94,37 @@ def test_one_off_slow_steps_do_not_mislead_it(num_reqs):
     policy = BatchDraftLength(draft_length_candidates(8))
     _run(_ChainEngine(**engine_args, seed=4, first_slow=True), num_reqs, 2000, policy)
     assert policy.current == max(static, key=static.get), policy.as_dict()
+
+
+def test_captures_at_every_padded_size_do_not_price_a_length_out():
+    """Batches of 33-64 requests, and the first step at each (K, padded
+    size: 40, 48, 56, 64) 100x slower, so a length's first samples in the
+    bucket may all be captures (the H100 run's 8@64 at 34 ms against 6 at
+    K=4, diag_after.txt): the stall guard drops them, and the policy ends
+    on the best static length."""
+    engine_args = dict(rates=RATES, fixed=4e-3, per_token=2e-5, per_draft=3e-4)
+    sizes = lambda rng=np.random.default_rng(7): int(rng.integers(33, 65))  # noqa: E731
+    static = {k: _run(_ChainEngine(**engine_args, seed=5), 48, 1500, lambda b, k=k: k)
+              for k in draft_length_candidates(8)}
+    policy = BatchDraftLength(draft_length_candidates(8))
+    _run(_ChainEngine(**engine_args, seed=5, first_slow=True, padded=True), sizes, 1500, policy)
+    best = max(static, key=static.get)
+    assert policy.current == best or static[policy.current] >= 0.97 * static[best], (
+        static, policy.as_dict())
+    assert policy.stats.num_stalled > 0, policy.as_dict()
+
+
+def test_a_step_that_returned_early_does_not_reject_the_rest():
+    """Only typical times (3 samples or more) are references: one short
+    interval (outputs queued behind a host stall) is not one."""
+    policy = BatchDraftLength((0, 4))
+    policy.measured(4, 16, 0.001)
+    for _ in range(3):
+        policy.measured(4, 16, 0.010)
+    assert policy.stats.num_stalled == 0
+    assert policy.times.typical(4, 5) == pytest.approx(0.010)
+    policy.measured(0, 16, 0.5)  # 50x the step at K=4, which does more work: a stall
+    assert policy.stats.num_stalled == 1
 
 
 def test_it_follows_the_batch_as_it_grows():
@@ -147,3 +184,35 @@ def test_capture_table_puts_every_candidate_in_vllms_lookup(max_k):
     dense = build_dynamic_sd_schedule_lookup(table, vllm_max_batch_size=256,
                                              vllm_num_speculative_tokens=max_k)
     assert set(dense[1:]) == set(candidates) == set(table_lengths(table))
+
+
+def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
+    """`BatchDraftSchedule._observe` on scheduler outputs of 20 then 21 pure
+    decode requests at K=4 (one padded size, 24) and then 30 (32): the first
+    step at each padded size is not timed (the head captures its graph
+    there), every later one is."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+                                _last_log=float("inf"), requests={})
+
+    def step(num_reqs: int) -> None:
+        spec = {f"r{i}": [7] * 4 for i in range(num_reqs)}
+        scheduler.requests = {r: SimpleNamespace(num_computed_tokens=40) for r in spec}
+        output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
+                                 num_scheduled_tokens={r: 5 for r in spec},
+                                 total_num_scheduled_tokens=5 * num_reqs,
+                                 num_spec_tokens_to_schedule=4)
+        runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(spec)},
+                                 sampled_token_ids=[[1, 2]] * num_reqs)
+        BatchDraftSchedule._observe(scheduler, output, runner, 0.01)
+
+    scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
+        scheduler, k, out)
+    scheduler._maybe_log = lambda: None
+    for num_reqs in (20, 21, 20, 30, 30):
+        step(num_reqs)
+    stats = scheduler.draft_length.stats
+    assert (stats.num_first_at_shape, stats.num_measured) == (2, 3)

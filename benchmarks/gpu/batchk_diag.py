@@ -50,7 +50,8 @@ def _report(policy, batch_size: int, call: int, tokens_per_second: float) -> Non
     d = policy.as_dict()
     print(f"b={batch_size} rep={call} tok/s={tokens_per_second:.0f} current={d['current']} "
           f"chosen={d['chosen']} explored={d['num_explored']}/{d['num_steps']} "
-          f"measured={d['num_measured']} exp={d['expected_tokens_per_request']} "
+          f"measured={d['num_measured']} stalled={d['num_stalled']} "
+          f"first_at_shape={d['num_first_at_shape']} exp={d['expected_tokens_per_request']} "
           f"real={d['realised_tokens_per_request']}", flush=True)
     rates = {k: policy.tokens_per_second(k, batch_size) for k in policy.candidates}
     print("   rates", {k: None if r is None else round(r) for k, r in rates.items()},

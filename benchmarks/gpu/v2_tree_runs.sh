@@ -26,12 +26,13 @@
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
 #            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
 #            smollm2-sets)
-#   tiny-batchk  issue 27: one draft length per step (our default on V2) against static
-#            lengths and vLLM's table, tiny model + its head, batch 1 4 16 64 128 256
+#   tiny-batchk  issue 27: one draft length per step ("adaptive": true on V2) against
+#            static lengths and vLLM's table, tiny model + its head, batch 1 4 16 64 128 256
 #            (BATCHK=heads, the default: vLLM eagle3 K=5 fixed and sized, ours chain K=5
 #            and tree 16 static and adaptive; BATCHK=lean: the same without our chain;
-#            BATCHK=free: vLLM ngram, ours ngram static and adaptive; SIZES="1 16 64" and
-#            MAX_TOKENS=64 shorten it: the whole heads run takes over 40 minutes)
+#            BATCHK=free: vLLM ngram, ours ngram static, default and one length per
+#            step; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
+#            takes over 40 minutes)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -94,7 +95,8 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
   if [ "$1" = free ]; then
     printf '%s\n' --spec "vllm-ngram={\"method\": \"ngram\", $n}" \
       --spec "ours-ngram-static={\"method\": \"specplug_ngram\", $n, \"adaptive\": false}" \
-      --spec "ours-ngram-adaptive={\"method\": \"specplug_ngram\", $n}"
+      --spec "ours-ngram-default={\"method\": \"specplug_ngram\", $n}" \
+      --spec "ours-ngram-batch={\"method\": \"specplug_ngram\", $n, \"adaptive\": true}"
     return 0
   fi
   printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \

@@ -19,10 +19,12 @@ can only grow with K, so it is kept non-decreasing), and seconds(b, K) is
 the lower quartile of recent decode steps' times at that K in b's bucket
 of batch sizes (powers of two: 1, 2-3, 4-7, ...). A GPU's step time is flat, then
 steep, in steps, with graph sizes: a line through all batch sizes misjudged
-one bucket by another (docs/results/batch_draft_length_h100). The lower
-quartile of the last 8 keeps out one-off steps (the first step at a new
-shape, which captures a drafting graph, took 200-450 ms on the H100 where
-others took 4). A length not measured in this bucket is priced by its ratio to the
+one bucket by another (docs/results/batch_draft_length_h100). One-off
+slow steps are kept out three ways: the scheduler does not time the first
+step at each new shape (it captures a drafting graph: 200-450 ms on the
+H100 where others took 4); a step `STALL_RATIO` times slower than one known
+to do at least as much work is dropped; and the lower quartile of the last
+8 discounts the rest. A length not measured in this bucket is priced by its ratio to the
 current length in the nearest bucket where both were measured. A step
 counts for the time of K only when it both verified K drafts per request
 and drafted K for the next (the drafting of step t is paid in step t, its
@@ -51,6 +53,12 @@ WINDOW = 8
 # one exploration in this many measures the length measured least recently
 # (the others try the current length's neighbours)
 FAR_EVERY = 4
+# A step this many times slower than a step known to do at least as much
+# work (as many drafts or more, as many requests or more) stalled: a graph
+# captured on first use at a new padded batch size or key range took
+# 200-450 ms on the H100 where the same step replayed took 2-30 ms
+# (docs/results/batch_draft_length_h100, diag_after.txt: 8@16 at 27 ms).
+STALL_RATIO = 3.0
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
@@ -78,9 +86,27 @@ class StepTimes:
         # (fixed, per verified token) seconds that override the samples (tests)
         self.pinned: tuple[float, float] | None = None
 
-    def add(self, k: int, batch_size: int, seconds: float) -> None:
+    def add(self, k: int, batch_size: int, seconds: float) -> bool:
+        """Keep a step's time; False (not kept) when it stalled: it took more
+        than `STALL_RATIO` times the typical step that does at least as much
+        work (`reference`)."""
         key = (k, batch_bucket(batch_size))
+        reference = self.reference(*key)
+        if reference is not None and seconds > STALL_RATIO * reference:
+            return False
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
+        return True
+
+    def reference(self, k: int, bucket: int) -> float | None:
+        """The lowest median time at `k` in `bucket`, or with as many drafts
+        or more in a bucket as big or bigger: such a step does at least as
+        much work, so one here should not take much longer. Medians of
+        `MIN_SAMPLES` or more, so that one step that returned early (outputs
+        queued behind a host stall) does not reject the rest."""
+        times = [sorted(window)[len(window) // 2] for (length, b), window
+                 in self.samples.items()
+                 if length >= k and b >= bucket and len(window) >= MIN_SAMPLES]
+        return min(times, default=None)
 
     def typical(self, k: int, bucket: int) -> float | None:
         """The lower quartile of the bucket's last `WINDOW` step times (None
@@ -129,6 +155,8 @@ class BatchDraftStats:
     num_steps: int = 0  # steps scheduled with a decision
     num_explored: int = 0
     num_measured: int = 0  # steps whose time counted
+    num_stalled: int = 0  # steps whose time was dropped as a stall (StepTimes.add)
+    num_first_at_shape: int = 0  # steps not timed: first at their shape (the scheduler's)
     # expected vs realised tokens per request of the steps verified at the
     # length it exploits
     expected_tokens: float = 0.0
@@ -251,7 +279,9 @@ class BatchDraftLength:
         if k not in self.lengths or seconds <= 0:
             return
         self.num_decode_steps += 1
-        self.times.add(k, batch_size, seconds)
+        if not self.times.add(k, batch_size, seconds):
+            self.stats.num_stalled += 1
+            return
         self.lengths[k].last_measured = self.num_decode_steps
         self.stats.num_measured += 1
 
@@ -259,7 +289,8 @@ class BatchDraftLength:
         s = self.stats
         return {"candidates": list(self.candidates), "current": self.current,
                 "num_steps": s.num_steps, "num_explored": s.num_explored,
-                "num_measured": s.num_measured,
+                "num_measured": s.num_measured, "num_stalled": s.num_stalled,
+                "num_first_at_shape": s.num_first_at_shape,
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},
                 "expected_tokens_per_request": (s.expected_tokens / s.num_requests
                                                 if s.num_requests else None),

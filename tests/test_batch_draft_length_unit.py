@@ -17,8 +17,8 @@ class _ChainEngine:
     tokens, and K sequential drafting passes), with 3% noise."""
 
     def __init__(self, rates, fixed, per_token, per_draft, seed=0, first_slow=False,
-                 padded=False):
-        self.rates = rates
+                 padded=False, floor=0.0):
+        self.rates, self.floor = rates, floor  # floor: a latency-bound step's seconds
         self.fixed, self.per_token, self.per_draft = fixed, per_token, per_draft
         self.rng = np.random.default_rng(seed)
         # the first step at each (K, batch size) 100x slower: a drafting graph
@@ -36,7 +36,8 @@ class _ChainEngine:
         return counts
 
     def seconds(self, k: int, num_reqs: int) -> float:
-        mean = self.fixed + self.per_token * num_reqs * (k + 1) + self.per_draft * k
+        mean = (self.fixed + max(self.floor, self.per_token * num_reqs * (k + 1))
+                + self.per_draft * k)
         shape = (k, padded_batch(num_reqs) if self.padded else num_reqs)
         if self.first_slow and shape not in self.seen:
             self.seen.add(shape)
@@ -143,6 +144,24 @@ def test_it_follows_the_batch_as_it_grows():
     best = max(static, key=static.get)
     assert best < 4 and policy.current == best
     assert adaptive >= 0.92 * static[best]
+
+
+def test_a_latency_bound_batch_does_not_price_a_large_one():
+    """A GPU-like step that costs the same at every length for a small
+    batch (latency-bound) and grows with the tokens for a large one: after
+    batch 1, where every length costs alike and a long one wins, batch 256
+    measures its lengths rather than carry batch 1's equal times over, and
+    ends on the best static length there."""
+    engine_args = dict(rates=RATES, fixed=1e-3, per_token=1e-5, per_draft=0.0, floor=3e-3)
+    policy = BatchDraftLength(draft_length_candidates(8))
+    _run(_ChainEngine(**engine_args, seed=2), 1, 500, policy)
+    assert policy.current >= 4  # 4 and 8 within 2% at batch 1
+    static = {k: _run(_ChainEngine(**engine_args, seed=3), 256, 150, lambda b, k=k: k)
+              for k in policy.candidates}
+    adaptive = _run(_ChainEngine(**engine_args, seed=3), 256, 150, policy)
+    best = max(static, key=static.get)
+    assert best < 8 and static[policy.current] >= 0.97 * static[best], (static, policy.as_dict())
+    assert adaptive >= 0.85 * static[best]  # 150 steps, measuring 4 lengths included
 
 
 def test_expected_tokens_never_fall_with_length():

@@ -31,7 +31,7 @@
 #            (BATCHK=heads, the default: vLLM eagle3 K=5 fixed and sized, ours chain K=5
 #            and tree 16 static and adaptive; BATCHK=lean: the same without our chain;
 #            BATCHK=free: vLLM ngram, ours ngram static, default and one length per
-#            step; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
+#            step; BATCHK=tree: our tree 16 static and adaptive alone; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
 #            takes over 40 minutes)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
@@ -99,6 +99,9 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
       --spec "ours-ngram-batch={\"method\": \"specplug_ngram\", $n, \"adaptive\": true}"
     return 0
   fi
+  # tree: our tree's two rows alone (a run that fits what is left of a lease)
+  [ "$1" = tree ] && printf '%s\n' --spec "ours-tree16={$tree}" \
+    --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
   printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
     --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"
   # trees: the chain rows only with BATCHK=heads (a lean run fits one lease)

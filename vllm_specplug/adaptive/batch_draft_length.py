@@ -25,7 +25,8 @@ step at each new shape (it captures a drafting graph: 200-450 ms on the
 H100 where others took 4); a step `STALL_RATIO` times slower than one known
 to do at least as much work is dropped; and the lower quartile of the last
 8 discounts the rest. A length not measured in this bucket is priced by its ratio to the
-current length in the nearest bucket where both were measured. A step
+current length in the nearest bucket where both were measured, if that is
+at most 4x the batch away (else it is measured there). A step
 counts for the time of K only when it both verified K drafts per request
 and drafted K for the next (the drafting of step t is paid in step t, its
 verification in step t + 1), and only when it was a pure decode step.
@@ -59,6 +60,12 @@ FAR_EVERY = 4
 # 200-450 ms on the H100 where the same step replayed took 2-30 ms
 # (docs/results/batch_draft_length_h100, diag_after.txt: 8@16 at 27 ms).
 STALL_RATIO = 3.0
+# A length's time is carried over from buckets at most this many doublings of
+# the batch away. On the H100 every length took 3 ms at batch 1 (latency-
+# bound) and 17-31 ms at 256: a ratio carried from batch 1 to 256 priced every
+# length the same there, and the longest was kept without being measured
+# (docs/results/batch_draft_length_h100, diag_stall_guard.txt).
+MAX_TRANSFER_BUCKETS = 2
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
@@ -122,7 +129,8 @@ class StepTimes:
     def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
         """Seconds of a step at `k` in `batch_size`'s bucket: measured there,
         or the `anchor` length's time there times their ratio in the nearest
-        bucket where both were measured; None when neither is known."""
+        bucket where both were measured, `MAX_TRANSFER_BUCKETS` at most
+        away; None otherwise (the policy then measures it)."""
         if self.pinned is not None:
             return self.pinned[0] + self.pinned[1] * batch_size * (k + 1)
         bucket = batch_bucket(batch_size)
@@ -132,7 +140,8 @@ class StepTimes:
         base = self.typical(anchor, bucket)
         if base is None:
             return None
-        buckets = sorted({b for (length, b) in self.samples if length == k},
+        buckets = sorted({b for (length, b) in self.samples
+                          if length == k and abs(b - bucket) <= MAX_TRANSFER_BUCKETS},
                          key=lambda b: abs(b - bucket))
         for other in buckets:
             mine, theirs = self.typical(k, other), self.typical(anchor, other)

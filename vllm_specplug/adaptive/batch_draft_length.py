@@ -64,7 +64,7 @@ STALL_RATIO = 3.0
 # the batch away. On the H100 every length took 3 ms at batch 1 (latency-
 # bound) and 17-31 ms at 256: a ratio carried from batch 1 to 256 priced every
 # length the same there, and the longest was kept without being measured
-# (docs/results/batch_draft_length_h100, diag_stall_guard.txt).
+# (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt).
 MAX_TRANSFER_BUCKETS = 2
 
 

@@ -134,7 +134,8 @@ def parse_adaptive(method: str, value: Any, supported: bool, by_default: bool = 
 # Model-free methods under async scheduling on Model Runner V2: one draft
 # length per step for the whole batch with `adaptive` left unset ("auto").
 # Off until a side-by-side GPU run shows it pays (issue 27): `"adaptive":
-# true` turns it on (docs/results/batch_draft_length_h100)
+# true` turns it on (docs/results/batch_draft_length_h100_run2: no gain yet
+# on the H100, trees lost at batch 1-64)
 BATCH_DRAFT_LENGTH_BY_DEFAULT = False
 
 

@@ -214,12 +214,10 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
-                                _last_log=float("inf"), requests={})
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set())
 
     def step(num_reqs: int) -> None:
         spec = {f"r{i}": [7] * 4 for i in range(num_reqs)}
-        scheduler.requests = {r: SimpleNamespace(num_computed_tokens=40) for r in spec}
         output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
                                  num_scheduled_tokens={r: 5 for r in spec},
                                  total_num_scheduled_tokens=5 * num_reqs,

@@ -148,8 +148,9 @@ def test_sized_trees_replay_full_graphs_at_each_size(tree_run):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_drafting_equals_eager_drafting(dtype):
-    """The runtime's captured drafting passes give the trees the same pass
-    gives eagerly (same keys bucket), at batch sizes that pad (3 -> 4, 9 ->
+    """The runtime's captured drafting passes (run at the pool's whole
+    capacity: the kernel stops at the rows' positions) give the trees the
+    same pass gives eagerly at the tight keys bucket, at batch sizes that pad (3 -> 4, 9 ->
     16) and share a graph (3 and 4), and after the pool grows (its tensors
     move: the graphs must be captured again, not replayed on stale memory)."""
     from tests.test_tree_eagle_unit import _gqa_head

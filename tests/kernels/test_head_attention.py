@@ -139,3 +139,32 @@ def test_a_runtime_on_the_kernel_caches_and_drafts_as_on_the_einsums(device, dra
         trees = [r.draft_trees(list("abc"), roots, positions, *shape) for r in (einsum, kernel)]
         assert torch.equal(trees[0].token_ids, trees[1].token_ids), shape
         assert torch.equal(trees[0].parent_ids, trees[1].parent_ids), shape
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "mtp"])
+def test_on_the_kernel_the_key_range_is_only_a_bound(device, drafter):
+    """The kernel stops at its rows' positions (read on the device), so a
+    drafting pass run at the pool's whole capacity equals, bit for bit, the
+    same pass at the tight key range, with a cache that was cut back
+    (`_ingests` re-ingests b from position 60): what lets one CUDA graph
+    serve every key range (`PassGraphs.positions_bound_keys`)."""
+    import dataclasses
+
+    from vllm_specplug.proposers.head_graphs import PassGraphs
+
+    (_, kernel), width = _runtimes(drafter, device)
+    _ingests(kernel, width, device)
+    pool = kernel.pool
+    slots = torch.tensor([pool.slot_of[r] for r in "abc"], device=device)
+    tight = int(pool.last_positions[slots.cpu().numpy()].max()) + 1
+    assert tight < pool.capacity
+    roots = torch.tensor([1, 2, 3], device=device)
+    positions = torch.tensor([9, 62, 8], device=device)
+    for shape in [(3, 3, 8), (1, 4, 5)]:
+        trees = [kernel._draft_pass(slots, roots, positions, num_keys, *shape)
+                 for num_keys in (tight, pool.capacity)]
+        for field in dataclasses.fields(trees[0]):
+            a, b = getattr(trees[0], field.name), getattr(trees[1], field.name)
+            assert torch.equal(a, b) if torch.is_tensor(a) else a == b, (shape, field.name)
+    assert PassGraphs(positions_bound_keys=True).key_range(tight, pool.capacity) == pool.capacity
+    assert PassGraphs().key_range(tight, pool.capacity) == 64 < pool.capacity

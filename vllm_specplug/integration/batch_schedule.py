@@ -21,8 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
 from vllm_specplug.integration.scheduler import TreeGrammarScheduler
-from vllm_specplug.proposers.head_graphs import MIN_KEYS, padded_batch
-from vllm_specplug.verification.backend import next_power_of_2
+from vllm_specplug.proposers.head_graphs import padded_batch
 
 logger = logging.getLogger("vllm_specplug.adaptive")
 
@@ -58,7 +57,7 @@ class BatchDraftSchedule:
         self.dynamic_sd_lookup = self.draft_length
         self._last_output_at: float | None = None
         self._last_log = time.monotonic()
-        self._shapes_seen: set[tuple[int, int, int]] = set()
+        self._shapes_seen: set[tuple[int, int]] = set()
 
     def update_from_output(self, scheduler_output, model_runner_output):
         now = time.perf_counter()
@@ -86,16 +85,12 @@ class BatchDraftSchedule:
         self._maybe_log()
 
     def _first_at_shape(self, k: int, scheduler_output) -> bool:
-        """Whether this is the first step at its (K, padded batch, key range):
-        the head of specplug_eagle3/specplug_mtp captures its drafting graph
-        for such a shape on first use (proposers/head_graphs.py), and that
-        step's time is the capture's (200-450 ms on the H100, where the step
-        replayed took 2-30). For the other methods it costs one sample."""
-        req_ids = scheduler_output.num_scheduled_tokens
-        requests = self.requests
-        most = max((requests[r].num_computed_tokens for r in req_ids if r in requests),
-                   default=0)
-        shape = (k, padded_batch(len(req_ids)), max(MIN_KEYS, next_power_of_2(most + k + 1)))
+        """Whether this is the first step at its (K, padded batch): the head
+        of specplug_eagle3/specplug_mtp captures its step graph for such a
+        shape on first use (proposers/head_graphs.py), and that step's time
+        is the capture's (200-450 ms on the H100, where the step replayed
+        took 2-30). For the other methods it costs one sample."""
+        shape = (k, padded_batch(len(scheduler_output.num_scheduled_tokens)))
         if shape in self._shapes_seen:
             return False
         self._shapes_seen.add(shape)

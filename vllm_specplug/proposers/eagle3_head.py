@@ -85,8 +85,10 @@ class HeadRuntime:
         self.group = self.layer.num_heads // self.layer.num_kv_heads  # query heads per KV head
         self.num_slots = num_slots
         self.pool: HeadCachePool | None = None  # made at the first ingest (dtype, device)
-        self.graphs = PassGraphs() if cuda_graphs else None
         self.attention_backend = attention_backend
+        # on CUDA "auto" is the Triton kernel, which stops at its rows' positions
+        self.graphs = (PassGraphs(positions_bound_keys=attention_backend != "torch")
+                       if cuda_graphs else None)
         # Called inside a chain's drafting pass with each draft step's logits
         # (logits [B, V_draft], slots [B], draft step d): a runner's
         # acceptance estimate (vLLM's adaptive verification) reads them
@@ -197,7 +199,8 @@ class HeadRuntime:
         The batch is padded to a capture size and replays a graph."""
         pool = self.pool
         pool.reserve(0, max_position + 1)  # before the key: a reallocation voids the graphs
-        num_keys = keys_bucket(max_position + 1, pool.capacity)
+        num_keys = (self.graphs.key_range(max_position + 1, pool.capacity)
+                     if self.graphs is not None else keys_bucket(max_position + 1, pool.capacity))
         size, rows = padded_batch(slots.shape[0]), positions.shape[1]
         inputs = [padded(slots, size),
                   padded(target_hidden.view(slots.shape[0], rows, -1), size).flatten(0, 1),

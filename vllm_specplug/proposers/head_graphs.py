@@ -6,8 +6,11 @@ kernels; eager, their launch cost is most of a step at small batches. Its
 shapes are fixed by (batch, keys read, tree shape) and it never syncs with
 the host, so each such key is captured once, lazily, and replayed (vLLM
 captures its own eagle drafting the same way). Batches are padded up to
-capture sizes (1, 2, 4, then multiples of 8) by repeating the last request;
-keys read are rounded up to a power of two. The graphs share one memory pool
+capture sizes (1, 2, 4, then multiples of 8) by repeating the last request.
+The keys read are the pool's whole capacity where the attention is the
+Triton kernel (it stops at its rows' positions, read on the device: one
+graph for every sequence length), else rounded up to a power of two
+(`PassGraphs.key_range`). The graphs share one memory pool
 and are replayed one at a time; their outputs are read before the next.
 If a capture fails the runtime logs why and runs that kind of pass eagerly
 from then on (the other kind keeps its graphs).
@@ -70,13 +73,29 @@ def padded(values: torch.Tensor, size: int) -> torch.Tensor:
 
 class PassGraphs:
     """The head's passes (drafting, decode ingest) captured per key, lazily,
-    in one memory pool; replayed one at a time."""
+    in one memory pool; replayed one at a time.
 
-    def __init__(self) -> None:
+    Args:
+        positions_bound_keys: the passes' attention reads no key past its
+            query rows' positions, which it reads on the device (the Triton
+            kernel, `kernels/head_attention.py`). The key range is then only
+            an upper bound, and one graph at the pool's capacity serves every
+            range: a power-of-two bucket would capture every (batch, shape)
+            again each time the longest request crosses 64, 128, 256, ...
+            positions (200-450 ms a capture on the H100, where a step takes
+            2-30 ms; docs/results/batch_draft_length_h100_run2).
+    """
+
+    def __init__(self, positions_bound_keys: bool = False) -> None:
         self.graphs: dict[tuple, _Captured] = {}
         self.version = None  # the cache pool's tensors the graphs read
         self.memory_pool = None
         self.disabled: set[str] = set()  # kinds whose capture failed: they run eagerly
+        self.positions_bound_keys = positions_bound_keys
+
+    def key_range(self, num_keys: int, capacity: int) -> int:
+        """The key range a pass reading `num_keys` runs (and is keyed) at."""
+        return capacity if self.positions_bound_keys else keys_bucket(num_keys, capacity)
 
     def keys(self, kind: str) -> list[tuple]:
         return [k for k in self.graphs if k[0] == kind]
@@ -150,7 +169,7 @@ def run_draft_pass(graphs: PassGraphs, draft_pass: Callable[..., DraftTree], poo
     """A drafting pass for pool `slots` ([B] on the device), the batch padded
     to a capture size by repeating its last request, replayed from its graph
     (eager if none could be captured)."""
-    num_keys = keys_bucket(num_keys, pool.capacity)
+    num_keys = graphs.key_range(num_keys, pool.capacity)
     batch, size = slots.shape[0], padded_batch(slots.shape[0])
     inputs = [padded(t, size) for t in (slots, root_token_ids, root_positions)]
     ok, tree = graphs.run(pool.version, ("draft", size, num_keys, shape), draft_pass, inputs,
@@ -200,7 +219,7 @@ def run_ingest_pass(graphs: PassGraphs, ingest_pass: Callable[..., None], pool,
     graph (eager if none could be captured); the host bookkeeping after."""
     needed = int(layout.positions.max()) + 1
     pool.reserve(0, needed)  # before the key: a reallocation voids the graphs
-    num_keys = keys_bucket(needed, pool.capacity)
+    num_keys = graphs.key_range(needed, pool.capacity)
     take = to_device(layout.take, target_hidden.device)
     device_array = lambda a: to_device(a, pool.device)  # noqa: E731
     inputs = [device_array(layout.slots), target_hidden[take],
@@ -220,7 +239,8 @@ def run_step_pass(graphs: PassGraphs | None, step_pass: Callable[..., None], poo
     `inputs`, the caller's persistent buffers already padded to a capture
     size: replayed from its graph, reading them in place (eager if none)."""
     pool.reserve(0, num_keys)  # before the key: a reallocation voids the graphs
-    num_keys = keys_bucket(num_keys, pool.capacity)
+    num_keys = (graphs.key_range(num_keys, pool.capacity) if graphs is not None
+                else keys_bucket(num_keys, pool.capacity))
     key = ("step", *inputs[3].shape, num_keys, shape)  # inputs[3]: positions [Bp, R]
     ran = graphs is not None and graphs.run(pool.version, key, step_pass, inputs, num_keys,
                                             shape, emit, own_inputs=True)[0]

@@ -289,3 +289,60 @@ def test_drafts_vllm_marks_invalid_are_never_accepted():
     out = walk(masked)
     assert out.num_accepted.tolist() == [1]
     assert out.output_token_ids[0, :2].tolist() == [7, 8]  # node 1, then the bonus at it
+
+
+def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
+    """`warm_up_step_graphs` (what the head speculator's `capture()` runs on
+    CUDA, there capturing each step as a graph; here eagerly) runs one
+    placeholder step per padded batch size and per steady step of the
+    lengths vLLM may ask for, then forgets them: the head's cache, the trees
+    and the drafts are as before, and a runtime that ran them drafts and
+    caches what one that did not does."""
+    from tests.test_tree_eagle_unit import _gqa_head
+    from vllm_specplug.integration.v2.head_speculator import (SpecplugV2HeadSpeculator,
+                                                              StepInputs, step_tree_shape)
+    from vllm_specplug.integration.v2.step_warmup import (padded_sizes, steady_steps,
+                                                          warm_up_step_graphs)
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    head = _gqa_head(3)
+    generator = torch.Generator().manual_seed(3)
+    embed = torch.nn.Embedding(50, 32, _weight=torch.randn(50, 32, generator=generator))
+    runtimes = [HeadRuntime(head, embed) for _ in range(2)]
+    for runtime in runtimes:
+        runtime.make_pool(4, torch.float32, "cpu")
+    fresh_slots = TreeSlots(4, 16, "cpu")
+    warm = SimpleNamespace(runtime=runtimes[0], step_inputs=StepInputs(4, 8, torch.device("cpu")),
+                           drafter=SimpleNamespace(tree_shape=(4, 4, 16)), max_num_reqs=4,
+                           device=torch.device("cpu"), tree_slots=TreeSlots(4, 16, "cpu"),
+                           drafts=torch.zeros(4, 15, dtype=torch.int64))
+    warm._emit = lambda slots, tree: SpecplugV2HeadSpeculator._emit(warm, slots, tree)
+    emitted = []
+    emit = warm._emit
+    warm._emit = lambda slots, tree: emitted.append(slots.shape[0]) or emit(slots, tree)
+    lengths = (0, 4, 15)
+    steps = steady_steps(lengths, (4, 4, 16), step_tree_shape)
+    assert steps == [(1, (1, 1, 2)), (8, (4, 4, 5)), (8, (4, 4, 16))]
+    assert padded_sizes(4) == [1, 2, 4] and padded_sizes(13) == [1, 2, 4, 8, 16]
+    count = warm_up_step_graphs(warm, lengths, 48, torch.float32, step_tree_shape)
+    assert count == 9 and sorted(emitted) == [1, 1, 1, 2, 2, 2, 4, 4, 4]
+    assert not runtimes[0].pool.valid.any() and not warm.drafts.any()
+    for name in ("parents", "depths", "is_tree", "num_drafted"):
+        assert torch.equal(getattr(warm.tree_slots, name), getattr(fresh_slots, name)), name
+    # then the same requests on both runtimes: same caches, same trees
+    prefix = torch.randn(30, 48, generator=generator)
+    prefix_ids = torch.randint(0, 50, (30,), generator=generator)
+    trees = []
+    for runtime in runtimes:
+        runtime.ingest_slots(np.array([0, 1, 2]), np.ones(3, dtype=bool), prefix, prefix_ids,
+                             np.tile(np.arange(10), 3), [10, 10, 10])
+        trees.append(runtime.draft_slots(torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6]),
+                                         torch.tensor([10, 10, 10]), 16, 4, 4, 16))
+    for name in ("token_ids", "parent_ids", "depths", "packed_mask"):
+        assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
+    warmed, plain = (r.pool for r in runtimes)
+    assert torch.equal(warmed.valid, plain.valid)
+    for name in ("keys", "values"):
+        assert torch.equal(getattr(warmed, name)[:3, :, :10], getattr(plain, name)[:3, :, :10])
+    for name in ("last_out", "last_logits"):
+        assert torch.equal(getattr(warmed, name)[:3], getattr(plain, name)[:3]), name

@@ -53,6 +53,7 @@ def tree_run(request, work, prompts):  # noqa: F811
                   compilation_config={"max_cudagraph_capture_size": 1024})
     try:
         llm.collective_rpc("specplug_record_cudagraph_modes")
+        at_start = llm.collective_rpc("specplug_head_pool_state")[0]
         outputs = _outputs(llm, prompts)
         outputs["graphs"] = llm.collective_rpc("specplug_cudagraph_modes")[0]
         counts = read_spec_decode_counts(llm)
@@ -60,6 +61,7 @@ def tree_run(request, work, prompts):  # noqa: F811
         runner = llm.collective_rpc("specplug_runner_state")[0]
         runner["adaptive"] = llm.collective_rpc("specplug_adaptive_verification_state")[0]
         runner["pool"] = llm.collective_rpc("specplug_head_pool_state")[0]
+        runner["pool_at_start"] = at_start
         outputs["sampled"] = [sampled(llm, prompts[:NUM_SAMPLED]) for _ in range(2)]
         yield request.param, outputs, counts, state, runner
     finally:
@@ -90,6 +92,29 @@ def test_eagle3_runs_on_model_runner_v2_with_async_scheduling(tree_run):
     # after the first, version 1), so no graph of the head was captured twice
     pool = runner["pool"]
     assert pool["capacity"] >= pool["max_positions"] and pool["version"] == 1, pool
+
+
+def test_the_head_captures_its_step_graphs_at_start_up(tree_run):
+    """Model Runner V2's `capture()` captured the fused decode step for every
+    padded batch size and every length the config may schedule
+    (integration/v2/step_warmup.py), for the target layout service then
+    used: after generating, every step graph has that one layout (a wrong
+    guess would add a second set, captured on first use)."""
+    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+    from vllm_specplug.integration.v2.step_warmup import padded_sizes, steady_steps
+
+    kind, _, _, _, runner = tree_run
+    spec = SPECS[kind]
+    table = spec.get("num_speculative_tokens_per_batch_size")
+    lengths = (tuple(sorted({entry[2] for entry in table})) if table
+               else (spec["num_draft_tokens"] - 1,))
+    shape = (spec["topk"], spec["num_steps"], spec["num_draft_tokens"])
+    start, after = runner["pool_at_start"], runner["pool"]
+    expected = (len(padded_sizes(start["max_num_reqs"]))
+                * len(steady_steps(lengths, shape, step_tree_shape)))
+    assert start["step_graphs"] == expected, (start, lengths)
+    assert len(start["step_layouts"]) == 1 and after["step_layouts"] == start["step_layouts"], (
+        start, after)
 
 
 def test_tree_attention_runs_in_the_cuda_backend(tree_run):

@@ -42,7 +42,10 @@ logger = logging.getLogger("vllm_specplug.head_graphs")
 
 BATCH_STEP = 8  # capture sizes above 4 requests: multiples of this
 MIN_KEYS = 64  # smallest keys-read bucket
-MAX_GRAPHS = 256  # oldest graphs are dropped past this
+# oldest graphs are dropped past this: start-up captures every padded batch
+# size (35 up to 256 requests) for each draft length a step may run (6 for
+# a 16-node tree with `"adaptive": true`: 210), and service adds transitions
+MAX_GRAPHS = 512
 MAX_GRAPHED_ROWS = 16  # positions per request up to which an ingest replays a graph
 
 
@@ -241,7 +244,9 @@ def run_step_pass(graphs: PassGraphs | None, step_pass: Callable[..., None], poo
     pool.reserve(0, num_keys)  # before the key: a reallocation voids the graphs
     num_keys = (graphs.key_range(num_keys, pool.capacity) if graphs is not None
                 else keys_bucket(num_keys, pool.capacity))
-    key = ("step", *inputs[3].shape, num_keys, shape)  # inputs[3]: positions [Bp, R]
+    # inputs[3]: positions [Bp, R]; inputs[1]: the target's rows (a graph
+    # captured at start-up on another width or dtype is not replayed on them)
+    key = ("step", *inputs[3].shape, num_keys, shape, inputs[1].shape[-1], inputs[1].dtype)
     ran = graphs is not None and graphs.run(pool.version, key, step_pass, inputs, num_keys,
                                             shape, emit, own_inputs=True)[0]
     if not ran:

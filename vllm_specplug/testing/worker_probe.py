@@ -51,13 +51,18 @@ class SpecplugProbe:
 
     def specplug_head_pool_state(self) -> dict | None:
         """Our Model Runner V2 head speculator's cache pool: slots, capacity
-        and reallocations (None without that speculator)."""
+        and reallocations; its fused decode-step graphs: how many, and the
+        target layouts (width, dtype) they were captured for (None without
+        that speculator)."""
         speculator = getattr(self.model_runner, "speculator", None)
         pool = getattr(getattr(speculator, "runtime", None), "pool", None)
         if pool is None:
             return None
+        steps = speculator.runtime.graphs.keys("step") if speculator.runtime.graphs else []
         return {"num_slots": pool.num_slots, "capacity": pool.capacity,
-                "version": pool.version, "max_positions": speculator.max_positions}
+                "version": pool.version, "max_positions": speculator.max_positions,
+                "max_num_reqs": speculator.max_num_reqs, "step_graphs": len(steps),
+                "step_layouts": sorted({(key[-2], str(key[-1])) for key in steps})}
 
     def specplug_prefix_adoptions(self) -> int | None:
         """Requests our Model Runner V2 head speculator started on saved head

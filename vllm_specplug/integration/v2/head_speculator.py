@@ -32,6 +32,7 @@ engine. The runtime, loading and guard are the V1 runner's too
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -48,6 +49,7 @@ from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2, to_device
 from vllm_specplug.verification.tree_rows import VerifiedRows, verified_rows
 
+logger = logging.getLogger("vllm_specplug.tree_drafter")
 
 # Share of the GPU's memory the head's cache pool takes at load, at most
 # (max_num_seqs x max_model_len positions when they fit: 100 MB for
@@ -105,6 +107,7 @@ class StepInputs:
 
 class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
+        self.vllm_config = vllm_config
         self.drafter = HeadDrafter(vllm_config)
         self.method = self.drafter.method
         self.req_states = req_states
@@ -199,6 +202,29 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         model_state.bind(self.tree_slots)
         self.tree_slots.split_attention = self.drafter.options.tree_attention == "split"
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Model Runner V2 captures its graphs: ours too, the fused decode
+        step's for every padded batch size and draft length it may run
+        (step_warmup.py), so that no step in service stalls on a capture. A
+        failure costs those graphs (captured on first use instead), never
+        the engine."""
+        from vllm_specplug.integration.v2.step_warmup import (scheduled_lengths, target_layout,
+                                                              warm_up_step_graphs)
+
+        if self.runtime is None or self.runtime.graphs is None or self.guard.disabled:
+            return
+        started = time.perf_counter()
+        lengths = scheduled_lengths(self.vllm_config.speculative_config)
+        ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, lengths,
+                                    *target_layout(self.vllm_config.model_config,
+                                                   self.drafter.aux_layer_ids),
+                                    step_tree_shape,
+                                    effect="its graphs are captured on first use")
+        if ok:
+            logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "
+                        "%.1f s", self.method, count, time.perf_counter() - started)
 
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:

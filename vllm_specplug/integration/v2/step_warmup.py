@@ -1,0 +1,110 @@
+"""The head's fused decode-step graphs captured at start-up, not on first use.
+
+`SpecplugV2HeadSpeculator` runs a step where every request decodes as one
+graph replay (`HeadRuntime.decode_step`, `proposers/head_graphs.py`), keyed
+by (padded batch, verified rows, tree shape). Captured lazily, each new key
+stalled its step for 200-450 ms on the H100, where a step takes 2-30 ms; a
+batch that drains from 256 requests meets 35 padded sizes, and a policy that
+tries other draft lengths (`"adaptive": true`, adaptive/batch_draft_length.py)
+meets them once per length (docs/results/batch_draft_length_h100_run2: 38 new
+shapes in 367 steps). Model Runner V2 calls its speculator's `capture()`
+while it captures its own graphs; there the speculator runs this: one step
+per key that service will reach in its steady state, on placeholder inputs,
+and then forgets what the placeholder steps wrote (the head's cache, the
+trees, the drafts), so that service starts from the state it would have
+without them.
+
+vLLM captures its own EAGLE drafting there the same way
+(`v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py`, `capture`).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.proposers.head_graphs import padded_batch
+from vllm_specplug.verification.backend import next_power_of_2
+
+
+def scheduled_lengths(spec_config) -> tuple[int, ...]:
+    """The draft lengths vLLM may ask a step for: each of the
+    `num_speculative_tokens_per_batch_size` table (also what our batch
+    policy's candidates are, integration/batch_schedule.capture_table), or
+    `num_speculative_tokens` alone."""
+    table = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
+    if table:
+        return tuple(sorted({int(entry[2]) for entry in table}))
+    return (int(spec_config.num_speculative_tokens),)
+
+
+def target_layout(model_config, aux_layer_ids) -> tuple[int, torch.dtype]:
+    """Width and dtype of what the head reads of the target per row: its
+    auxiliary layers' hidden states side by side (EAGLE-3) or the last hidden
+    state (MTP), in the model's dtype. Should service see another layout, the
+    graphs captured here are not used (the step's key holds both)."""
+    width = model_config.get_hidden_size() * (len(aux_layer_ids) if aux_layer_ids else 1)
+    return width, model_config.dtype
+
+
+def padded_sizes(max_num_reqs: int) -> list[int]:
+    """Every padded batch size a step of 1..max_num_reqs requests runs at."""
+    return sorted({padded_batch(n) for n in range(1, max_num_reqs + 1)})
+
+
+def steady_steps(lengths: tuple[int, ...], tree_shape: tuple[int, int, int], step_shape,
+                 ) -> list[tuple[int, tuple[int, int, int]]]:
+    """(verified rows per request, tree shape) of a decode step at each length
+    when the step before drafted the same length: it verifies the root and
+    one node per level, at most num_steps + 1 rows, padded to a power of two
+    (`SpecplugV2HeadSpeculator._decode_step`). `step_shape` is
+    `head_speculator.step_tree_shape`."""
+    num_steps = tree_shape[1]
+    steps = {(next_power_of_2(min(k + 1, num_steps + 1)), step_shape(tree_shape, k))
+             for k in lengths}
+    return sorted(steps)
+
+
+def warm_up_step_graphs(speculator, lengths: tuple[int, ...], width: int,
+                        dtype: torch.dtype, step_shape) -> int:
+    """Capture the fused step's graph for every padded batch size and every
+    steady step of `lengths`, on placeholder inputs (each request's rows at
+    positions 0..R-1 of slot i mod S, zero hidden states of `width`), then
+    clear the head's cache, the trees and the drafts. Returns the number of
+    steps run."""
+    count = 0
+    try:
+        for num_rows, shape in steady_steps(lengths, speculator.drafter.tree_shape, step_shape):
+            for size in padded_sizes(speculator.max_num_reqs):
+                _placeholder_step(speculator, size, num_rows, shape, width, dtype)
+                count += 1
+    finally:  # also after a failed capture: service starts clean either way
+        _forget_placeholders(speculator)
+    return count
+
+
+def _placeholder_step(speculator, size: int, num_rows: int, shape: tuple[int, int, int],
+                      width: int, dtype: torch.dtype) -> None:
+    """One fused decode step of `size` placeholder requests, in the
+    speculator's persistent buffers (the addresses service replays from)."""
+    inputs, device = speculator.step_inputs, speculator.device
+    rows = inputs.rows(size, num_rows)
+    rows.slots.copy_(torch.arange(size, device=device) % speculator.max_num_reqs)
+    rows.positions.copy_(torch.arange(num_rows, device=device).expand(size, num_rows))
+    rows.cuts.zero_()
+    rows.next_ids.zero_()
+    rows.root_ids.zero_()
+    rows.root_positions.fill_(num_rows)
+    target = inputs.hidden(size * num_rows, width, dtype)
+    target.zero_()
+    speculator.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,
+                                   rows.root_ids, rows.root_positions, num_rows + 1, shape,
+                                   speculator._emit)
+
+
+def _forget_placeholders(speculator) -> None:
+    """What the placeholder steps left: every slot's cache rows (a request new
+    to its slot drops them anyway), its tree and its drafts."""
+    speculator.runtime.pool.valid.zero_()
+    speculator.drafts.zero_()
+    if speculator.tree_slots is not None:
+        speculator.tree_slots.forget(torch.arange(speculator.max_num_reqs,
+                                                  device=speculator.device))

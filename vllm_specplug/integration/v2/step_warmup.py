@@ -19,10 +19,15 @@ vLLM captures its own EAGLE drafting there the same way
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
+
+logger = logging.getLogger("vllm_specplug.tree_drafter")
+STEP = "step"  # PassGraphs' kind of the fused decode step (head_graphs.run_step_pass)
 
 
 def scheduled_lengths(spec_config) -> tuple[int, ...]:
@@ -70,14 +75,26 @@ def warm_up_step_graphs(speculator, lengths: tuple[int, ...], width: int,
     positions 0..R-1 of slot i mod S, zero hidden states of `width`), then
     clear the head's cache, the trees and the drafts. Returns the number of
     steps run."""
-    count = 0
+    # eager (graphs None, as on CPU) they only run: what the test checks
+    disabled = speculator.runtime.graphs.disabled if speculator.runtime.graphs else set()
+    was_disabled, count = STEP in disabled, 0
+    keys = [(size, num_rows, shape) for num_rows, shape
+            in steady_steps(lengths, speculator.drafter.tree_shape, step_shape)
+            for size in padded_sizes(speculator.max_num_reqs)]
     try:
-        for num_rows, shape in steady_steps(lengths, speculator.drafter.tree_shape, step_shape):
-            for size in padded_sizes(speculator.max_num_reqs):
-                _placeholder_step(speculator, size, num_rows, shape, width, dtype)
-                count += 1
+        for size, num_rows, shape in keys:
+            if STEP in disabled:
+                break
+            _placeholder_step(speculator, size, num_rows, shape, width, dtype)
+            count += 1
     finally:  # also after a failed capture: service starts clean either way
         _forget_placeholders(speculator)
+    if STEP in disabled and not was_disabled:
+        # a capture failed here (PassGraphs logged why): service still tries
+        # each on first use, as before start-up capture existed
+        disabled.discard(STEP)
+        logger.warning("vllm-specplug: the head's decode steps were not captured at start-up; "
+                       "they are captured on first use instead")
     return count
 
 

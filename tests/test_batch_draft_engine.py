@@ -87,6 +87,10 @@ def test_costly_steps_draft_nothing_and_stay_exact(batch_llm, prompts, expected)
     assert policy.current == 0 and chosen[0] > sum(chosen.values()) - chosen[0], chosen
     # the warm-up and explorations verified drafts now and then
     assert counts.num_drafts > 0
+    # the workers hold the policy's decisions as of the last step (what
+    # `vllm-specplug bench` reports), though the scheduler runs elsewhere
+    view = batch_llm.collective_rpc(lambda worker: worker.model_runner.drafter.batch_policy)[0]
+    assert view["chosen"] == chosen and view["num_steps"] == policy.stats.num_steps, view
 
 
 def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, prompts, expected):

@@ -233,3 +233,33 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
         step(num_reqs)
     stats = scheduler.draft_length.stats
     assert (stats.num_first_at_shape, stats.num_measured) == (2, 3)
+
+
+def test_bench_sums_the_policys_counts_over_repeats_and_reports_them():
+    """`bench offline` reads the counters before and after each repeat (from
+    the workers) and sums the differences; its table shows the share of
+    steps per length and expected vs realised tokens per request."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.offline import batch_policy_delta
+    from vllm_specplug.bench.report import format_batch_policy_table
+
+    def counters(current, steps, chosen, expected, realised, requests):
+        return {"current": current, "num_steps": steps, "num_explored": steps // 8,
+                "num_measured": steps, "num_stalled": 0, "num_first_at_shape": 1,
+                "chosen": chosen, "expected_tokens": expected, "realised_tokens": realised,
+                "num_requests": requests}
+
+    first = batch_policy_delta(None, counters(4, 10, {0: 2, 4: 8}, 30.0, 28.0, 10),
+                               counters(4, 30, {0: 2, 4: 28}, 90.0, 80.0, 30))
+    total = batch_policy_delta(first, counters(4, 30, {0: 2, 4: 28}, 90.0, 80.0, 30),
+                               counters(0, 50, {0: 22, 4: 28}, 110.0, 100.0, 50))
+    assert total["chosen"] == {0: 20, 4: 20} and total["num_steps"] == 40
+    assert total["current"] == 0 and total["expected_tokens"] == 80.0
+    assert batch_policy_delta(total, None, None) is total
+    row = SimpleNamespace(name="ours-tree16-adaptive", batch_size=16, error=None,
+                          batch_policy=total)
+    table = format_batch_policy_table([row, SimpleNamespace(name="none", batch_size=16,
+                                                            error=None, batch_policy=None)])
+    assert "ours-tree16-adaptive" in table and "none" not in table
+    assert "0:50% 4:50%" in table and "trying" not in table and "2.00/1.80" in table, table

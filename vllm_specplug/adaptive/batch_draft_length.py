@@ -294,13 +294,22 @@ class BatchDraftLength:
         self.lengths[k].last_measured = self.num_decode_steps
         self.stats.num_measured += 1
 
+    def counters(self) -> dict:
+        """What it decided so far, cheap enough to read every step (the
+        scheduler hands it to the workers with each step: bench reads it
+        there): the length it runs, the steps each length was chosen for,
+        and the expected vs realised tokens per request summed."""
+        s = self.stats
+        return {"current": self.current, "num_steps": s.num_steps,
+                "num_explored": s.num_explored, "num_measured": s.num_measured,
+                "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
+                "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},
+                "expected_tokens": s.expected_tokens, "realised_tokens": s.realised_tokens,
+                "num_requests": s.num_requests}
+
     def as_dict(self) -> dict:
         s = self.stats
-        return {"candidates": list(self.candidates), "current": self.current,
-                "num_steps": s.num_steps, "num_explored": s.num_explored,
-                "num_measured": s.num_measured, "num_stalled": s.num_stalled,
-                "num_first_at_shape": s.num_first_at_shape,
-                "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},
+        return {**self.counters(), "candidates": list(self.candidates),
                 "expected_tokens_per_request": (s.expected_tokens / s.num_requests
                                                 if s.num_requests else None),
                 "realised_tokens_per_request": (s.realised_tokens / s.num_requests

@@ -74,6 +74,9 @@ class OfflineRow:
     phases: dict = field(default_factory=dict)  # bench/phases.py, with --phases
     # the adaptive controller's counts over this row's repeats (None: off)
     adaptive: dict | None = None
+    # the batch draft length's counts over this row's repeats (None: off;
+    # integration/batch_schedule.py)
+    batch_policy: dict | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # baseline rows: per request, per token, log p(top-1) - log p(top-2)
     top2_gaps: list[list[float]] = field(default_factory=list, repr=False)
@@ -136,19 +139,45 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     engines run interleaved in this process, and the newest holds the
     registry: without them an older engine's repeats would go uncounted)."""
     before, adaptive_before = read_engine_counts(llm, collectors), _adaptive_stats(llm)
+    policy_before = _worker_call(llm, "specplug_batch_policy")
     token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params)
     row.counts = row.counts + (read_engine_counts(llm, collectors) - before)
     row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))
+    row.batch_policy = batch_policy_delta(row.batch_policy, policy_before,
+                                          _worker_call(llm, "specplug_batch_policy"))
     row.tokens_per_second.append(sum(len(t) for t in token_ids) / seconds)
     if keep_tokens:
         row.token_ids = token_ids
 
 
 def _adaptive_stats(llm) -> dict | None:
+    return _worker_call(llm, "specplug_adaptive_stats")
+
+
+def _worker_call(llm, method: str):
+    """The first worker's answer to our worker extension's `method`."""
     try:
-        return llm.collective_rpc("specplug_adaptive_stats")[0]
+        return llm.collective_rpc(method)[0]
     except Exception:  # noqa: BLE001 - a user's worker extension has no such call
         return None
+
+
+def batch_policy_delta(total: dict | None, before: dict | None, after: dict | None
+                       ) -> dict | None:
+    """`total` plus the batch policy's counts between `before` and `after`
+    (`BatchDraftLength.counters`); the length it runs as of `after`."""
+    if after is None:
+        return total
+    before = before or {}
+    total = total or {}
+    out = {"current": after["current"]}
+    for key, value in after.items():
+        if key == "chosen":
+            out[key] = {k: n - before.get(key, {}).get(k, 0) + total.get(key, {}).get(k, 0)
+                        for k, n in value.items()}
+        elif key != "current":
+            out[key] = value - before.get(key, 0) + total.get(key, 0)
+    return out
 
 
 def adaptive_delta(total: dict | None, before: dict | None, after: dict | None

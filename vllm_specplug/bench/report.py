@@ -91,8 +91,8 @@ def format_offline_table(rows) -> str:
                      f"{row.counts.num_drafts:>8}"
                      f"{_exact_text(row.num_mismatches, row.num_near_ties):>8}  "
                      f"{_engine_text(row):<{e}}{per_pos}")
-    adaptive = format_adaptive_table(rows)
-    return "\n".join(lines + ([""] + [adaptive] if adaptive else []))
+    tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows)) if t]
+    return "\n".join(lines + [line for t in tables for line in ("", t)])
 
 
 def format_adaptive_table(rows) -> str:
@@ -112,6 +112,31 @@ def format_adaptive_table(rows) -> str:
             f"{a['mean_kept_per_request']:>9.2f}{a['num_zero'] / requests:>10.1%}"
             f"{a['num_accepted']:>10}/{a['expected_accepted']:<9.0f}"
             f"{a['cost_fixed_ms']:>12.3f} + {a['cost_per_token_ms']:.4f}")
+    return "\n".join(lines)
+
+
+def format_batch_policy_table(rows) -> str:
+    """The batch draft length's decisions per row (rows where it ran): the
+    share of steps each length was chosen for ("trying": steps that held
+    another length to measure it), the explorations, and the tokens per
+    request it expected against those it got."""
+    ours = [r for r in rows if getattr(r, "batch_policy", None) and r.error is None]
+    if not ours:
+        return ""
+    w = max([24] + [len(row.name) + 1 for row in ours])
+    header = (f"{'batch draft length: method':<{w}}{'batch':>6}{'steps':>7}{'explored':>10}"
+              f"{'tokens/request expected/realised':>34}  chosen K: share of steps")
+    lines = [header, "-" * len(header)]
+    for row in ours:
+        p = row.batch_policy
+        steps, requests = max(p["num_steps"], 1), max(p["num_requests"], 1)
+        chosen = " ".join(f"{k}:{n / steps:.0%}" for k, n in sorted(
+            p["chosen"].items(), key=lambda item: int(item[0])) if n)
+        trying = p["num_steps"] - sum(p["chosen"].values())
+        chosen += f" trying:{trying / steps:.0%}" if trying > 0 else ""
+        tokens = f"{p['expected_tokens'] / requests:.2f}/{p['realised_tokens'] / requests:.2f}"
+        lines.append(f"{row.name:<{w}}{row.batch_size:>6}{p['num_steps']:>7}"
+                     f"{p['num_explored']:>10}{tokens:>34}  {chosen}")
     return "\n".join(lines)
 
 

@@ -15,6 +15,13 @@ class WorkerInfo:
     def specplug_adaptive_stats(self) -> dict | None:
         return adaptive_stats(self)
 
+    def specplug_batch_policy(self) -> dict | None:
+        """The batch draft length's counters as of the last step this worker
+        ran (integration/batch_schedule.BatchPolicyView); None when off."""
+        runner = self.model_runner
+        speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+        return getattr(speculator, "batch_policy", None)
+
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
 

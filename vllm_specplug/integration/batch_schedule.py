@@ -26,6 +26,10 @@ from vllm_specplug.proposers.head_graphs import padded_batch
 logger = logging.getLogger("vllm_specplug.adaptive")
 
 LOG_INTERVAL_S = 10.0
+# the policy's counters on each SchedulerOutput (the workers keep the last:
+# `BatchPolicyView`; `vllm-specplug bench` reads them through its worker
+# extension, since the scheduler runs in the engine core's process)
+BATCH_POLICY_ATTR = "specplug_batch_draft_length"
 
 
 def capture_table(candidates: tuple[int, ...], max_num_seqs: int) -> list[tuple[int, int, int]]:
@@ -58,6 +62,11 @@ class BatchDraftSchedule:
         self._last_output_at: float | None = None
         self._last_log = time.monotonic()
         self._shapes_seen: set[tuple[int, int]] = set()
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        setattr(output, BATCH_POLICY_ATTR, self.draft_length.counters())
+        return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         now = time.perf_counter()
@@ -107,6 +116,18 @@ class BatchDraftSchedule:
                     d["chosen"], d["num_explored"], d["num_steps"],
                     _fmt(d["expected_tokens_per_request"]),
                     _fmt(d["realised_tokens_per_request"]))
+
+
+class BatchPolicyView:
+    """A drafter's or speculator's copy of the batch policy's counters, as of
+    the last step it was handed (None: no batch policy scheduled it)."""
+
+    batch_policy: dict | None = None
+
+    def observe_schedule(self, scheduler_output) -> None:
+        counters = getattr(scheduler_output, BATCH_POLICY_ATTR, None)
+        if counters is not None:
+            self.batch_policy = counters
 
 
 def _fmt(value: float | None) -> str:

@@ -66,6 +66,7 @@ def _prepare_inputs(original):
         result = original(self, scheduler_output, num_scheduled_tokens)
         drafter = _ours(self)
         if drafter is not None:
+            drafter.observe_schedule(scheduler_output)
             drafter.after_prepare_inputs(self, scheduler_output)
         return result
 

@@ -124,6 +124,7 @@ def _execute_model(original):
 
         speculator = getattr(self, "speculator", None)
         if isinstance(speculator, V2SpeculatorHooks) and not kwargs.get("dummy_run", False):
+            speculator.observe_schedule(scheduler_output)
             speculator.schedule(scheduler_output, self.req_states)
         return original(self, scheduler_output, *args, **kwargs)
 

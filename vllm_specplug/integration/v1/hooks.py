@@ -7,8 +7,10 @@ for itself: `SpecplugDrafter` (model-free, drafter.py) and `TreeEagleDrafter`
 """
 from __future__ import annotations
 
+from vllm_specplug.integration.batch_schedule import BatchPolicyView
 
-class V1DrafterHooks:
+
+class V1DrafterHooks(BatchPolicyView):
     """Runner hooks; the defaults are what a drafter that needs none does."""
 
     # False: with the target sharded, only the rank whose drafts reach the

@@ -40,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_specplug.integration.batch_schedule import BatchPolicyView
 from vllm_specplug.integration.first_rank import FirstRankShare
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
 from vllm_specplug.proposers.base import DeviceProposeBatch, ProposeBatch, StopReason
@@ -111,7 +112,7 @@ def lengths_reach_scheduler(scheduler_config) -> bool:
     return any(c.__name__ == "SpecplugAsyncScheduler" for c in getattr(cls, "__mro__", ()))
 
 
-class V2SpeculatorHooks:
+class V2SpeculatorHooks(BatchPolicyView):
     """What Model Runner V2 asks of every speculator (`BaseSpeculator`,
     duck-typed: vLLM's ABC needs no registration) besides `propose`, as our
     speculators answer it: no multimodal inputs, no draft probabilities

@@ -124,3 +124,50 @@ def test_compaction_moves_whole_tokens_in_the_logical_layout(device):
     untouched = torch.ones(len(by_slot), dtype=torch.bool, device=device)
     untouched[dst] = False
     assert torch.equal(by_slot[untouched], old[untouched])
+
+
+def test_after_vllms_triton_backend_float32_tree_rows_use_its_dot_precision(device,
+                                                                          monkeypatch):
+    """vLLM's Triton attention (float32 targets) leaves `tl.dot` at Triton's
+    default, TF32 on CUDA (TRITON_F32_DEFAULT overrides): the tree rows are
+    computed the same way, so that they equal what the backend gives
+    without speculation; our own default stays IEEE, and other backends and
+    dtypes keep it. The hook's rows equal a direct launch at that precision
+    bit for bit, and the reference within TF32's rounding."""
+    from vllm_specplug.verification.tree_attention import tree_attention_triton
+
+    class TritonAttentionImpl(SimpleNamespace):  # vLLM's class name, duck-typed
+        pass
+
+    backend = TritonAttentionImpl(**vars(impl()))
+    assert cta.backend_dot_precision(backend, torch.float32) == "tf32"
+    assert cta.backend_dot_precision(backend, torch.bfloat16) is None
+    assert cta.backend_dot_precision(impl(), torch.float32) is None
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert cta.backend_dot_precision(backend, torch.float32) == "ieee"
+    monkeypatch.delenv("TRITON_F32_DEFAULT")
+
+    step = step_of(PARENTS, [9, 3, 5, 12])
+    buffers = ctb.TreeAttentionBuffers(8, 6, device)
+    buffers.update(step)
+    kv_cache, block_table, query = setup(step, device, seed=2)
+    output = torch.full_like(query, 5.0)
+    backend.specplug_tree_rows = buffers
+    launches = []  # the precision each launch got (the interpreter ignores it: CPU checks this)
+    launch = cta.tree_attention_triton
+    monkeypatch.setattr(cta, "tree_attention_triton",
+                        lambda *a, **k: launches.append(k["precision"]) or launch(*a, **k))
+    for _ in range(2):  # the first call compiles every key-split count; the second runs one
+        cta.after_backend_forward(backend, query, kv_cache,
+                                  SimpleNamespace(block_table=block_table), output)
+    assert launches and set(launches) == {"tf32"}
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    direct = torch.full_like(query, 5.0)
+    tree_attention_triton(query.view(-1, HEADS, HEAD_SIZE), key_cache, value_cache, block_table,
+                          buffers.metadata, 0.3, direct.view(-1, HEADS, HEAD_SIZE),
+                          num_requests=4, precision="tf32")
+    assert torch.equal(output, direct)
+    ieee = torch.full_like(query, 5.0)
+    tree_attention_triton(query.view(-1, HEADS, HEAD_SIZE), key_cache, value_cache, block_table,
+                          buffers.metadata, 0.3, ieee.view(-1, HEADS, HEAD_SIZE), num_requests=4)
+    torch.testing.assert_close(output, ieee, atol=5e-3, rtol=5e-3)

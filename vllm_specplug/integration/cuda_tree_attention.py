@@ -28,6 +28,8 @@ Every vLLM 0.32 CUDA backend gives a layer's cache in one logical order,
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_specplug.verification.tree_attention import (KEY_SPLIT_CHOICES, num_key_splits,
@@ -107,7 +109,26 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
         tree_attention_triton(query.view(-1, impl.num_heads, impl.head_size), key_cache,
                               value_cache, attn_metadata.block_table, buffers.metadata,
                               impl.scale, output.view(-1, impl.num_heads, impl.head_size),
-                              num_requests=num_reqs, num_splits=num_splits)
+                              num_requests=num_reqs, num_splits=num_splits,
+                              precision=backend_dot_precision(impl, query.dtype))
+
+
+def backend_dot_precision(impl, dtype: torch.dtype) -> str | None:
+    """The input precision of the backend's own `tl.dot`, for our kernel to
+    compute the tree rows as the backend computes every other row. vLLM's
+    Triton attention (`triton_unified_attention.py`, the backend of float32
+    targets) leaves it at Triton's default, TF32 for float32 on CUDA unless
+    TRITON_F32_DEFAULT says otherwise. Without speculation each token comes
+    from that kernel; our rows in IEEE float32 differ from it by TF32's
+    rounding (about 1e-3 relative). The likely cause, not yet confirmed on a
+    GPU, of the 2 outputs in 128 at batch 64 that differed from no
+    speculation's beyond a near-tie on the H100, for static and adaptive
+    trees alike, while vLLM's eagle3, verified by vLLM's kernel, was exact
+    (docs/results/batch_draft_length_h100_run2). None: our default."""
+    if dtype == torch.float32 and any(cls.__name__ == "TritonAttentionImpl"
+                                      for cls in type(impl).__mro__):
+        return os.environ.get("TRITON_F32_DEFAULT", "tf32")
+    return None
 
 
 PREFIX_LENS_ATTR = "specplug_prefix_lens"  # set on a step's attention metadata, once

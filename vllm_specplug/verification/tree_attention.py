@@ -103,7 +103,8 @@ def tree_attention_triton(query, key_cache, value_cache, block_table,
                           meta: TreeAttentionMetadata, scale: float, output,
                           num_requests: int | None = None, block_m: int | None = None,
                           block_n: int = BLOCK_N, num_warps: int = 4,
-                          num_splits: int | None = None) -> None:
+                          num_splits: int | None = None,
+                          precision: str | None = None) -> None:
     """Launch over the first `num_requests` rows of `meta` (all by default);
     the tile sizes, warps and key splits are for benchmarks and tests
     (bench_tree_attention.py). By default a program's row tile just covers a
@@ -111,7 +112,9 @@ def tree_attention_triton(query, key_cache, value_cache, block_table,
     reads the whole prefix (on an H100, 8-node trees with GQA 4: 0.11 vs
     0.16 ms per layer at batch 64 with 32-row tiles instead of 64;
     tree_attention_kernel.json), and the keys are split when the grid is
-    small (`num_key_splits`)."""
+    small (`num_key_splits`). `precision`: `tl.dot`'s input precision for
+    float32 ("ieee" by default; the engine passes the backend's own,
+    `cuda_tree_attention.backend_dot_precision`)."""
     from vllm_specplug.kernels.tree_attention import (tree_attention_kernel,
                                                       tree_attention_merge_kernel)
 
@@ -129,7 +132,7 @@ def tree_attention_triton(query, key_cache, value_cache, block_table,
                                   if num_splits > 1 else (1,), dtype=torch.float32)
     partial_lse = query.new_empty(partial_out.shape[:-1] if num_splits > 1 else (1,),
                                   dtype=torch.float32)
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    precision = precision or ("ieee" if query.dtype == torch.float32 else "tf32")
     tree_attention_kernel[(num_requests, num_kv_heads, row_tiles * num_splits)](
         query, key_cache, value_cache, output, block_table, meta.first_token,
         meta.seq_lens, meta.num_nodes, meta.ancestor_bits, scale,

@@ -95,24 +95,33 @@ def format_offline_table(rows) -> str:
     return "\n".join(lines + [line for t in tables for line in ("", t)])
 
 
-def format_adaptive_table(rows) -> str:
-    """The adaptive controller's decisions per row (rows where it ran)."""
-    ours = [r for r in rows if getattr(r, "adaptive", None) and r.error is None]
+def _decision_table(rows, field: str, title: str, columns: str, cells) -> str:
+    """A table of a controller's decisions: one line per row where it ran
+    (`field` set, no error), `cells(row)` after the name and batch size;
+    "" when it ran nowhere."""
+    ours = [r for r in rows if getattr(r, field, None) and r.error is None]
     if not ours:
         return ""
-    w = max([18] + [len(row.name) + 1 for row in ours])
-    header = (f"{'adaptive: method':<{w}}{'batch':>6}{'kept/offered':>16}{'per req':>9}"
-              f"{'cut to 0':>10}{'accepted/expected':>20}{'step ms + ms/token':>22}")
-    lines = [header, "-" * len(header)]
-    for row in ours:
-        a = row.adaptive
-        requests = max(a["num_requests"], 1)
-        lines.append(
-            f"{row.name:<{w}}{row.batch_size:>6}{a['num_kept']:>8}/{a['num_offered']:<7}"
+    w = max([len(title) + len(": method") + 2] + [len(row.name) + 1 for row in ours])
+    header = f"{title + ': method':<{w}}{'batch':>6}{columns}"
+    return "\n".join([header, "-" * len(header)]
+                     + [f"{row.name:<{w}}{row.batch_size:>6}{cells(row)}" for row in ours])
+
+
+def format_adaptive_table(rows) -> str:
+    """The adaptive controller's decisions per row (rows where it ran)."""
+    return _decision_table(
+        rows, "adaptive", "adaptive", f"{'kept/offered':>16}{'per req':>9}{'cut to 0':>10}"
+        f"{'accepted/expected':>20}{'step ms + ms/token':>22}", _adaptive_cells)
+
+
+def _adaptive_cells(row) -> str:
+    a = row.adaptive
+    requests = max(a["num_requests"], 1)
+    return (f"{a['num_kept']:>8}/{a['num_offered']:<7}"
             f"{a['mean_kept_per_request']:>9.2f}{a['num_zero'] / requests:>10.1%}"
             f"{a['num_accepted']:>10}/{a['expected_accepted']:<9.0f}"
             f"{a['cost_fixed_ms']:>12.3f} + {a['cost_per_token_ms']:.4f}")
-    return "\n".join(lines)
 
 
 def format_batch_policy_table(rows) -> str:
@@ -120,24 +129,20 @@ def format_batch_policy_table(rows) -> str:
     share of steps each length was chosen for ("trying": steps that held
     another length to measure it), the explorations, and the tokens per
     request it expected against those it got."""
-    ours = [r for r in rows if getattr(r, "batch_policy", None) and r.error is None]
-    if not ours:
-        return ""
-    w = max([24] + [len(row.name) + 1 for row in ours])
-    header = (f"{'batch draft length: method':<{w}}{'batch':>6}{'steps':>7}{'explored':>10}"
-              f"{'tokens/request expected/realised':>34}  chosen K: share of steps")
-    lines = [header, "-" * len(header)]
-    for row in ours:
-        p = row.batch_policy
-        steps, requests = max(p["num_steps"], 1), max(p["num_requests"], 1)
-        chosen = " ".join(f"{k}:{n / steps:.0%}" for k, n in sorted(
-            p["chosen"].items(), key=lambda item: int(item[0])) if n)
-        trying = p["num_steps"] - sum(p["chosen"].values())
-        chosen += f" trying:{trying / steps:.0%}" if trying > 0 else ""
-        tokens = f"{p['expected_tokens'] / requests:.2f}/{p['realised_tokens'] / requests:.2f}"
-        lines.append(f"{row.name:<{w}}{row.batch_size:>6}{p['num_steps']:>7}"
-                     f"{p['num_explored']:>10}{tokens:>34}  {chosen}")
-    return "\n".join(lines)
+    return _decision_table(
+        rows, "batch_policy", "batch draft length", f"{'steps':>7}{'explored':>10}"
+        f"{'tokens/request expected/realised':>34}  chosen K: share of steps", _policy_cells)
+
+
+def _policy_cells(row) -> str:
+    p = row.batch_policy
+    steps, requests = max(p["num_steps"], 1), max(p["num_requests"], 1)
+    chosen = " ".join(f"{k}:{n / steps:.0%}" for k, n in sorted(
+        p["chosen"].items(), key=lambda item: int(item[0])) if n)
+    trying = p["num_steps"] - sum(p["chosen"].values())
+    chosen += f" trying:{trying / steps:.0%}" if trying > 0 else ""
+    tokens = f"{p['expected_tokens'] / requests:.2f}/{p['realised_tokens'] / requests:.2f}"
+    return f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}  {chosen}"
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",

@@ -100,14 +100,14 @@ def test_the_head_captures_its_step_graphs_at_start_up(tree_run):
     (integration/v2/step_warmup.py), for the target layout service then
     used: after generating, every step graph has that one layout (a wrong
     guess would add a second set, captured on first use)."""
+    from vllm_specplug.integration.batch_schedule import table_lengths
     from vllm_specplug.integration.v2.head_speculator import step_tree_shape
     from vllm_specplug.integration.v2.step_warmup import padded_sizes, steady_steps
 
     kind, _, _, _, runner = tree_run
     spec = SPECS[kind]
     table = spec.get("num_speculative_tokens_per_batch_size")
-    lengths = (tuple(sorted({entry[2] for entry in table})) if table
-               else (spec["num_draft_tokens"] - 1,))
+    lengths = table_lengths(table) if table else (spec["num_draft_tokens"] - 1,)
     shape = (spec["topk"], spec["num_steps"], spec["num_draft_tokens"])
     start, after = runner["pool_at_start"], runner["pool"]
     expected = (len(padded_sizes(start["max_num_reqs"]))

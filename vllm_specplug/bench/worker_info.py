@@ -18,9 +18,7 @@ class WorkerInfo:
     def specplug_batch_policy(self) -> dict | None:
         """The batch draft length's counters as of the last step this worker
         ran (integration/batch_schedule.BatchPolicyView); None when off."""
-        runner = self.model_runner
-        speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
-        return getattr(speculator, "batch_policy", None)
+        return getattr(_speculator(self), "batch_policy", None)
 
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
@@ -36,8 +34,7 @@ class WorkerInfo:
 def runner_state(worker) -> dict:
     """Which model runner and speculator a worker runs, in which dtype (vLLM's
     `auto` runs a float32 checkpoint in bf16 on CPU), and its capture sizes."""
-    runner = worker.model_runner
-    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    runner, speculator = worker.model_runner, _speculator(worker)
     config = runner.vllm_config
     return {"runner": f"{type(runner).__module__}.{type(runner).__name__}",
             "speculator": None if speculator is None else type(speculator).__name__,
@@ -52,9 +49,14 @@ def adaptive_controller(worker):
     """The worker's `AdaptiveController` (vllm_specplug/adaptive/): the V1
     drafter's or the V2 speculator's session's, or the V1 tree drafter's
     `TreeBudget`; None when off or absent."""
-    runner = worker.model_runner
-    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    speculator = _speculator(worker)
     return getattr(getattr(speculator, "session", speculator), "adaptive", None)
+
+
+def _speculator(worker):
+    """The runner's speculator (Model Runner V2) or drafter (V1 runner)."""
+    runner = worker.model_runner
+    return getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
 
 
 def adaptive_stats(worker) -> dict | None:

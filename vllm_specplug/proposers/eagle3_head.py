@@ -33,7 +33,7 @@ from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.proposers.draft_topk import draft_topk
 from vllm_specplug.proposers.head_attention import attend_cached, attend_draft, draft_context
 from vllm_specplug.proposers.head_cache import MIN_SLOTS, NO_POSITION, CacheView, HeadCachePool
-from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, keys_bucket,
+from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layout, key_range,
                                                   padded, padded_batch, run_draft_pass,
                                                   run_ingest_pass, run_step_pass)
 from vllm_specplug.verification.backend import Backend, to_device
@@ -199,8 +199,7 @@ class HeadRuntime:
         The batch is padded to a capture size and replays a graph."""
         pool = self.pool
         pool.reserve(0, max_position + 1)  # before the key: a reallocation voids the graphs
-        num_keys = (self.graphs.key_range(max_position + 1, pool.capacity)
-                     if self.graphs is not None else keys_bucket(max_position + 1, pool.capacity))
+        num_keys = key_range(self.graphs, max_position + 1, pool.capacity)
         size, rows = padded_batch(slots.shape[0]), positions.shape[1]
         inputs = [padded(slots, size),
                   padded(target_hidden.view(slots.shape[0], rows, -1), size).flatten(0, 1),

@@ -49,6 +49,9 @@ MAX_GRAPHS = 512
 MAX_GRAPHED_ROWS = 16  # positions per request up to which an ingest replays a graph
 
 
+STEP_KIND = "step"  # PassGraphs' kind of a whole decode step (run_step_pass)
+
+
 def padded_batch(num_requests: int) -> int:
     if num_requests <= 4:
         return next_power_of_2(num_requests)
@@ -57,6 +60,13 @@ def padded_batch(num_requests: int) -> int:
 
 def keys_bucket(num_keys: int, capacity: int) -> int:
     return min(capacity, max(MIN_KEYS, next_power_of_2(num_keys)))
+
+
+def key_range(graphs: "PassGraphs | None", num_keys: int, capacity: int) -> int:
+    """The key range a pass reading `num_keys` runs at: the graphs' own
+    (`PassGraphs.key_range`), or a power of two when it runs without graphs."""
+    return (graphs.key_range(num_keys, capacity) if graphs is not None
+            else keys_bucket(num_keys, capacity))
 
 
 @dataclass
@@ -242,11 +252,10 @@ def run_step_pass(graphs: PassGraphs | None, step_pass: Callable[..., None], poo
     `inputs`, the caller's persistent buffers already padded to a capture
     size: replayed from its graph, reading them in place (eager if none)."""
     pool.reserve(0, num_keys)  # before the key: a reallocation voids the graphs
-    num_keys = (graphs.key_range(num_keys, pool.capacity) if graphs is not None
-                else keys_bucket(num_keys, pool.capacity))
+    num_keys = key_range(graphs, num_keys, pool.capacity)
     # inputs[3]: positions [Bp, R]; inputs[1]: the target's rows (a graph
     # captured at start-up on another width or dtype is not replayed on them)
-    key = ("step", *inputs[3].shape, num_keys, shape, inputs[1].shape[-1], inputs[1].dtype)
+    key = (STEP_KIND, *inputs[3].shape, num_keys, shape, inputs[1].shape[-1], inputs[1].dtype)
     ran = graphs is not None and graphs.run(pool.version, key, step_pass, inputs, num_keys,
                                             shape, emit, own_inputs=True)[0]
     if not ran:

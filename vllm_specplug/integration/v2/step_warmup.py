@@ -23,11 +23,11 @@ import logging
 
 import torch
 
-from vllm_specplug.proposers.head_graphs import padded_batch
+from vllm_specplug.integration.batch_schedule import table_lengths
+from vllm_specplug.proposers.head_graphs import STEP_KIND, padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
-STEP = "step"  # PassGraphs' kind of the fused decode step (head_graphs.run_step_pass)
 
 
 def scheduled_lengths(spec_config) -> tuple[int, ...]:
@@ -36,9 +36,7 @@ def scheduled_lengths(spec_config) -> tuple[int, ...]:
     policy's candidates are, integration/batch_schedule.capture_table), or
     `num_speculative_tokens` alone."""
     table = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
-    if table:
-        return tuple(sorted({int(entry[2]) for entry in table}))
-    return (int(spec_config.num_speculative_tokens),)
+    return table_lengths(table) if table else (int(spec_config.num_speculative_tokens),)
 
 
 def target_layout(model_config, aux_layer_ids) -> tuple[int, torch.dtype]:
@@ -77,22 +75,22 @@ def warm_up_step_graphs(speculator, lengths: tuple[int, ...], width: int,
     steps run."""
     # eager (graphs None, as on CPU) they only run: what the test checks
     disabled = speculator.runtime.graphs.disabled if speculator.runtime.graphs else set()
-    was_disabled, count = STEP in disabled, 0
+    was_disabled, count = STEP_KIND in disabled, 0
     keys = [(size, num_rows, shape) for num_rows, shape
             in steady_steps(lengths, speculator.drafter.tree_shape, step_shape)
             for size in padded_sizes(speculator.max_num_reqs)]
     try:
         for size, num_rows, shape in keys:
-            if STEP in disabled:
+            if STEP_KIND in disabled:
                 break
             _placeholder_step(speculator, size, num_rows, shape, width, dtype)
             count += 1
     finally:  # also after a failed capture: service starts clean either way
         _forget_placeholders(speculator)
-    if STEP in disabled and not was_disabled:
+    if STEP_KIND in disabled and not was_disabled:
         # a capture failed here (PassGraphs logged why): service still tries
         # each on first use, as before start-up capture existed
-        disabled.discard(STEP)
+        disabled.discard(STEP_KIND)
         logger.warning("vllm-specplug: the head's decode steps were not captured at start-up; "
                        "they are captured on first use instead")
     return count

@@ -24,7 +24,7 @@ slow steps are kept out three ways: the scheduler does not time the first
 step at each new shape (it captures a drafting graph: 200-450 ms on the
 H100 where others took 4); a step `STALL_RATIO` times slower than one known
 to do at least as much work is dropped; and the lower quartile of the last
-8 discounts the rest. A length not measured in this bucket is priced by its ratio to the
+32 discounts the rest. A length not measured in this bucket is priced by its ratio to the
 current length in the nearest bucket where both were measured, if that is
 at most 4x the batch away (else it is measured there). A step
 counts for the time of K only when it both verified K drafts per request
@@ -37,7 +37,9 @@ Each length is measured `MIN_SAMPLES` times at the first batch sizes seen
 counts: mostly a neighbour of the current one (cheap to try, and where the
 best length moves as the batch grows and shrinks), at times the length
 measured least recently. A change needs a `switch_margin` gain over the
-current K: two lengths that are about as good do not alternate.
+current K plus the noise of the two times (their standard errors): two
+lengths that are about as good do not alternate, and a latency-bound batch,
+where every length costs about the same, keeps the longest.
 
 Related: vLLM's adaptive verification (DSpark, per-slot budgets from draft
 confidences); SpecDec++ (Huang et al., 2024) and DISCO (Mamou et al., 2024)
@@ -45,12 +47,15 @@ choose K per step from acceptance alone, without the step's cost.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
-# samples of a (length, bucket) before its typical time counts, and how many it keeps
+# samples of a (length, bucket) before its typical time counts, and how many
+# it keeps: at batch 1 on the H100 one step's time moved 20%, and the lower
+# quartiles of two windows of 8 steps of the same cost were often 25% apart
 MIN_SAMPLES = 3
-WINDOW = 8
+WINDOW = 32
 # one exploration in this many measures the length measured least recently
 # (the others try the current length's neighbours)
 FAR_EVERY = 4
@@ -66,6 +71,11 @@ STALL_RATIO = 3.0
 # length the same there, and the longest was kept without being measured
 # (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt).
 MAX_TRANSFER_BUCKETS = 2
+# A move to a shorter length needs a gain beyond the margin of this many
+# standard errors of the two times: the policy weighs its lengths every step,
+# and one noisy time in twenty would otherwise move it (a longer length is
+# never worse by the tokens it adds, so its risk is only its time).
+SWITCH_Z = 2.0
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
@@ -126,17 +136,49 @@ class StepTimes:
             return None
         return sorted(window)[len(window) // 4]
 
+    def noise(self, k: int, bucket: int) -> float:
+        """The relative standard error of `typical(k, bucket)`: the bucket's
+        spread (`spread`) over sqrt(k's samples there). On the H100 at batch
+        1 steps of every length took 3-4 ms, each moving about 20%
+        (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt):
+        differences that size between two lengths' times are noise, not cost."""
+        window = self.samples.get((k, bucket))
+        if window is None or len(window) < MIN_SAMPLES:
+            return 0.0
+        return self.spread(bucket) / math.sqrt(len(window))
+
+    def spread(self, bucket: int) -> float:
+        """The interquartile range of the bucket's step times, each relative to
+        its length's median, pooled over lengths: how much one step's time
+        moves at this batch size. Pooled because eight samples of one length
+        put their quartiles close together by chance as often as not."""
+        relative = []
+        for (_, b), window in self.samples.items():
+            if b == bucket and len(window) >= MIN_SAMPLES:
+                middle = sorted(window)[len(window) // 2]
+                relative.extend(t / max(middle, 1e-12) for t in window)
+        if len(relative) < 2 * MIN_SAMPLES:
+            return 0.0
+        relative.sort()
+        return relative[(3 * len(relative)) // 4] - relative[len(relative) // 4]
+
     def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
-        """Seconds of a step at `k` in `batch_size`'s bucket: measured there,
-        or the `anchor` length's time there times their ratio in the nearest
-        bucket where both were measured, `MAX_TRANSFER_BUCKETS` at most
-        away; None otherwise (the policy then measures it)."""
+        """Seconds of a step at `k` in `batch_size`'s bucket (`estimate`)."""
+        estimate = self.estimate(k, batch_size, anchor)
+        return None if estimate is None else estimate[0]
+
+    def estimate(self, k: int, batch_size: int, anchor: int) -> tuple[float, float] | None:
+        """(seconds, relative standard error) of a step at `k` in
+        `batch_size`'s bucket: measured there, or the `anchor` length's time
+        there times their ratio in the nearest bucket where both were
+        measured, `MAX_TRANSFER_BUCKETS` at most away (the three errors
+        combined); None otherwise (the policy then measures it)."""
         if self.pinned is not None:
-            return self.pinned[0] + self.pinned[1] * batch_size * (k + 1)
+            return self.pinned[0] + self.pinned[1] * batch_size * (k + 1), 0.0
         bucket = batch_bucket(batch_size)
         own = self.typical(k, bucket)
         if own is not None or k == anchor:
-            return own
+            return None if own is None else (own, self.noise(k, bucket))
         base = self.typical(anchor, bucket)
         if base is None:
             return None
@@ -146,7 +188,9 @@ class StepTimes:
         for other in buckets:
             mine, theirs = self.typical(k, other), self.typical(anchor, other)
             if mine is not None and theirs is not None:
-                return base * mine / theirs
+                return base * mine / theirs, math.hypot(self.noise(anchor, bucket),
+                                                        self.noise(k, other),
+                                                        self.noise(anchor, other))
         return None
 
 
@@ -208,23 +252,35 @@ class BatchDraftLength:
         if self.explore_left > 0:
             self.explore_left -= 1
             return self.exploring
-        seconds = {k: self.times.predict(k, batch_size, self.current) for k in self.candidates}
-        if seconds[self.current] is not None:
-            unknown = [k for k in self.candidates if seconds[k] is None
+        estimates = {k: self.times.estimate(k, batch_size, self.current)
+                     for k in self.candidates}
+        if estimates[self.current] is not None:
+            unknown = [k for k in self.candidates if estimates[k] is None
                        and self.tries.get((k, batch_bucket(batch_size)), 0) < 4 * MIN_SAMPLES]
             if unknown:
                 return self._hold(unknown[-1], batch_size)
             if self.stats.num_steps % self.explore_every == 0:
                 return self._hold(self._next_to_explore(), batch_size)
-            rates = {k: batch_size * self.expected_tokens(k) / max(t, 1e-9)
-                     for k, t in seconds.items() if t is not None}
-            best = max(rates, key=rates.get)
-            if rates[best] > rates[self.current] * (1 + self.switch_margin):
-                self.current = best
+            self._switch(batch_size, {k: e for k, e in estimates.items() if e is not None})
         # else: the current length is being measured in this bucket first
         self.lengths[self.current].num_chosen += 1
         self.last_expected[self.current] = self.expected_tokens(self.current)
         return self.current
+
+    def _switch(self, batch_size: int, estimates: dict[int, tuple[float, float]]) -> None:
+        """Move to the length with the most expected tokens per second if it
+        beats the current one by `switch_margin` plus the noise of the two
+        times (their relative standard errors combined): the best of several
+        noisy estimates is biased upwards, and where lengths cost about the
+        same (a latency-bound batch), a noisy time would otherwise move the
+        batch to a shorter length for a saving that is not there."""
+        rates = {k: batch_size * self.expected_tokens(k) / max(t, 1e-9)
+                 for k, (t, _) in estimates.items()}
+        best = max(rates, key=rates.get)
+        noise = (SWITCH_Z * math.hypot(estimates[best][1], estimates[self.current][1])
+                 if best < self.current else 0.0)
+        if rates[best] > rates[self.current] * (1 + self.switch_margin + noise):
+            self.current = best
 
     def _next_to_explore(self) -> int:
         """The current length's neighbours in turn (where the best length

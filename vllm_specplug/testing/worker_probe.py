@@ -51,9 +51,9 @@ class SpecplugProbe:
 
     def specplug_head_pool_state(self) -> dict | None:
         """Our Model Runner V2 head speculator's cache pool: slots, capacity
-        and reallocations; its fused decode-step graphs: how many, and the
-        target layouts (width, dtype) they were captured for (None without
-        that speculator)."""
+        and reallocations; its fused decode-step graphs: how many, their keys,
+        and the target layouts (width, dtype) they were captured for (None
+        without that speculator)."""
         speculator = getattr(self.model_runner, "speculator", None)
         pool = getattr(getattr(speculator, "runtime", None), "pool", None)
         if pool is None:
@@ -62,7 +62,9 @@ class SpecplugProbe:
         return {"num_slots": pool.num_slots, "capacity": pool.capacity,
                 "version": pool.version, "max_positions": speculator.max_positions,
                 "max_num_reqs": speculator.max_num_reqs, "step_graphs": len(steps),
-                "step_layouts": sorted({(key[-2], str(key[-1])) for key in steps})}
+                "step_layouts": sorted({(key[-2], str(key[-1])) for key in steps}),
+                # (padded batch, rows per request, key range, tree shape) of each
+                "step_keys": sorted((key[1], key[2], key[3], tuple(key[4])) for key in steps)}
 
     def specplug_prefix_adoptions(self) -> int | None:
         """Requests our Model Runner V2 head speculator started on saved head

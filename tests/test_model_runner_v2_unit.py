@@ -111,6 +111,57 @@ class Broadcast:
         return FirstRankShare(first, broadcast)
 
 
+SUFFIX = {"method": "specplug_suffix", "num_speculative_tokens": K, "min_token_prob": 0.0,
+          "max_spec_factor": 4.0, "max_cached_requests": 0, "adaptive": False}
+
+
+def test_host_drafts_of_a_structured_request_are_the_ones_its_grammar_allows(tiny_model_dir):
+    """Model Runner V2 keeps no sampling params: the speculator keeps the
+    structured requests' from their first scheduler output and checks their
+    drafts with its own grammar (vLLM's manager, on the tiny model's
+    tokenizer), as the V1 drafter does. Output "12" under the regex [0-9]+;
+    after "1 2" the prompt goes on with "a" three times and "3 4" once: the
+    free request drafts "a 1 2", the structured one the likeliest path of
+    digits. Finished, the request's grammar is forgotten."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+    from vllm_specplug.integration.grammar_drafting import DraftGrammars
+
+    one, two, three, four, a = 22, 23, 24, 25, 70  # "1" "2" "3" "4" "a"
+    prompt = [one, two, a, one, two, a, one, two, three, four, one, two, a]
+    states = States()
+    speculator = make_speculator(states, spec_config=SUFFIX)
+    config = _config(tiny_model_dir, OUR_SPEC)
+    speculator.grammars = DraftGrammars(config)
+    digits = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    # what vLLM's input processor does to a request (it picks the backend)
+    digits.verify(config.model_config, None, config.structured_outputs_config,
+                  cached_tokenizer_from_config(config.model_config))
+    new = [SimpleNamespace(req_id="digits", sampling_params=digits),
+           SimpleNamespace(req_id="free", sampling_params=SamplingParams())]
+    speculator.schedule(SimpleNamespace(scheduled_new_reqs=new, finished_req_ids=set()), states)
+    assert set(speculator.structured) == {"digits"}
+    # compiled on the manager's threads: wait for it before the step drafts
+    speculator.grammars.grammar_of("digits", digits, np.zeros(0, dtype=np.int32))
+    holder = speculator.grammars.tracked["digits"].holder.structured_output_request
+    deadline = time.monotonic() + 60
+    while holder.grammar is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for req_id, slot in (("digits", 0), ("free", 1)):
+        states.add(req_id, slot, prompt + [one], num_prompt=len(prompt))
+        states.sample(req_id, [two])
+    _, (_, lists), _ = step(speculator, states, ["digits", "free"], [1, 1])
+    assert lists[1] == [a, one, two]
+    assert lists[0] == [three, four, one]
+    speculator.schedule(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"digits"}),
+                        states)
+    assert not speculator.structured and "digits" not in speculator.grammars.tracked
+
+
 def test_a_sharded_target_drafts_once_on_the_first_rank():
     """At tensor parallelism the first rank drafts and the others take its
     drafts: the second rank's proposer is never called, and its draft

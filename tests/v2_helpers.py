@@ -72,11 +72,15 @@ class Spy:
         return calls
 
 
+NGRAM = {"method": "specplug_ngram", "num_speculative_tokens": K,
+         "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+         "adaptive": False}  # drafts as proposed (the adapter alone)
+
+
 def make_speculator(states: States, use_device_drafter: bool = False,
-                    device: str = "cpu", shared=None) -> SpecplugV2Speculator:
-    _, selection = translate({"method": "specplug_ngram", "num_speculative_tokens": K,
-                              "prompt_lookup_min": 2, "prompt_lookup_max": 3,
-                              "adaptive": False})  # drafts as proposed (the adapter alone)
+                    device: str = "cpu", shared=None, spec_config: dict = NGRAM,
+                    ) -> SpecplugV2Speculator:
+    _, selection = translate(dict(spec_config))
     spec = SimpleNamespace(num_speculative_tokens=K)
     attach(spec, selection)
     config = SimpleNamespace(

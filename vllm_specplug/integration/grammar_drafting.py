@@ -31,6 +31,13 @@ import torch
 logger = logging.getLogger("vllm_specplug.grammar_drafting")
 
 
+def prefix_check(grammar):
+    """`ProposeBatch.valid_prefix`'s check for one request: how many leading
+    tokens of a candidate draft `grammar` (advanced to the request's output)
+    allows."""
+    return lambda token_ids: len(grammar.validate_tokens(token_ids))
+
+
 @dataclass
 class _Tracked:
     """One request's grammar as the drafter sees it."""
@@ -55,7 +62,7 @@ class DraftGrammars:
         not compiled yet, or broken."""
         tracked = self.tracked.get(req_id)
         if tracked is None:
-            if not _constrained(sampling_params) or not self._start(req_id, sampling_params):
+            if not is_constrained(sampling_params) or not self._start(req_id, sampling_params):
                 return None
             tracked = self.tracked[req_id]
         if tracked.broken:
@@ -118,7 +125,7 @@ class DraftGrammars:
                          self.manager.backend.allocate_token_bitmask)
 
 
-def _constrained(sampling_params) -> bool:
+def is_constrained(sampling_params) -> bool:
     params = getattr(sampling_params, "structured_outputs", None)
     return params is not None and not params.all_constraints_none()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_specplug.integration.grammar_drafting import DraftGrammars
+from vllm_specplug.integration.grammar_drafting import DraftGrammars, prefix_check
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.proposers.base import ProposeBatch, StopReason
@@ -106,7 +106,7 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
         for j, row in enumerate(rows):
             grammar = self.grammars.of_row(runner, row)
             if grammar is not None:
-                checks[j] = lambda token_ids, g=grammar: len(g.validate_tokens(token_ids))
+                checks[j] = prefix_check(grammar)
         return checks
 
 

@@ -42,6 +42,7 @@ import torch
 
 from vllm_specplug.integration.batch_schedule import BatchPolicyView
 from vllm_specplug.integration.first_rank import FirstRankShare
+from vllm_specplug.integration.grammar_drafting import DraftGrammars, is_constrained, prefix_check
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
 from vllm_specplug.proposers.base import DeviceProposeBatch, ProposeBatch, StopReason
 
@@ -180,6 +181,27 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         self.last_req_ids: list[str] = []
         self.last_drafts: list[list[int]] = []
         self.pending_lengths: dict[str, int] | None = None
+        # the drafter's own grammar per structured request, for a host
+        # proposer that prefers drafts the grammar allows (suffix, hybrid;
+        # grammar_drafting.py); req_id -> sampling params of those requests
+        self.grammars = (DraftGrammars(vllm_config) if self.device_drafter is None
+                         and self.session.proposer.reads_grammars else None)
+        self.structured: dict[str, object] = {}
+
+    def schedule(self, scheduler_output, req_states) -> None:
+        """Model Runner V2 keeps no request's sampling params: the structured
+        requests' are kept here from their first scheduler output, until they
+        finish (a preempted request keeps its grammar, advanced as far as its
+        output, which it keeps)."""
+        del req_states
+        if self.grammars is None:
+            return
+        for new in scheduler_output.scheduled_new_reqs:
+            if is_constrained(new.sampling_params):
+                self.structured[new.req_id] = new.sampling_params
+        for req_id in scheduler_output.finished_req_ids:
+            if self.structured.pop(req_id, None) is not None:
+                self.grammars.forget(req_id)
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -298,9 +320,31 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
                              read_only_rows(self.histories.token_ids, slots[rows], lens[rows]),
                              read_only(lens[rows].astype(np.int64)), k,
                              None if hidden is None else hidden[rows])
+        if self.structured:
+            # a grammar's fault costs this step its checks, never the engine
+            ok, checks = self.session.guard.call(
+                "grammar_checks", batch.req_ids, self._valid_prefixes, batch.req_ids,
+                slots[rows], lens[rows], effect="its drafts go unchecked this step")
+            batch.valid_prefix.update(checks if ok else {})
         for i, draft in zip(rows, self.session.draft(batch, len(req_ids))):
             drafts[i] = draft
         return drafts
+
+    def _valid_prefixes(self, req_ids: list[str], slots: np.ndarray, lens: np.ndarray) -> dict:
+        """{batch row: how many leading tokens of a draft the request's
+        grammar allows after its output} for the structured requests
+        (`ProposeBatch.valid_prefix`), as the V1 drafter gives them."""
+        checks = {}
+        for j, (req_id, slot, num_tokens) in enumerate(zip(req_ids, slots, lens)):
+            params = self.structured.get(req_id)
+            if params is None:
+                continue
+            start = int(self.req_states.prompt_len.np[slot])
+            grammar = self.grammars.grammar_of(req_id, params,
+                                               self.histories.token_ids[slot, start:num_tokens])
+            if grammar is not None:
+                checks[j] = prefix_check(grammar)
+        return checks
 
     def _to_device(self, req_ids, slots, drafts, k) -> torch.Tensor:
         num_reqs = len(req_ids)

@@ -38,6 +38,8 @@
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
 #            it; TP=2 shards the target over a 2-GPU kind; RUN_NAME names the results)
 #   tp2-tests  tests/gpu/test_tensor_parallel_cuda.py on a 2-GPU kind (K="-k" expression)
+#   tree-tests  host.sh v2-tree-tests detached, over several calls (K="-k" expression):
+#            `start tree-tests`, then `wait tree-tests 110` until it prints DONE
 # Every speculative engine of these runs is on Model Runner V2 (the bench
 # records runner and speculator per row).
 set -uo pipefail
@@ -182,6 +184,15 @@ run() {
       export VLLM_WORKER_MULTIPROC_METHOD=spawn
       python3 benchmarks/gpu/bench_v2_steps.py run --work "$W" --out "$RESULTS/${RUN_NAME:-steps8b}" ${TP:+--tensor-parallel-size "$TP"} \
         "${@:2}" ;;
+    tree-tests)
+      # host.sh v2-tree-tests detached: the suite starts about 10 engines and
+      # outgrew one 10-minute call (2026-11-28); -k K selects, TRITON_F32_DEFAULT passes through
+      export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+      export VLLM_WORKER_MULTIPROC_METHOD=spawn
+      mkdir -p "$RESULTS/tree-tests"
+      python3 -m pytest -v -rfs --tb=short tests/kernels/test_tree_rows.py \
+        tests/gpu/test_tree_eagle_cuda.py ${K:+-k "$K"} > "$RESULTS/tree-tests/pytest.txt" 2>&1
+      tail -12 "$RESULTS/tree-tests/pytest.txt" ;;
     tp2-tests)
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
       export VLLM_WORKER_MULTIPROC_METHOD=spawn

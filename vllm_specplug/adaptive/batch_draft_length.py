@@ -100,6 +100,7 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.samples: dict[tuple[int, int], deque] = {}
+        self.spreads: dict[int, float] = {}  # bucket -> `spread`, until its next sample
         # (fixed, per verified token) seconds that override the samples (tests)
         self.pinned: tuple[float, float] | None = None
 
@@ -112,6 +113,7 @@ class StepTimes:
         if reference is not None and seconds > STALL_RATIO * reference:
             return False
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
+        self.spreads.pop(key[1], None)
         return True
 
     def reference(self, k: int, bucket: int) -> float | None:
@@ -150,8 +152,15 @@ class StepTimes:
     def spread(self, bucket: int) -> float:
         """The interquartile range of the bucket's step times, each relative to
         its length's median, pooled over lengths: how much one step's time
-        moves at this batch size. Pooled because eight samples of one length
-        put their quartiles close together by chance as often as not."""
+        moves at this batch size. Pooled because a few samples of one length
+        put their quartiles close together by chance as often as not. Kept
+        until the bucket's next sample: the policy asks for it per length,
+        every step."""
+        if bucket not in self.spreads:
+            self.spreads[bucket] = self._pooled_spread(bucket)
+        return self.spreads[bucket]
+
+    def _pooled_spread(self, bucket: int) -> float:
         relative = []
         for (_, b), window in self.samples.items():
             if b == bucket and len(window) >= MIN_SAMPLES:

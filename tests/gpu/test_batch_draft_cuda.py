@@ -1,0 +1,71 @@
+"""One tree size per step for the batch on Model Runner V2 (issue 27, item 2):
+after steps without drafts, the head's drafts are accepted as before.
+
+`"adaptive": true` on CUDA puts `SpecplugBatchDraftTreeAsyncScheduler` in
+vLLM's async scheduler; the head speculator still ingests every verified
+token on a step that drafts nothing (`head_speculator.step_tree_shape`: at 0
+drafts it keeps a tree of one node), so that its cache follows the request.
+TensorRT-LLM found acceptance silently collapsing after such steps
+(TensorRT-LLM #16888). The CPU twin on the V1 runner is
+tests/test_batch_draft_engine.py; this one runs the fused decode step, its
+graphs and async scheduling. The step costs are pinned on the scheduler's
+own step times, as there, so each phase's choice does not depend on the GPU.
+
+Run on the staged GPU host (docs/gpu.md) with the tiny model and its head
+in `$SPECPLUG_GPU_WORK`. CI has no GPU: skipped there, with the reason.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_model_runner_v2 import _engine, baseline, prompts, work  # noqa: F401
+from tests.gpu.test_tree_eagle_cuda import TREE
+from tests.test_batch_draft_engine import CHEAP, COSTLY, NUM_COSTLY_STEPS, _phased, _scheduler
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (Model Runner V2 and its async scheduling); run on the staged "
+           "GPU host as docs/gpu.md says")
+
+
+@pytest.fixture(scope="module")
+def batch_llm(work):  # noqa: F811
+    from vllm_specplug.engine import shutdown_llm
+
+    head = work / "tiny-eagle3"
+    if not (head / "model.safetensors").exists():
+        pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
+    llm = _engine(work, {**TREE, "model": str(head), "adaptive": True}, dtype="float32",
+                  compilation_config={"max_cudagraph_capture_size": 1024})
+    assert type(_scheduler(llm)).__name__ == "SpecplugBatchDraftTreeAsyncScheduler"
+    yield llm
+    shutdown_llm(llm)
+
+
+def _exact(baseline, token_ids) -> None:  # noqa: F811
+    """Token for token but for flips of the baseline's own fp32 near-ties,
+    as test_tree_eagle_is_lossless_on_cuda allows."""
+    from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences
+
+    found = divergences(baseline["batched"], token_ids, baseline["gaps"])
+    assert all(d["gap"] < NEAR_TIE_GAP for d in found) and len(found) <= 2, found
+
+
+def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, prompts,  # noqa: F811
+                                                                   baseline):
+    """The largest tree from the first step, then the same prompts with
+    NUM_COSTLY_STEPS steps at 0 drafts first: exact, at least half of those
+    steps drafted nothing, and the trees after them were accepted as well as
+    the whole run's (within 15%)."""
+    largest = _scheduler(batch_llm).draft_length.candidates[-1]
+    whole, (reference,), cheap = _phased(batch_llm, prompts, [(None, CHEAP)], (0, largest))
+    _exact(baseline, whole)
+    assert cheap.current == largest, cheap.as_dict()
+    token_ids, (_, resumed), policy = _phased(
+        batch_llm, prompts, [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)], (0, largest))
+    assert policy.lengths[0].num_chosen >= NUM_COSTLY_STEPS // 2, policy.as_dict()
+    _exact(baseline, token_ids)
+    assert reference.num_drafts > 0 and resumed.num_drafts > 0
+    assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (
+        resumed.mean_acceptance_length, reference.mean_acceptance_length)

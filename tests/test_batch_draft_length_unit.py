@@ -237,7 +237,8 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set())
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+                                _drafted_before=None)
 
     def step(num_reqs: int) -> None:
         spec = {f"r{i}": [7] * 4 for i in range(num_reqs)}
@@ -256,6 +257,37 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
         step(num_reqs)
     stats = scheduler.draft_length.stats
     assert (stats.num_first_at_shape, stats.num_measured) == (2, 3)
+
+
+def test_steps_where_some_requests_drafted_nothing_are_timed_and_counted():
+    """n-gram and suffix find no draft for many requests. On SmolLM2 at batch
+    16 and 80 (docs/results/batch_draft_length_cpu_run2, smollm2_no_cache)
+    no step had every request drafting, so none was timed and the policy
+    never tried another length while speculation lost 20%. Now a pure decode
+    step is timed whoever drafted, and a decoding request with no draft
+    counts as accepting nothing at the K it was asked for: 16 decodes at
+    K=4, half of them drafting and accepting 1, expect 1.5 tokens each."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+                                _drafted_before=None, _maybe_log=lambda: None)
+    scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
+        scheduler, k, out)
+    req_ids = [f"r{i}" for i in range(16)]
+    spec = {r: [7] * 4 for r in req_ids[:8]}
+    output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
+                             num_scheduled_tokens={r: 5 if r in spec else 1 for r in req_ids},
+                             total_num_scheduled_tokens=16 + 4 * 8,
+                             num_spec_tokens_to_schedule=4)
+    runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[[1, 2]] * 8 + [[1]] * 8)
+    for _ in range(5):
+        BatchDraftSchedule._observe(scheduler, output, runner, 0.01)
+    policy = scheduler.draft_length
+    assert (policy.stats.num_first_at_shape, policy.stats.num_measured) == (1, 4)
+    assert policy.expected_tokens(4) == pytest.approx(1.5)
 
 
 def test_bench_sums_the_policys_counts_over_repeats_and_reports_them():

@@ -27,9 +27,11 @@ to do at least as much work is dropped; and the lower quartile of the last
 32 discounts the rest. A length not measured in this bucket is priced by its ratio to the
 current length in the nearest bucket where both were measured, if that is
 at most 4x the batch away (else it is measured there). A step
-counts for the time of K only when it both verified K drafts per request
+counts for the time of K only when it both verified the drafts asked at K
 and drafted K for the next (the drafting of step t is paid in step t, its
-verification in step t + 1), and only when it was a pure decode step.
+verification in step t + 1), and only when it was a pure decode step,
+whichever requests found a draft (n-gram and suffix often find none: such a
+request counts as accepting nothing at K).
 
 Each length is measured `MIN_SAMPLES` times at the first batch sizes seen
 (and at others, where no ratio prices it). After that, one step in

@@ -62,6 +62,7 @@ class BatchDraftSchedule:
         self._last_output_at: float | None = None
         self._last_log = time.monotonic()
         self._shapes_seen: set[tuple[int, int]] = set()
+        self._drafted_before: int | None = None  # the last step's K (its drafts verify next)
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
@@ -76,16 +77,26 @@ class BatchDraftSchedule:
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _observe(self, scheduler_output, model_runner_output, seconds: float | None) -> None:
+        """The step's accepted counts count for the K its drafts were asked
+        for (the step before's), every decoding request's: one that drafted
+        nothing at that K (n-gram and suffix often find nothing) gained no
+        drafts. Its time counts for K when it was a pure decode step that
+        verified and drafted the same K, whoever drafted."""
         spec = scheduler_output.scheduled_spec_decode_tokens
-        num_reqs = len(scheduler_output.num_scheduled_tokens)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        num_reqs = len(num_scheduled)
         if num_reqs == 0:
             return
-        verified_k = max((len(ids) for ids in spec.values()), default=0)
-        accepted = _accepted_counts(spec, model_runner_output)
+        # the K asked of the drafts verified now, and of those drafted now
+        verified_k, drafted_k = self._drafted_before, scheduler_output.num_spec_tokens_to_schedule
+        self._drafted_before = drafted_k
+        if verified_k is None:  # the first step seen
+            verified_k = max((len(ids) for ids in spec.values()), default=0)
+        accepted = _accepted_counts(spec, model_runner_output) + [
+            0 for req_id, n in num_scheduled.items() if n == 1 and not spec.get(req_id)]
         self.draft_length.verified(verified_k, accepted)
         pure_decode = scheduler_output.total_num_scheduled_tokens == num_reqs + sum(
-            len(ids) for ids in spec.values()) and len(spec) in (0, num_reqs)
-        drafted_k = scheduler_output.num_spec_tokens_to_schedule
+            len(ids) for ids in spec.values())
         if seconds is not None and pure_decode and drafted_k == verified_k:
             if self._first_at_shape(verified_k, scheduler_output):
                 self.draft_length.stats.num_first_at_shape += 1

@@ -301,7 +301,7 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     from tests.test_tree_eagle_unit import _gqa_head
     from vllm_specplug.integration.v2.head_speculator import (SpecplugV2HeadSpeculator,
                                                               StepInputs, step_tree_shape)
-    from vllm_specplug.integration.v2.step_warmup import (padded_sizes, steady_steps,
+    from vllm_specplug.integration.v2.step_warmup import (padded_sizes, steady_steps, step_keys,
                                                           warm_up_step_graphs)
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
@@ -324,7 +324,8 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     steps = steady_steps(lengths, (4, 4, 16), step_tree_shape)
     assert steps == [(1, (1, 1, 2)), (8, (4, 4, 5)), (8, (4, 4, 16))]
     assert padded_sizes(4) == [1, 2, 4] and padded_sizes(13) == [1, 2, 4, 8, 16]
-    count = warm_up_step_graphs(warm, lengths, 48, torch.float32, step_tree_shape)
+    count = warm_up_step_graphs(warm, step_keys(lengths, None, (4, 4, 16), step_tree_shape, 4),
+                                48, torch.float32)
     assert count == 9 and sorted(emitted) == [1, 1, 1, 2, 2, 2, 4, 4, 4]
     assert not runtimes[0].pool.valid.any() and not warm.drafts.any()
     for name in ("parents", "depths", "is_tree", "num_drafted"):
@@ -346,3 +347,31 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
         assert torch.equal(getattr(warmed, name)[:3, :, :10], getattr(plain, name)[:3, :, :10])
     for name in ("last_out", "last_logits"):
         assert torch.equal(getattr(warmed, name)[:3], getattr(plain, name)[:3]), name
+
+
+def test_start_up_covers_the_steps_where_a_tables_draft_length_changes():
+    """A vLLM table from 5 drafts to 2 at 5 requests (the chain of the GPU
+    test): where the batch drains to 4, the first step verifies 2's rows (4,
+    padded) and drafts 5's chain; where it grows past 4, it verifies 5's (8)
+    and drafts 2's. Start-up captures those too; under our batch policy,
+    whose table only lists lengths, it does not."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+    from vllm_specplug.integration.v2.step_warmup import step_keys, table_of, transition_steps
+
+    chain, table = (1, 5, 6), [[1, 4, 5], [5, 1024, 2]]
+    five, two = step_tree_shape(chain, 5), step_tree_shape(chain, 2)
+    found = transition_steps(table, chain, step_tree_shape, 16)
+    assert found == sorted([(1, 4, five), (2, 4, five), (4, 4, five),
+                            (8, 8, two), (16, 8, two)]), found
+    steady = step_keys((2, 5), None, chain, step_tree_shape, 16)
+    assert len(steady) == 2 * 5 and not set(found) & set(steady)
+    assert step_keys((2, 5), table, chain, step_tree_shape, 16) == sorted(set(steady) | set(found))
+    config = SimpleNamespace(speculative_config=SimpleNamespace(
+        num_speculative_tokens_per_batch_size=table), scheduler_config=SimpleNamespace(
+        scheduler_cls="vllm_specplug.integration.scheduler.SpecplugTreeAsyncScheduler"))
+    assert table_of(config) == table
+    config.scheduler_config.scheduler_cls = (
+        "vllm_specplug.integration.batch_schedule.SpecplugBatchDraftTreeAsyncScheduler")
+    assert table_of(config) is None

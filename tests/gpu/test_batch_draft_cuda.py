@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def batch_llm(work):  # noqa: F811
+def batch_llm(work, baseline):  # noqa: F811
+    """After the baseline's engine: vLLM's metrics are the last engine's made
+    (it unregisters the ones before), and the test reads this one's."""
     from vllm_specplug.engine import shutdown_llm
 
     head = work / "tiny-eagle3"

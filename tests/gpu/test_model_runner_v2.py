@@ -61,20 +61,30 @@ def _outputs(llm, prompts) -> dict:
             "alone": [generate(llm, [p], params).token_ids[0] for p in prompts[:NUM_ALONE]]}
 
 
-def sampled(llm, prompts) -> list[list[int]]:
-    """Seeded samples (temperature 0.8, top-p 0.95, seed 123, 32 tokens)."""
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "seed": 123, "max_tokens": 32}
+SAMPLED_LOGPROBS = 20  # the baseline's raw log-probabilities per sampled token
+
+
+def sampled(llm, prompts, logprobs: int | None = None):
+    """Seeded samples (`SAMPLING`): token ids per prompt, or with
+    `logprobs`, (token ids, [{token id: raw log p}] per token)."""
     from vllm import SamplingParams
 
     from vllm_specplug.engine import generate
 
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=32)
-    return generate(llm, prompts, params).token_ids
+    result = generate(llm, prompts, SamplingParams(**SAMPLING, logprobs=logprobs))
+    if logprobs is None:
+        return result.token_ids
+    per_token = [[{t: lp.logprob for t, lp in position.items()}
+                  for position in output.outputs[0].logprobs] for output in result.outputs]
+    return result.token_ids, per_token
 
 
 @pytest.fixture(scope="module")
 def baseline(work, prompts) -> dict:
     """Outputs without speculation, the top-2 gap of each batched token, and
-    seeded samples of the first prompts (`sampled`)."""
+    seeded samples of the first prompts with their log-probabilities
+    (`sampled`)."""
     from vllm_specplug.bench.compare import top2_gaps
     from vllm_specplug.engine import greedy_params, shutdown_llm
 
@@ -83,7 +93,8 @@ def baseline(work, prompts) -> dict:
         outputs = _outputs(llm, prompts)
         outputs["gaps"] = top2_gaps(llm.generate(prompts, greedy_params(MAX_TOKENS, logprobs=2),
                                                  use_tqdm=False))
-        outputs["sampled"] = sampled(llm, prompts[:NUM_SAMPLED])
+        outputs["sampled"], outputs["sampled_logprobs"] = sampled(
+            llm, prompts[:NUM_SAMPLED], logprobs=SAMPLED_LOGPROBS)
         return outputs
     finally:
         shutdown_llm(llm)

@@ -1,6 +1,8 @@
 """Exact token-for-token comparison of two runs' outputs."""
 from __future__ import annotations
 
+import math
+
 
 def first_divergence(expected: list[int], actual: list[int]) -> int | None:
     """Index of the first differing token, or None when the lists are equal."""
@@ -57,4 +59,41 @@ def divergences(expected: list[list[int]], actual: list[list[int]],
         if at is not None:
             gap = gaps[i][at] if at < len(gaps[i]) else float("inf")
             found.append({"request": i, "position": at, "gap": gap})
+    return found
+
+
+def sampled_divergences(expected: list[list[int]], actual: list[list[int]],
+                        logprobs: list[list[dict[int, float]]], prompt_lens: list[int],
+                        seed: int, temperature: float, top_p: float = 1.0) -> list[dict]:
+    """Seeded sampling on Model Runner V2: one entry per request whose tokens
+    differ, with the expected run's Gumbel-max gap between its token and the
+    actual one where they first differ (`gumbel_noise.perturbed_gap`; under
+    NEAR_TIE_GAP: a floating-point flip, as for greedy).
+
+    `logprobs`: the expected run's raw log-probabilities per generated token
+    (token id -> log p, vLLM's `logprobs=N`). The row drawing token i sits at
+    position prompt_len - 1 + i. The gap is infinite where the actual token is
+    not among them, or not provably inside the expected run's top-p nucleus
+    (the mass above it over the listed tokens' mass, which bounds it, under
+    `top_p`)."""
+    from vllm_specplug.bench.gumbel_noise import perturbed_gap
+
+    found = []
+    for i, (exp, act) in enumerate(zip(expected, actual)):
+        at = first_divergence(exp, act)
+        if at is None:
+            continue
+        gap = float("inf")
+        listed = logprobs[i][at] if at < min(len(exp), len(act)) else {}
+        if exp[at] in listed and act[at] in listed:
+            scaled = {t: lp / temperature for t, lp in listed.items()}
+            top = max(scaled.values())
+            mass = {t: math.exp(v - top) for t, v in scaled.items()}
+            above = sum(m for t, m in mass.items() if scaled[t] > scaled[act[at]])
+            if above / sum(mass.values()) < top_p:
+                pos = prompt_lens[i] - 1 + at
+                gap = perturbed_gap(seed, pos, temperature, (exp[at], listed[exp[at]]),
+                                    (act[at], listed[act[at]]))
+        found.append({"request": i, "position": at, "tokens": (exp[at:at + 1], act[at:at + 1]),
+                      "gap": gap})
     return found

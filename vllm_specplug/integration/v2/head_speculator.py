@@ -210,17 +210,19 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         (step_warmup.py), so that no step in service stalls on a capture. A
         failure costs those graphs (captured on first use instead), never
         the engine."""
-        from vllm_specplug.integration.v2.step_warmup import (scheduled_lengths, target_layout,
+        from vllm_specplug.integration.v2.step_warmup import (scheduled_lengths, step_keys,
+                                                              table_of, target_layout,
                                                               warm_up_step_graphs)
 
         if self.runtime is None or self.runtime.graphs is None or self.guard.disabled:
             return
         started = time.perf_counter()
-        lengths = scheduled_lengths(self.vllm_config.speculative_config)
-        ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, lengths,
+        keys = step_keys(scheduled_lengths(self.vllm_config.speculative_config),
+                         table_of(self.vllm_config), self.drafter.tree_shape, step_tree_shape,
+                         self.max_num_reqs)
+        ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, keys,
                                     *target_layout(self.vllm_config.model_config,
                                                    self.drafter.aux_layer_ids),
-                                    step_tree_shape,
                                     effect="its graphs are captured on first use")
         if ok:
             logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "

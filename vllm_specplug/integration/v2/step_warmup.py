@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from vllm_specplug.integration import batch_schedule
 from vllm_specplug.integration.batch_schedule import table_lengths
 from vllm_specplug.proposers.head_graphs import STEP_KIND, padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
@@ -60,25 +61,63 @@ def steady_steps(lengths: tuple[int, ...], tree_shape: tuple[int, int, int], ste
     one node per level, at most num_steps + 1 rows, padded to a power of two
     (`SpecplugV2HeadSpeculator._decode_step`). `step_shape` is
     `head_speculator.step_tree_shape`."""
-    num_steps = tree_shape[1]
-    steps = {(next_power_of_2(min(k + 1, num_steps + 1)), step_shape(tree_shape, k))
-             for k in lengths}
-    return sorted(steps)
+    return sorted({_step(k, k, tree_shape, step_shape) for k in lengths})
 
 
-def warm_up_step_graphs(speculator, lengths: tuple[int, ...], width: int,
-                        dtype: torch.dtype, step_shape) -> int:
-    """Capture the fused step's graph for every padded batch size and every
-    steady step of `lengths`, on placeholder inputs (each request's rows at
-    positions 0..R-1 of slot i mod S, zero hidden states of `width`), then
-    clear the head's cache, the trees and the drafts. Returns the number of
-    steps run."""
+def _step(k_before: int, k_now: int, tree_shape, step_shape) -> tuple[int, tuple[int, int, int]]:
+    """A step that verifies what was drafted at `k_before` and drafts `k_now`."""
+    return (next_power_of_2(min(k_before + 1, tree_shape[1] + 1)), step_shape(tree_shape, k_now))
+
+
+def table_of(vllm_config) -> list | None:
+    """The user's `num_speculative_tokens_per_batch_size` table, whose K
+    follows the batch size; None without one, or under our batch policy
+    (its table only lists the lengths to capture: it moves between any two)."""
+    table = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None)
+    policy = str(getattr(vllm_config.scheduler_config, "scheduler_cls", "") or "")
+    return None if policy.startswith(f"{batch_schedule.__name__}.SpecplugBatchDraft") else table
+
+
+def transition_steps(table, tree_shape: tuple[int, int, int], step_shape, max_num_reqs: int,
+                     ) -> list[tuple[int, int, tuple[int, int, int]]]:
+    """(padded batch, verified rows, tree shape) of the steps where a table's
+    K changes: the batch grew or drained across an entry's edge, and the step
+    verifies the rows drafted at the other entry's K while drafting its own
+    (vLLM's test of a table from 5 drafts to 2: the first step at 4 requests
+    or fewer verified 2's rows and drafted 5's tree)."""
+    entries = sorted((int(lo), int(hi), int(k)) for lo, hi, k in table)
+    keys = set()
+    for (lo_a, hi_a, k_a), (lo_b, hi_b, k_b) in zip(entries, entries[1:]):
+        for k_before, (lo, hi, k_now) in ((k_a, (lo_b, hi_b, k_b)), (k_b, (lo_a, hi_a, k_a))):
+            num_rows, shape = _step(k_before, k_now, tree_shape, step_shape)
+            keys |= {(padded_batch(n), num_rows, shape)
+                     for n in range(lo, min(hi, max_num_reqs) + 1)}
+    return sorted(keys)
+
+
+def step_keys(lengths: tuple[int, ...], table, tree_shape: tuple[int, int, int], step_shape,
+              max_num_reqs: int) -> list[tuple[int, int, tuple[int, int, int]]]:
+    """Every (padded batch, verified rows, tree shape) start-up captures: the
+    steady steps of `lengths` at every padded batch size, and a table's
+    transitions (`table_of`, None: none)."""
+    keys = {(size, num_rows, shape) for num_rows, shape in steady_steps(lengths, tree_shape,
+                                                                       step_shape)
+            for size in padded_sizes(max_num_reqs)}
+    if table:
+        keys |= set(transition_steps(table, tree_shape, step_shape, max_num_reqs))
+    return sorted(keys)
+
+
+def warm_up_step_graphs(speculator, keys: list[tuple[int, int, tuple[int, int, int]]],
+                        width: int, dtype: torch.dtype) -> int:
+    """Capture the fused step's graph for every (padded batch, verified rows,
+    tree shape) of `keys` (`step_keys`), on placeholder inputs (each
+    request's rows at positions 0..R-1 of slot i mod S, zero hidden states of
+    `width`), then clear the head's cache, the trees and the drafts. Returns
+    the number of steps run."""
     # eager (graphs None, as on CPU) they only run: what the test checks
     disabled = speculator.runtime.graphs.disabled if speculator.runtime.graphs else set()
     was_disabled, count = STEP_KIND in disabled, 0
-    keys = [(size, num_rows, shape) for num_rows, shape
-            in steady_steps(lengths, speculator.drafter.tree_shape, step_shape)
-            for size in padded_sizes(speculator.max_num_reqs)]
     try:
         for size, num_rows, shape in keys:
             if STEP_KIND in disabled:

@@ -7,7 +7,9 @@ tree and one row for the others, in `cu_num_logits` layout.
 
 **Sample every node, then walk.** vLLM's own sampler draws the target's
 token at every logits row, exactly as it would without speculation: the
-same temperature, min_p, top-k and top-p, and on Model Runner V2 the same
+same temperature, min_p, top-k and top-p (top-k/top-p in calls of the size
+no speculation's step makes: vLLM's Triton top-p keeps other tokens at the
+nucleus' edge in a larger call), and on Model Runner V2 the same
 Gumbel noise, keyed by the request's seed and the row's position (the
 layout already moved a node's position to `seq_len + depth`). The tree is
 then walked greedily against those tokens (`verify_tree_greedy_rows`): a
@@ -53,13 +55,44 @@ import dataclasses
 import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
 from vllm_specplug.verification.kv_compaction import compact_kv_cache, compact_kv_layers
 from vllm_specplug.verification.metadata import NO_NODE
 from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
+
+
+# vLLM's Triton top-p runs calls of at most this many rows through its
+# split-row pipeline, larger ones through one program per row, and the two
+# keep different tokens at the nucleus' edge (on the H200, 56 of 128 rows
+# differed by up to 4 tokens: benchmarks/gpu/topp_batch_check.py)
+TOP_P_SPLIT_MAX_ROWS = 64
+
+
+def top_k_top_p_as_without_speculation(logits: torch.Tensor, top_k: torch.Tensor | None,
+                                       top_p: torch.Tensor | None, num_reqs: int
+                                       ) -> torch.Tensor:
+    """vLLM's top-k/top-p over [num_logits, V] rows, each row masked by the
+    kernel a step without speculation uses for a batch of `num_reqs` (one
+    row per request): calls of at most TOP_P_SPLIT_MAX_ROWS rows while the
+    batch is that small, one call otherwise. A tree of 16 nodes for 8
+    requests is 128 rows: in one call its rows were masked unlike no
+    speculation's 8, and a seeded sample drew a token past no speculation's
+    nucleus (docs/results/seeded_tree_topp_h200)."""
+    if top_k is None and top_p is None:
+        return logits
+    num_rows = logits.shape[0]
+    if num_reqs > TOP_P_SPLIT_MAX_ROWS or num_rows <= TOP_P_SPLIT_MAX_ROWS:
+        return apply_top_k_top_p(logits, top_k, top_p)
+    for start in range(0, num_rows, TOP_P_SPLIT_MAX_ROWS):
+        part = slice(start, start + TOP_P_SPLIT_MAX_ROWS)
+        logits[part] = apply_top_k_top_p(logits[part], None if top_k is None else top_k[part],
+                                         None if top_p is None else top_p[part])
+    return logits
 
 
 def sampling_params_need_processing(states, idx_mapping_np: np.ndarray) -> np.ndarray:
@@ -116,18 +149,25 @@ class V2TreeRejectionSampler:
 
     def _target_tokens(self, logits, input_batch) -> torch.Tensor:
         """[num_logits] int64: vLLM's sampler's draw at every logits row, at
-        the row's (tree) position; the argmax where the temperature is 0."""
-        num_reqs = input_batch.num_reqs
-        if (self.sampler.sampling_states.temperature.np[
-                input_batch.idx_mapping_np[:num_reqs]] == 0.0).all():
+        the row's (tree) position; the argmax where the temperature is 0.
+        vLLM's `Sampler.sample` step by step, but for top-k/top-p, which is
+        applied as a step without speculation applies it to each row
+        (`top_k_top_p_as_without_speculation`)."""
+        num_reqs, sampler = input_batch.num_reqs, self.sampler
+        states, idx_np = sampler.sampling_states, input_batch.idx_mapping_np[:num_reqs]
+        if (states.temperature.np[idx_np] == 0.0).all():
             return logits.argmax(-1)  # what gumbel_sample returns at temperature 0
-        rows = input_batch.logits_indices
-        sampled, _ = self.sampler.sample(
-            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping[:num_reqs],
-            input_batch.idx_mapping_np[:num_reqs], input_batch.positions[rows],
+        rows, expanded = input_batch.logits_indices, input_batch.expanded_idx_mapping
+        positions = input_batch.positions[rows]
+        processed = sampler.apply_sampling_params(
+            logits, expanded, input_batch.idx_mapping[:num_reqs], idx_np, positions,
             input_batch.input_ids[rows], input_batch.expanded_local_pos,
-            input_batch.seq_lens_cpu_upper_bound.numpy())
-        return sampled
+            input_batch.seq_lens_cpu_upper_bound.numpy(), skip_top_k_top_p=True)
+        top_k, top_p = states.get_top_k_top_p(expanded, idx_np)
+        processed = top_k_top_p_as_without_speculation(processed, top_k, top_p, num_reqs)
+        return gumbel_sample(processed, expanded, states.temperature.gpu, states.seeds.gpu,
+                             positions, apply_temperature=False, is_drafting=False,
+                             use_fp64=sampler.use_fp64_gumbel)
 
     def _sample_roots(self, logits, input_batch):
         """vLLM's sampler at every request's root row (its first logits row)."""

@@ -311,6 +311,11 @@ def test_bench_sums_the_policys_counts_over_repeats_and_reports_them():
                                counters(0, 50, {0: 22, 4: 28}, 110.0, 100.0, 50))
     assert total["chosen"] == {0: 20, 4: 20} and total["num_steps"] == 40
     assert total["current"] == 0 and total["expected_tokens"] == 80.0
+    # what it expects of each length and its step times: as of the last read
+    late = {**counters(0, 60, {0: 32, 4: 28}, 120.0, 110.0, 60),
+            "expected_per_length": {0: 1.0, 4: 2.5}, "step_ms": {"0@16": 3.0, "4@16": 5.0}}
+    assert batch_policy_delta(total, counters(0, 50, {0: 22, 4: 28}, 110.0, 100.0, 50),
+                              late)["step_ms"] == {"0@16": 3.0, "4@16": 5.0}
     assert batch_policy_delta(total, None, None) is total
     row = SimpleNamespace(name="ours-tree16-adaptive", batch_size=16, error=None,
                           batch_policy=total)
@@ -318,3 +323,32 @@ def test_bench_sums_the_policys_counts_over_repeats_and_reports_them():
                                                             error=None, batch_policy=None)])
     assert "ours-tree16-adaptive" in table and "none" not in table
     assert "0:50% 4:50%" in table and "trying" not in table and "2.00/1.80" in table, table
+
+
+def test_after_a_large_batch_chose_short_a_latency_bound_batch_returns_to_the_longest():
+    """The H200 run (docs/results/batch_draft_length_h200_run4): the batch-256
+    phase left the policy on a short tree, with acceptance as low as there;
+    at batch 1, where every length cost the same, it stayed on 8 nodes for
+    66% of the steps, expecting 3.39 tokens where 3.96 came. A longer length
+    is expected to gain at least the shorter's tokens; a stale estimate adds
+    nothing to that, and a move needed a 2% gain. Here: batch 256 with low
+    acceptance and tokens dear (the best static length short), then batch 1,
+    latency-bound (every length alike, 3% noise), acceptance high: over four
+    seeds the policy spends most of batch 1 on the longest, within 3% of it."""
+    candidates = draft_length_candidates(8)
+    busy = dict(rates=[0.5, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1], fixed=1e-3, per_token=1e-5,
+                per_draft=0.0)
+    idle = dict(rates=[0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], fixed=1e-3, per_token=1e-6,
+                per_draft=0.0, floor=3e-3)
+    shares, ratios = [], []
+    for seed in range(4):
+        policy = BatchDraftLength(candidates)
+        _run(_ChainEngine(**busy, seed=seed), 256, 300, policy)
+        assert policy.current < 8, policy.as_dict()
+        before = {k: policy.lengths[k].num_chosen for k in candidates}
+        longest = _run(_ChainEngine(**idle, seed=seed), 1, 1500, lambda b: 8)
+        ratios.append(_run(_ChainEngine(**idle, seed=seed), 1, 1500, policy) / longest)
+        chosen = {k: policy.lengths[k].num_chosen - before[k] for k in candidates}
+        shares.append(chosen[8] / sum(chosen.values()))
+    assert min(shares) >= 0.7, shares
+    assert min(ratios) >= 0.97, ratios

@@ -91,7 +91,8 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
       | tee "$OUT/pytest_tree.log" | quiet | tail -30 ;;
   v2-tree-tests)
     # issue 26: tree rows on the device, the head speculator's chains and trees
-    timeout 570 python3 -m pytest -q -rs tests/kernels/test_tree_rows.py tests/gpu/test_batch_draft_cuda.py \
+    timeout 570 python3 -m pytest -q -rs tests/kernels/test_tree_rows.py tests/kernels/test_gumbel_reference.py \
+      tests/kernels/test_topp_rows.py tests/gpu/test_batch_draft_cuda.py \
       tests/gpu/test_tree_eagle_cuda.py 2>&1 | tee "$OUT/pytest_v2_tree.log" | quiet | tail -30 ;;
   tiny-bench)
     shift

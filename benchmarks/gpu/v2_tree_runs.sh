@@ -190,7 +190,8 @@ run() {
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
       export VLLM_WORKER_MULTIPROC_METHOD=spawn
       mkdir -p "$RESULTS/tree-tests"
-      python3 -m pytest -v -rfs --tb=short tests/kernels/test_tree_rows.py tests/kernels/test_gumbel_reference.py tests/gpu/test_batch_draft_cuda.py \
+      python3 -m pytest -v -rfs --tb=short tests/kernels/test_tree_rows.py tests/kernels/test_gumbel_reference.py \
+        tests/kernels/test_topp_rows.py tests/gpu/test_batch_draft_cuda.py \
         tests/gpu/test_tree_eagle_cuda.py ${K:+-k "$K"} > "$RESULTS/tree-tests/pytest.txt" 2>&1
       tail -12 "$RESULTS/tree-tests/pytest.txt" ;;
     tp2-tests)

@@ -78,6 +78,11 @@ MAX_TRANSFER_BUCKETS = 2
 # and one noisy time in twenty would otherwise move it (a longer length is
 # never worse by the tokens it adds, so its risk is only its time).
 SWITCH_Z = 2.0
+# `counters` (read every step) takes the step times again after this many
+# decode steps: a quantile per length and bucket is too dear for every step
+STEP_MS_EVERY = 64
+# counters that are a state as of now, not counts to difference
+SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms")
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
@@ -254,6 +259,8 @@ class BatchDraftLength:
         self.num_decode_steps = 0
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
+        self._step_ms: dict[str, float] | None = None  # counters' copy of step_ms()
+        self._step_ms_at = 0  # num_decode_steps when it was taken
 
     def __getitem__(self, batch_size: int) -> int:
         return self.choose(int(batch_size))
@@ -280,11 +287,13 @@ class BatchDraftLength:
 
     def _switch(self, batch_size: int, estimates: dict[int, tuple[float, float]]) -> None:
         """Move to the length with the most expected tokens per second if it
-        beats the current one by `switch_margin` plus the noise of the two
-        times (their relative standard errors combined): the best of several
-        noisy estimates is biased upwards, and where lengths cost about the
-        same (a latency-bound batch), a noisy time would otherwise move the
-        batch to a shorter length for a saving that is not there."""
+        beats the current one by `switch_margin` plus, for a shorter one, the
+        noise of the two times (their relative standard errors combined): the
+        best of several noisy estimates is biased upwards, and where lengths
+        cost about the same (a latency-bound batch), a noisy time would
+        otherwise move the batch to a shorter length for a saving that is not
+        there. Else move to the longest length whose time is within the margin
+        of the current one's."""
         rates = {k: batch_size * self.expected_tokens(k) / max(t, 1e-9)
                  for k, (t, _) in estimates.items()}
         best = max(rates, key=rates.get)
@@ -292,6 +301,18 @@ class BatchDraftLength:
                  if best < self.current else 0.0)
         if rates[best] > rates[self.current] * (1 + self.switch_margin + noise):
             self.current = best
+            return
+        # A longer length expects at least the current one's tokens, so one
+        # that costs no more than the margin loses at most that: take the
+        # longest such. Its own estimate may be stale (measured under another
+        # load, the faded mean of rare explorations) and show no gain, and a
+        # latency-bound batch would otherwise keep a short length a larger
+        # batch chose (docs/results/batch_draft_length_h200_run4)
+        time_now = estimates[self.current][0]
+        cheap = [k for k, (t, _) in estimates.items()
+                 if k > self.current and t <= time_now * (1 + self.switch_margin)]
+        if cheap:
+            self.current = max(cheap)
 
     def _next_to_explore(self) -> int:
         """The current length's neighbours in turn (where the best length
@@ -365,14 +386,28 @@ class BatchDraftLength:
         """What it decided so far, cheap enough to read every step (the
         scheduler hands it to the workers with each step: bench reads it
         there): the length it runs, the steps each length was chosen for,
-        and the expected vs realised tokens per request summed."""
+        and the expected vs realised tokens per request summed; and as of
+        now (`SNAPSHOT_KEYS`) the tokens per request it expects of each
+        length and its typical step times, refreshed every
+        `STEP_MS_EVERY` decode steps (a quantile per length and bucket)."""
         s = self.stats
+        if self._step_ms is None or self.num_decode_steps - self._step_ms_at >= STEP_MS_EVERY:
+            self._step_ms, self._step_ms_at = self.step_ms(), self.num_decode_steps
         return {"current": self.current, "num_steps": s.num_steps,
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},
                 "expected_tokens": s.expected_tokens, "realised_tokens": s.realised_tokens,
-                "num_requests": s.num_requests}
+                "num_requests": s.num_requests,
+                "expected_per_length": {k: round(self.expected_tokens(k), 3)
+                                        for k in self.candidates},
+                "step_ms": self._step_ms}
+
+    def step_ms(self) -> dict[str, float]:
+        """"K@batch" (a bucket's smallest batch) -> typical step time in ms."""
+        return {f"{k}@{2 ** (b - 1)}": round(1e3 * self.times.typical(k, b), 3)
+                for (k, b) in sorted(self.times.samples)
+                if self.times.typical(k, b) is not None}
 
     def as_dict(self) -> dict:
         s = self.stats
@@ -381,6 +416,4 @@ class BatchDraftLength:
                                                 if s.num_requests else None),
                 "realised_tokens_per_request": (s.realised_tokens / s.num_requests
                                                 if s.num_requests else None),
-                "step_ms": {f"{k}@{2 ** (b - 1)}": round(1e3 * self.times.typical(k, b), 3)
-                            for (k, b) in sorted(self.times.samples)
-                            if self.times.typical(k, b) is not None}}
+                "step_ms": self.step_ms()}

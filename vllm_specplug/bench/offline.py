@@ -165,17 +165,20 @@ def _worker_call(llm, method: str):
 def batch_policy_delta(total: dict | None, before: dict | None, after: dict | None
                        ) -> dict | None:
     """`total` plus the batch policy's counts between `before` and `after`
-    (`BatchDraftLength.counters`); the length it runs as of `after`."""
+    (`BatchDraftLength.counters`); its state (`SNAPSHOT_KEYS`: the length it
+    runs, expected tokens per length, step times) as of `after`."""
+    from vllm_specplug.adaptive.batch_draft_length import SNAPSHOT_KEYS
+
     if after is None:
         return total
     before = before or {}
     total = total or {}
-    out = {"current": after["current"]}
+    out = {key: after[key] for key in SNAPSHOT_KEYS if key in after}
     for key, value in after.items():
         if key == "chosen":
             out[key] = {k: n - before.get(key, {}).get(k, 0) + total.get(key, {}).get(k, 0)
                         for k, n in value.items()}
-        elif key != "current":
+        elif key not in SNAPSHOT_KEYS:
             out[key] = value - before.get(key, 0) + total.get(key, 0)
     return out
 

@@ -405,9 +405,9 @@ class BatchDraftLength:
 
     def step_ms(self) -> dict[str, float]:
         """"K@batch" (a bucket's smallest batch) -> typical step time in ms."""
-        return {f"{k}@{2 ** (b - 1)}": round(1e3 * self.times.typical(k, b), 3)
-                for (k, b) in sorted(self.times.samples)
-                if self.times.typical(k, b) is not None}
+        typical = {key: self.times.typical(*key) for key in sorted(self.times.samples)}
+        return {f"{k}@{2 ** (b - 1)}": round(1e3 * t, 3)
+                for (k, b), t in typical.items() if t is not None}
 
     def as_dict(self) -> dict:
         s = self.stats

@@ -17,9 +17,8 @@ where E comes from the accepted counts of recent steps verified at that K
 (a request gains 1 + accepted tokens; for chains and trees alike the mean
 can only grow with K, so it is kept non-decreasing), and seconds(b, K) is
 the lower quartile of recent decode steps' times at that K in b's bucket
-of batch sizes (powers of two: 1, 2-3, 4-7, ...). A GPU's step time is flat, then
-steep, in steps, with graph sizes: a line through all batch sizes misjudged
-one bucket by another (docs/results/batch_draft_length_h100). One-off
+of batch sizes (powers of two: 1, 2-3, 4-7, ...), each scaled to b by how
+the bucket's times grow with the batch (step_times.py). One-off
 slow steps are kept out three ways: the scheduler does not time the first
 step at each new shape (it captures a drafting graph: 200-450 ms on the
 H100 where others took 4); a step `STALL_RATIO` times slower than one known
@@ -38,7 +37,9 @@ Each length is measured `MIN_SAMPLES` times at the first batch sizes seen
 `explore_every` tries another length, twice in a row so that one of the two
 counts: mostly a neighbour of the current one (cheap to try, and where the
 best length moves as the batch grows and shrinks), at times the length
-measured least recently. A change needs a `switch_margin` gain over the
+measured least recently, and only if what its two steps are expected to
+lose fits a credit of `EXPLORE_SHARE` of the time (a length far dearer than
+the current one is tried rarely). A change needs a `switch_margin` gain over the
 current K plus the noise of the two times (their standard errors): two
 lengths that are about as good do not alternate, and a latency-bound batch,
 where every length costs about the same, keeps the longest.
@@ -50,29 +51,20 @@ choose K per step from acceptance alone, without the step's cost.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
-# samples of a (length, bucket) before its typical time counts, and how many
-# it keeps: at batch 1 on the H100 one step's time moved 20%, and the lower
-# quartiles of two windows of 8 steps of the same cost were often 25% apart
-MIN_SAMPLES = 3
-WINDOW = 32
+from vllm_specplug.adaptive.step_times import (MIN_SAMPLES, StepTimes, batch_bucket,
+                                                bucket_batch)
+
 # one exploration in this many measures the length measured least recently
 # (the others try the current length's neighbours)
 FAR_EVERY = 4
-# A step this many times slower than a step known to do at least as much
-# work (as many drafts or more, as many requests or more) stalled: a graph
-# captured on first use at a new padded batch size or key range took
-# 200-450 ms on the H100 where the same step replayed took 2-30 ms
-# (docs/results/batch_draft_length_h100, diag_after.txt: 8@16 at 27 ms).
-STALL_RATIO = 3.0
-# A length's time is carried over from buckets at most this many doublings of
-# the batch away. On the H100 every length took 3 ms at batch 1 (latency-
-# bound) and 17-31 ms at 256: a ratio carried from batch 1 to 256 priced every
-# length the same there, and the longest was kept without being measured
-# (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt).
-MAX_TRANSFER_BUCKETS = 2
+# Explorations may lose this share of the time, and save up at most
+# MAX_EXPLORE_CREDIT steps' worth (at the current batch size): a try of a
+# length 3x dearer per token waits about 400 steps, of one as good as the
+# current one only `explore_every`
+EXPLORE_SHARE = 0.01
+MAX_EXPLORE_CREDIT = 8.0
 # A move to a shorter length needs a gain beyond the margin of this many
 # standard errors of the two times: the policy weighs its lengths every step,
 # and one noisy time in twenty would otherwise move it (a longer length is
@@ -95,119 +87,6 @@ def draft_length_candidates(max_k: int) -> tuple[int, ...]:
         lengths.add(power)
         power *= 2
     return tuple(sorted(lengths))
-
-
-def batch_bucket(batch_size: int) -> int:
-    """1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (powers of two)."""
-    return max(int(batch_size), 1).bit_length()
-
-
-class StepTimes:
-    """Seconds of recent decode steps per (length, batch bucket)."""
-
-    def __init__(self) -> None:
-        self.samples: dict[tuple[int, int], deque] = {}
-        self.spreads: dict[int, float] = {}  # bucket -> `spread`, until its next sample
-        # (fixed, per verified token) seconds that override the samples (tests)
-        self.pinned: tuple[float, float] | None = None
-
-    def add(self, k: int, batch_size: int, seconds: float) -> bool:
-        """Keep a step's time; False (not kept) when it stalled: it took more
-        than `STALL_RATIO` times the typical step that does at least as much
-        work (`reference`)."""
-        key = (k, batch_bucket(batch_size))
-        reference = self.reference(*key)
-        if reference is not None and seconds > STALL_RATIO * reference:
-            return False
-        self.samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
-        self.spreads.pop(key[1], None)
-        return True
-
-    def reference(self, k: int, bucket: int) -> float | None:
-        """The lowest median time at `k` in `bucket`, or with as many drafts
-        or more in a bucket as big or bigger: such a step does at least as
-        much work, so one here should not take much longer. Medians of
-        `MIN_SAMPLES` or more, so that one step that returned early (outputs
-        queued behind a host stall) does not reject the rest."""
-        times = [sorted(window)[len(window) // 2] for (length, b), window
-                 in self.samples.items()
-                 if length >= k and b >= bucket and len(window) >= MIN_SAMPLES]
-        return min(times, default=None)
-
-    def typical(self, k: int, bucket: int) -> float | None:
-        """The lower quartile of the bucket's last `WINDOW` step times (None
-        under `MIN_SAMPLES`): a step's time only strays upwards (a graph
-        captured on first use, a stall), and within a bucket each new padded
-        batch size captures once, so a plain median of 3 could still be
-        two captures."""
-        window = self.samples.get((k, bucket))
-        if window is None or len(window) < MIN_SAMPLES:
-            return None
-        return sorted(window)[len(window) // 4]
-
-    def noise(self, k: int, bucket: int) -> float:
-        """The relative standard error of `typical(k, bucket)`: the bucket's
-        spread (`spread`) over sqrt(k's samples there). On the H100 at batch
-        1 steps of every length took 3-4 ms, each moving about 20%
-        (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt):
-        differences that size between two lengths' times are noise, not cost."""
-        window = self.samples.get((k, bucket))
-        if window is None or len(window) < MIN_SAMPLES:
-            return 0.0
-        return self.spread(bucket) / math.sqrt(len(window))
-
-    def spread(self, bucket: int) -> float:
-        """The interquartile range of the bucket's step times, each relative to
-        its length's median, pooled over lengths: how much one step's time
-        moves at this batch size. Pooled because a few samples of one length
-        put their quartiles close together by chance as often as not. Kept
-        until the bucket's next sample: the policy asks for it per length,
-        every step."""
-        if bucket not in self.spreads:
-            self.spreads[bucket] = self._pooled_spread(bucket)
-        return self.spreads[bucket]
-
-    def _pooled_spread(self, bucket: int) -> float:
-        relative = []
-        for (_, b), window in self.samples.items():
-            if b == bucket and len(window) >= MIN_SAMPLES:
-                middle = sorted(window)[len(window) // 2]
-                relative.extend(t / max(middle, 1e-12) for t in window)
-        if len(relative) < 2 * MIN_SAMPLES:
-            return 0.0
-        relative.sort()
-        return relative[(3 * len(relative)) // 4] - relative[len(relative) // 4]
-
-    def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
-        """Seconds of a step at `k` in `batch_size`'s bucket (`estimate`)."""
-        estimate = self.estimate(k, batch_size, anchor)
-        return None if estimate is None else estimate[0]
-
-    def estimate(self, k: int, batch_size: int, anchor: int) -> tuple[float, float] | None:
-        """(seconds, relative standard error) of a step at `k` in
-        `batch_size`'s bucket: measured there, or the `anchor` length's time
-        there times their ratio in the nearest bucket where both were
-        measured, `MAX_TRANSFER_BUCKETS` at most away (the three errors
-        combined); None otherwise (the policy then measures it)."""
-        if self.pinned is not None:
-            return self.pinned[0] + self.pinned[1] * batch_size * (k + 1), 0.0
-        bucket = batch_bucket(batch_size)
-        own = self.typical(k, bucket)
-        if own is not None or k == anchor:
-            return None if own is None else (own, self.noise(k, bucket))
-        base = self.typical(anchor, bucket)
-        if base is None:
-            return None
-        buckets = sorted({b for (length, b) in self.samples
-                          if length == k and abs(b - bucket) <= MAX_TRANSFER_BUCKETS},
-                         key=lambda b: abs(b - bucket))
-        for other in buckets:
-            mine, theirs = self.typical(k, other), self.typical(anchor, other)
-            if mine is not None and theirs is not None:
-                return base * mine / theirs, math.hypot(self.noise(anchor, bucket),
-                                                        self.noise(k, other),
-                                                        self.noise(anchor, other))
-        return None
 
 
 @dataclass
@@ -256,6 +135,8 @@ class BatchDraftLength:
         self.current = candidates[-1]
         self.exploring: int | None = None  # the length an exploration holds
         self.explore_left = 0  # steps it still holds it
+        self.explore_credit = 0.0  # seconds explorations may still lose
+        self.num_exploring_turns = 0
         self.num_decode_steps = 0
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
@@ -273,12 +154,17 @@ class BatchDraftLength:
         estimates = {k: self.times.estimate(k, batch_size, self.current)
                      for k in self.candidates}
         if estimates[self.current] is not None:
+            step = estimates[self.current][0]
+            self.explore_credit = min(self.explore_credit + EXPLORE_SHARE * step,
+                                      MAX_EXPLORE_CREDIT * step)
             unknown = [k for k in self.candidates if estimates[k] is None
                        and self.tries.get((k, batch_bucket(batch_size)), 0) < 4 * MIN_SAMPLES]
             if unknown:
                 return self._hold(unknown[-1], batch_size)
             if self.stats.num_steps % self.explore_every == 0:
-                return self._hold(self._next_to_explore(), batch_size)
+                k = self._affordable(self._next_to_explore(), batch_size, estimates)
+                if k is not None:
+                    return self._hold(k, batch_size)
             self._switch(batch_size, {k: e for k, e in estimates.items() if e is not None})
         # else: the current length is being measured in this bucket first
         self.lengths[self.current].num_chosen += 1
@@ -314,17 +200,43 @@ class BatchDraftLength:
         if cheap:
             self.current = max(cheap)
 
-    def _next_to_explore(self) -> int:
-        """The current length's neighbours in turn (where the best length
-        moves to as the batch changes, and cheap to try), and every
-        `FAR_EVERY`-th time the length measured least recently."""
-        self.stats.num_explored += 1
+    def _next_to_explore(self) -> list[int]:
+        """The lengths to try, preferred first: the current length's
+        neighbours in turn (where the best length moves to as the batch
+        changes, and cheap to try), and every `FAR_EVERY`-th time first the
+        length measured least recently."""
+        self.num_exploring_turns += 1
         i = self.candidates.index(self.current)
         near = [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
-        if self.stats.num_explored % FAR_EVERY == 0 or not near:
-            others = [k for k in self.candidates if k != self.current] or [self.current]
-            return min(others, key=lambda k: self.lengths[k].last_measured)
-        return near[self.stats.num_explored % len(near)]
+        turn = self.num_exploring_turns % max(len(near), 1)
+        near = near[turn:] + near[:turn]
+        others = [k for k in self.candidates if k != self.current]
+        if self.num_exploring_turns % FAR_EVERY == 0 or not near:
+            far = min(others, key=lambda k: self.lengths[k].last_measured, default=None)
+            return [k for k in [far] + near if k is not None]
+        return near
+
+    def _affordable(self, preferred: list[int], batch_size: int,
+                    estimates: dict) -> int | None:
+        """The first of `preferred` whose two steps' expected loss fits the
+        exploration credit, paid out of it; None when none fits. The credit
+        grows by `EXPLORE_SHARE` of each step's (predicted) seconds; a loss is
+        the extra seconds two steps at k take for their tokens at the current
+        length's rate. On SmolLM2 on CPU (batch 16 and 80) K=5 took over 2x
+        the time of K=0 per token, and one try in 32 steps of it alone cost
+        3-4%; seconds, not steps, because a batch-80 step costs many batch-1
+        steps."""
+        seconds = estimates[self.current][0]
+        current = batch_size * self.expected_tokens(self.current) / seconds
+        for k in preferred:
+            rate = (None if estimates.get(k) is None
+                    else batch_size * self.expected_tokens(k) / estimates[k][0])
+            cost = 0.0 if rate is None else 2.0 * seconds * max(current / rate - 1.0, 0.0)
+            if cost <= self.explore_credit:
+                self.explore_credit -= cost
+                self.stats.num_explored += 1
+                return k
+        return None
 
     def _hold(self, k: int, batch_size: int) -> int:
         """Try `k` for this step and the next: only the second both drafts
@@ -404,9 +316,10 @@ class BatchDraftLength:
                 "step_ms": self._step_ms}
 
     def step_ms(self) -> dict[str, float]:
-        """"K@batch" (a bucket's smallest batch) -> typical step time in ms."""
+        """"K@batch" -> typical step time in ms at that batch size (its
+        bucket's smallest, `StepTimes.typical`)."""
         typical = {key: self.times.typical(*key) for key in sorted(self.times.samples)}
-        return {f"{k}@{2 ** (b - 1)}": round(1e3 * t, 3)
+        return {f"{k}@{bucket_batch(b)}": round(1e3 * t, 3)
                 for (k, b), t in typical.items() if t is not None}
 
     def as_dict(self) -> dict:

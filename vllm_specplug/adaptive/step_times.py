@@ -1,0 +1,217 @@
+"""Measured decode-step times per (draft length, bucket of batch sizes), for
+the batch policy (batch_draft_length.py).
+
+A bucket spans a doubling of the batch (1, 2-3, 4-7, ...): a GPU's step time
+is flat, then steep, in steps, with graph sizes, and a line through all batch
+sizes misjudged one bucket by another (docs/results/batch_draft_length_h100).
+Within a bucket the batch still moves up to 2x, and on a CPU a step's time
+grows with its requests: on SmolLM2 (docs/results/batch_draft_length_cpu_run3)
+the steps without drafts in the 16-31 bucket came from the batch-80 phase
+draining through 31..16, those with 5 drafts from the batch-16 phase, and K=0
+looked slower than K=5 where no speculation ran 1.3x faster. So every time is
+read at one batch size: each sample is scaled by (b / b_i) ** exponent, the
+bucket's exponent fitted on how its lengths' own times moved with the batch
+(Theil-Sen: the median slope of log time over log batch among pairs of
+samples of one length; robust to the slow steps that remain).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+# samples of a (length, bucket) before its typical time counts, and how many
+# it keeps: at batch 1 on the H100 one step's time moved 20%, and the lower
+# quartiles of two windows of 8 steps of the same cost were often 25% apart
+MIN_SAMPLES = 3
+WINDOW = 32
+# A step this many times slower than a step known to do at least as much
+# work (as many drafts or more, as many requests or more) stalled: a graph
+# captured on first use at a new padded batch size or key range took
+# 200-450 ms on the H100 where the same step replayed took 2-30 ms
+# (docs/results/batch_draft_length_h100, diag_after.txt: 8@16 at 27 ms).
+STALL_RATIO = 3.0
+# A length's time is carried over from buckets at most this many doublings of
+# the batch away. On the H100 every length took 3 ms at batch 1 (latency-
+# bound) and 17-31 ms at 256: a ratio carried from batch 1 to 256 priced every
+# length the same there, and the longest was kept without being measured
+# (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt).
+MAX_TRANSFER_BUCKETS = 2
+# Pairs of samples whose batch sizes differ by less than this ratio say
+# little about the slope (3-20% noise over a few percent of batch), and the
+# fit needs this many pairs; its exponent is kept within [0, MAX_EXPONENT]
+# (more requests never make a step faster; a step at most ~linear in them)
+MIN_BATCH_RATIO = 1.2
+MIN_PAIRS = 8
+MAX_EXPONENT = 1.5
+# the fit is taken again after this many new samples in its bucket (it weighs
+# up to ~3000 pairs; the policy reads it every step)
+REFIT_EVERY = 8
+
+
+def batch_bucket(batch_size: int) -> int:
+    """1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (powers of two)."""
+    return max(int(batch_size), 1).bit_length()
+
+
+def bucket_batch(bucket: int) -> int:
+    """The smallest batch size of `bucket`: where `step_ms` reads times."""
+    return 2 ** (bucket - 1)
+
+
+class StepTimes:
+    """Seconds of recent decode steps per (length, batch bucket), each kept
+    with its batch size."""
+
+    def __init__(self) -> None:
+        # (K, bucket) -> (batch size, seconds) of its last `WINDOW` steps
+        self.samples: dict[tuple[int, int], deque] = {}
+        # bucket -> `spread` / fitted exponent (None: too few pairs), until
+        # the bucket's next sample
+        self.spreads: dict[int, float] = {}
+        self.fits: dict[int, float | None] = {}
+        self.fit_age: dict[int, int] = {}  # bucket -> samples added since its fit
+        # (fixed, per verified token) seconds that override the samples (tests)
+        self.pinned: tuple[float, float] | None = None
+
+    def add(self, k: int, batch_size: int, seconds: float) -> bool:
+        """Keep a step's time; False (not kept) when it stalled: it took more
+        than `STALL_RATIO` times the typical step that does at least as much
+        work (`reference`)."""
+        key = (k, batch_bucket(batch_size))
+        reference = self.reference(*key)
+        if reference is not None and seconds > STALL_RATIO * reference:
+            return False
+        self.samples.setdefault(key, deque(maxlen=WINDOW)).append((int(batch_size), seconds))
+        self.spreads.pop(key[1], None)
+        self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
+        return True
+
+    def reference(self, k: int, bucket: int) -> float | None:
+        """The lowest median time at `k` in `bucket`, or with as many drafts
+        or more in a bucket as big or bigger: such a step does at least as
+        much work, so one here should not take much longer. Medians of
+        `MIN_SAMPLES` or more, so that one step that returned early (outputs
+        queued behind a host stall) does not reject the rest."""
+        times = [sorted(s for _, s in window)[len(window) // 2]
+                 for (length, b), window in self.samples.items()
+                 if length >= k and b >= bucket and len(window) >= MIN_SAMPLES]
+        return min(times, default=None)
+
+    def scaled(self, k: int, bucket: int, batch_size: int) -> list[float]:
+        """(k, bucket)'s step times as if each step had had `batch_size`
+        requests, sorted."""
+        exponent = self.exponent(bucket)
+        return sorted(s * (batch_size / b) ** exponent
+                      for b, s in self.samples.get((k, bucket), ()))
+
+    def typical(self, k: int, bucket: int, batch_size: int | None = None) -> float | None:
+        """The lower quartile of the bucket's last `WINDOW` step times at
+        `batch_size` (the bucket's smallest by default; None under
+        `MIN_SAMPLES`): a step's time only strays upwards (a graph captured
+        on first use, a stall), and within a bucket each new padded batch
+        size captures once, so a plain median of 3 could still be two
+        captures."""
+        times = self.scaled(k, bucket, batch_size or bucket_batch(bucket))
+        if len(times) < MIN_SAMPLES:
+            return None
+        return times[len(times) // 4]
+
+    def exponent(self, bucket: int) -> float:
+        """How a step's time grows with the batch in `bucket` (time ~ b **
+        exponent): the bucket's own fit, else the nearest bucket's within
+        `MAX_TRANSFER_BUCKETS`, else 0 (every sample taken as it is)."""
+        for distance in range(MAX_TRANSFER_BUCKETS + 1):
+            for other in (bucket - distance, bucket + distance):
+                fit = self._fit(other)
+                if fit is not None:
+                    return fit
+        return 0.0
+
+    def _fit(self, bucket: int) -> float | None:
+        if bucket not in self.fits or self.fit_age.get(bucket, 0) >= REFIT_EVERY:
+            self.fits[bucket], self.fit_age[bucket] = self._theil_sen(bucket), 0
+        return self.fits[bucket]
+
+    def _theil_sen(self, bucket: int) -> float | None:
+        """The median of d log(time) / d log(batch) over pairs of one
+        length's samples in `bucket` whose batches differ by
+        `MIN_BATCH_RATIO` or more; None under `MIN_PAIRS` such pairs."""
+        slopes = []
+        for (_, b), window in self.samples.items():
+            if b != bucket or len(window) < 2:
+                continue
+            x, y = np.log(np.array(window, dtype=np.float64).clip(1e-12)).T
+            dx, dy = np.subtract.outer(x, x), np.subtract.outer(y, y)
+            apart = np.triu(np.abs(dx) >= math.log(MIN_BATCH_RATIO), 1)
+            slopes.append(dy[apart] / dx[apart])
+        slopes = np.concatenate(slopes) if slopes else np.empty(0)
+        if len(slopes) < MIN_PAIRS:
+            return None
+        return float(np.clip(np.median(slopes), 0.0, MAX_EXPONENT))
+
+    def noise(self, k: int, bucket: int) -> float:
+        """The relative standard error of `typical(k, bucket)`: the bucket's
+        spread (`spread`) over sqrt(k's samples there). On the H100 at batch
+        1 steps of every length took 3-4 ms, each moving about 20%
+        (docs/results/batch_draft_length_h100_run2, diag_stall_guard.txt):
+        differences that size between two lengths' times are noise, not cost."""
+        window = self.samples.get((k, bucket))
+        if window is None or len(window) < MIN_SAMPLES:
+            return 0.0
+        return self.spread(bucket) / math.sqrt(len(window))
+
+    def spread(self, bucket: int) -> float:
+        """The interquartile range of the bucket's step times (at one batch
+        size), each relative to its length's median, pooled over lengths: how
+        much one step's time moves at this batch size. Pooled because a few
+        samples of one length put their quartiles close together by chance
+        as often as not. Kept until the bucket's next sample: the policy asks
+        for it per length, every step."""
+        if bucket not in self.spreads:
+            self.spreads[bucket] = self._pooled_spread(bucket)
+        return self.spreads[bucket]
+
+    def _pooled_spread(self, bucket: int) -> float:
+        relative = []
+        for (k, b), window in self.samples.items():
+            if b == bucket and len(window) >= MIN_SAMPLES:
+                times = self.scaled(k, b, bucket_batch(b))
+                middle = times[len(times) // 2]
+                relative.extend(t / max(middle, 1e-12) for t in times)
+        if len(relative) < 2 * MIN_SAMPLES:
+            return 0.0
+        relative.sort()
+        return relative[(3 * len(relative)) // 4] - relative[len(relative) // 4]
+
+    def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
+        """Seconds of a step at `k` with `batch_size` requests (`estimate`)."""
+        estimate = self.estimate(k, batch_size, anchor)
+        return None if estimate is None else estimate[0]
+
+    def estimate(self, k: int, batch_size: int, anchor: int) -> tuple[float, float] | None:
+        """(seconds, relative standard error) of a step at `k` with
+        `batch_size` requests: measured in its bucket, or the `anchor`
+        length's time there times their ratio in the nearest bucket where
+        both were measured, `MAX_TRANSFER_BUCKETS` at most away (the three
+        errors combined); None otherwise (the policy then measures it)."""
+        if self.pinned is not None:
+            return self.pinned[0] + self.pinned[1] * batch_size * (k + 1), 0.0
+        bucket = batch_bucket(batch_size)
+        own = self.typical(k, bucket, batch_size)
+        if own is not None or k == anchor:
+            return None if own is None else (own, self.noise(k, bucket))
+        base = self.typical(anchor, bucket, batch_size)
+        if base is None:
+            return None
+        buckets = sorted({b for (length, b) in self.samples
+                          if length == k and abs(b - bucket) <= MAX_TRANSFER_BUCKETS},
+                         key=lambda b: abs(b - bucket))
+        for other in buckets:
+            mine, theirs = self.typical(k, other), self.typical(anchor, other)
+            if mine is not None and theirs is not None:
+                return base * mine / theirs, math.hypot(self.noise(anchor, bucket),
+                                                        self.noise(k, other),
+                                                        self.noise(anchor, other))
+        return None

@@ -140,6 +140,7 @@ class BatchDraftLength:
         self.num_decode_steps = 0
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
+        self._expected: dict[int, float] | None = None  # expected_tokens, per length
         self._step_ms: dict[str, float] | None = None  # counters' copy of step_ms()
         self._step_ms_at = 0  # num_decode_steps when it was taken
 
@@ -253,15 +254,15 @@ class BatchDraftLength:
         so that it is tried once where its step time allows: otherwise a
         longer draft, never verified, would look no better than a shorter
         one and never be chosen."""
-        best = 1.0
-        for length in self.candidates:
-            stats = self.lengths[length]
-            if length > 0:
-                best = max(best, 1.0 + (stats.accepted / stats.num_requests
-                                        if stats.num_requests > 0 else length))
-            if length == k:
-                return best
-        raise KeyError(k)
+        if self._expected is None:  # taken again after each verified step
+            self._expected, best = {}, 1.0
+            for length in self.candidates:
+                stats = self.lengths[length]
+                if length > 0:
+                    best = max(best, 1.0 + (stats.accepted / stats.num_requests
+                                            if stats.num_requests > 0 else length))
+                self._expected[length] = best
+        return self._expected[k]
 
     def tokens_per_second(self, k: int, batch_size: int) -> float | None:
         seconds = self.times.predict(k, batch_size, self.current)
@@ -273,7 +274,7 @@ class BatchDraftLength:
         (the expectation it had when it last chose that length)."""
         if k not in self.lengths or not num_accepted:
             return
-        stats = self.lengths[k]
+        stats, self._expected = self.lengths[k], None
         fade = self.acceptance_fade ** len(num_accepted)
         stats.accepted = stats.accepted * fade + sum(num_accepted)
         stats.num_requests = stats.num_requests * fade + len(num_accepted)

@@ -45,8 +45,9 @@ MAX_TRANSFER_BUCKETS = 2
 MIN_BATCH_RATIO = 1.2
 MIN_PAIRS = 8
 MAX_EXPONENT = 1.5
-# the fit is taken again after this many new samples in its bucket (it weighs
-# up to ~3000 pairs; the policy reads it every step)
+# the fit (and the spread) are taken again after this many new samples in
+# their bucket (the fit weighs up to ~3000 pairs; the policy reads both
+# every step)
 REFIT_EVERY = 8
 
 
@@ -72,6 +73,11 @@ class StepTimes:
         self.spreads: dict[int, float] = {}
         self.fits: dict[int, float | None] = {}
         self.fit_age: dict[int, int] = {}  # bucket -> samples added since its fit
+        # what the policy asks every step, until it can change: bucket ->
+        # `exponent`, and bucket -> {(K, batch size): `typical`}
+        self.exponents: dict[int, float] = {}
+        self.typicals: dict[int, dict[tuple[int, int], float | None]] = {}
+        self.medians: dict[tuple[int, int], float] = {}  # (K, bucket) -> raw median
         # (fixed, per verified token) seconds that override the samples (tests)
         self.pinned: tuple[float, float] | None = None
 
@@ -84,9 +90,23 @@ class StepTimes:
         if reference is not None and seconds > STALL_RATIO * reference:
             return False
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append((int(batch_size), seconds))
-        self.spreads.pop(key[1], None)
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
+        if self.fit_age[key[1]] >= REFIT_EVERY or key[1] not in self.fits:
+            self._refit(key[1])
+        self.typicals.pop(key[1], None)
+        self.medians.pop(key, None)
+        if len(self.samples[key]) <= MIN_SAMPLES:  # a length joins the pooled spread
+            self.spreads.pop(key[1], None)
         return True
+
+    def _refit(self, bucket: int) -> None:
+        """Take the bucket's exponent and spread again (every `REFIT_EVERY`
+        samples: each weighs every sample of the bucket, and one more sample
+        moves neither much)."""
+        self.fits[bucket], self.fit_age[bucket] = self._theil_sen(bucket), 0
+        self.exponents.clear()
+        self.typicals.clear()
+        self.spreads.pop(bucket, None)
 
     def reference(self, k: int, bucket: int) -> float | None:
         """The lowest median time at `k` in `bucket`, or with as many drafts
@@ -94,17 +114,22 @@ class StepTimes:
         much work, so one here should not take much longer. Medians of
         `MIN_SAMPLES` or more, so that one step that returned early (outputs
         queued behind a host stall) does not reject the rest."""
-        times = [sorted(s for _, s in window)[len(window) // 2]
-                 for (length, b), window in self.samples.items()
-                 if length >= k and b >= bucket and len(window) >= MIN_SAMPLES]
+        times = [self._median(key) for key, window in self.samples.items()
+                 if key[0] >= k and key[1] >= bucket and len(window) >= MIN_SAMPLES]
         return min(times, default=None)
+
+    def _median(self, key: tuple[int, int]) -> float:
+        if key not in self.medians:
+            self.medians[key] = sorted(s for _, s in self.samples[key])[len(self.samples[key]) // 2]
+        return self.medians[key]
 
     def scaled(self, k: int, bucket: int, batch_size: int) -> list[float]:
         """(k, bucket)'s step times as if each step had had `batch_size`
         requests, sorted."""
-        exponent = self.exponent(bucket)
-        return sorted(s * (batch_size / b) ** exponent
-                      for b, s in self.samples.get((k, bucket), ()))
+        exponent, window = self.exponent(bucket), self.samples.get((k, bucket), ())
+        if exponent == 0.0 or bucket == 1:  # bucket 1 holds batch 1 only
+            return sorted(s for _, s in window)
+        return sorted(s * (batch_size / b) ** exponent for b, s in window)
 
     def typical(self, k: int, bucket: int, batch_size: int | None = None) -> float | None:
         """The lower quartile of the bucket's last `WINDOW` step times at
@@ -113,26 +138,22 @@ class StepTimes:
         on first use, a stall), and within a bucket each new padded batch
         size captures once, so a plain median of 3 could still be two
         captures."""
-        times = self.scaled(k, bucket, batch_size or bucket_batch(bucket))
-        if len(times) < MIN_SAMPLES:
-            return None
-        return times[len(times) // 4]
+        key = (k, batch_size or bucket_batch(bucket))
+        cache = self.typicals.setdefault(bucket, {})
+        if key not in cache:
+            times = self.scaled(k, bucket, key[1])
+            cache[key] = times[len(times) // 4] if len(times) >= MIN_SAMPLES else None
+        return cache[key]
 
     def exponent(self, bucket: int) -> float:
         """How a step's time grows with the batch in `bucket` (time ~ b **
         exponent): the bucket's own fit, else the nearest bucket's within
         `MAX_TRANSFER_BUCKETS`, else 0 (every sample taken as it is)."""
-        for distance in range(MAX_TRANSFER_BUCKETS + 1):
-            for other in (bucket - distance, bucket + distance):
-                fit = self._fit(other)
-                if fit is not None:
-                    return fit
-        return 0.0
-
-    def _fit(self, bucket: int) -> float | None:
-        if bucket not in self.fits or self.fit_age.get(bucket, 0) >= REFIT_EVERY:
-            self.fits[bucket], self.fit_age[bucket] = self._theil_sen(bucket), 0
-        return self.fits[bucket]
+        if bucket not in self.exponents:
+            fits = [self.fits.get(bucket - d) if self.fits.get(bucket - d) is not None
+                    else self.fits.get(bucket + d) for d in range(MAX_TRANSFER_BUCKETS + 1)]
+            self.exponents[bucket] = next((f for f in fits if f is not None), 0.0)
+        return self.exponents[bucket]
 
     def _theil_sen(self, bucket: int) -> float | None:
         """The median of d log(time) / d log(batch) over pairs of one
@@ -167,8 +188,8 @@ class StepTimes:
         size), each relative to its length's median, pooled over lengths: how
         much one step's time moves at this batch size. Pooled because a few
         samples of one length put their quartiles close together by chance
-        as often as not. Kept until the bucket's next sample: the policy asks
-        for it per length, every step."""
+        as often as not. Taken again with the bucket's exponent (`_refit`)
+        or when a length reaches `MIN_SAMPLES` there."""
         if bucket not in self.spreads:
             self.spreads[bucket] = self._pooled_spread(bucket)
         return self.spreads[bucket]

@@ -438,6 +438,9 @@ def test_step_times_read_every_length_at_the_asked_batch_size():
     assert times.exponent(5) == pytest.approx(1.0, abs=0.01)
     assert times.typical(0, 5, 16) / times.typical(5, 5, 16) == pytest.approx(0.6, rel=0.05)
     assert times.typical(0, 5, 16) == pytest.approx(0.048, rel=0.05)
+    # bench's view of the raw windows: the K=0 steps' own batch sizes and times
+    window = times.windows()["0@16"]
+    assert window["n"] == 12 and window["batch"] == 26.8 and window["q1"] <= window["mean"]
     # where every sample has one batch size there is nothing to fit: taken as it is
     flat = StepTimes()
     for _ in range(12):

@@ -74,7 +74,7 @@ SWITCH_Z = 2.0
 # decode steps: a quantile per length and bucket is too dear for every step
 STEP_MS_EVERY = 64
 # counters that are a state as of now, not counts to difference
-SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms")
+SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows")
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
@@ -143,6 +143,7 @@ class BatchDraftLength:
         self._expected: dict[int, float] | None = None  # expected_tokens, per length
         self._step_ms: dict[str, float] | None = None  # counters' copy of step_ms()
         self._step_ms_at = 0  # num_decode_steps when it was taken
+        self._step_windows: dict[str, dict] = {}  # counters' copy of times.windows()
 
     def __getitem__(self, batch_size: int) -> int:
         return self.choose(int(batch_size))
@@ -302,10 +303,12 @@ class BatchDraftLength:
         and the expected vs realised tokens per request summed; and as of
         now (`SNAPSHOT_KEYS`) the tokens per request it expects of each
         length and its typical step times, refreshed every
-        `STEP_MS_EVERY` decode steps (a quantile per length and bucket)."""
+        `STEP_MS_EVERY` decode steps (a quantile per length and bucket),
+        with what their windows hold (`StepTimes.windows`)."""
         s = self.stats
         if self._step_ms is None or self.num_decode_steps - self._step_ms_at >= STEP_MS_EVERY:
             self._step_ms, self._step_ms_at = self.step_ms(), self.num_decode_steps
+            self._step_windows = self.times.windows()
         return {"current": self.current, "num_steps": s.num_steps,
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
@@ -314,7 +317,7 @@ class BatchDraftLength:
                 "num_requests": s.num_requests,
                 "expected_per_length": {k: round(self.expected_tokens(k), 3)
                                         for k in self.candidates},
-                "step_ms": self._step_ms}
+                "step_ms": self._step_ms, "step_windows": self._step_windows}
 
     def step_ms(self) -> dict[str, float]:
         """"K@batch" -> typical step time in ms at that batch size (its
@@ -330,4 +333,4 @@ class BatchDraftLength:
                                                 if s.num_requests else None),
                 "realised_tokens_per_request": (s.realised_tokens / s.num_requests
                                                 if s.num_requests else None),
-                "step_ms": self.step_ms()}
+                "step_ms": self.step_ms(), "step_windows": self.times.windows()}

@@ -206,6 +206,23 @@ class StepTimes:
         relative.sort()
         return relative[(3 * len(relative)) // 4] - relative[len(relative) // 4]
 
+    def windows(self) -> dict[str, dict]:
+        """"K@batch" (as `step_ms`) -> the raw window: its samples, mean
+        batch size, and mean, median and lower quartile in ms. The policy
+        reads the lower quartile; under async scheduling an interval between
+        two outputs may also stray low (outputs queued behind a host stall),
+        so the mean beside it shows whether it still tells the step's cost
+        (docs/results/batch_draft_length_h200_run5)."""
+        out = {}
+        for (k, b), window in sorted(self.samples.items()):
+            seconds = sorted(s for _, s in window)
+            out[f"{k}@{bucket_batch(b)}"] = {
+                "n": len(seconds), "batch": round(sum(n for n, _ in window) / len(window), 1),
+                "mean": round(1e3 * sum(seconds) / len(seconds), 3),
+                "median": round(1e3 * seconds[len(seconds) // 2], 3),
+                "q1": round(1e3 * seconds[len(seconds) // 4], 3)}
+        return out
+
     def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
         """Seconds of a step at `k` with `batch_size` requests (`estimate`)."""
         estimate = self.estimate(k, batch_size, anchor)

@@ -3,6 +3,8 @@ integration/batch_schedule.py; issue 27) on a simulated engine, against every
 static length, and the table that makes vLLM capture each candidate."""
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 
@@ -189,13 +191,27 @@ def test_a_latency_bound_batch_does_not_price_a_large_one():
 
 
 def test_expected_tokens_never_fall_with_length():
-    policy = BatchDraftLength((0, 1, 2, 4))
+    policy = BatchDraftLength((0, 1, 2, 4), chains=False)  # trees: each length its own
     policy.verified(1, [1, 1, 0, 1])  # 1.75 tokens a request at K=1
     policy.verified(2, [0, 1, 0, 0])  # 1.25 at K=2, less than K=1 by chance
     assert policy.expected_tokens(0) == 1.0
     assert policy.expected_tokens(1) == pytest.approx(1.75)
     assert policy.expected_tokens(2) == pytest.approx(1.75)  # kept non-decreasing
     assert policy.expected_tokens(4) == 5.0  # not verified yet: at its best, to be tried
+
+
+def test_a_chains_steps_also_tell_its_shorter_lengths_acceptance():
+    """A chain of 4 drafts whose first k are the k-chain's: a request that
+    accepted a of 4 would have accepted min(a, k) of k. On SmolLM2/CPU the
+    shorter lengths' own rare explorations (with the non-decreasing rule)
+    had the policy expect 1.51 tokens a request where 1.38-1.45 came."""
+    policy = BatchDraftLength((0, 1, 2, 4))
+    policy.verified(4, [0, 1, 3, 4])
+    assert policy.expected_tokens(1) == pytest.approx(1.75)  # min(a, 1): 0 1 1 1
+    assert policy.expected_tokens(2) == pytest.approx(2.25)  # min(a, 2): 0 1 2 2
+    assert policy.expected_tokens(4) == pytest.approx(3.0)
+    policy.verified(2, [2, 2, 2, 2])  # says nothing of 4
+    assert policy.lengths[4].num_requests == pytest.approx(4)
 
 
 def test_every_candidate_is_measured_before_the_policy_chooses():
@@ -447,3 +463,17 @@ def test_step_times_read_every_length_at_the_asked_batch_size():
         flat.add(0, 30, 0.09)
         flat.add(5, 16, 0.08)
     assert flat.exponent(5) == 0.0 and flat.typical(0, 5, 16) == pytest.approx(0.09)
+
+
+def test_a_lengths_time_is_the_mean_of_its_steps_without_strays():
+    """Suffix on SmolLM2/CPU: with K=5 asked, a step's work depends on how
+    many requests found a draft (steps at batch 16 from 90 ms to 2x that;
+    lower quartile 90, mean 138, K=0 84). Tokens per second is tokens over
+    summed time, so the time is the mean, without steps 3x off the median
+    (a capture, a stall; an interval that ended early)."""
+    from vllm_specplug.adaptive.step_times import StepTimes
+
+    times = StepTimes()
+    for seconds in [0.09, 0.19] * 8 + [2.0, 0.001]:  # the last two: strays
+        times.samples.setdefault((5, 5), deque(maxlen=32)).append((16, seconds))
+    assert times.typical(5, 5, 16) == pytest.approx(0.14)

@@ -16,14 +16,14 @@ table: asked for batch size b, it returns the K among its candidates
 where E comes from the accepted counts of recent steps verified at that K
 (a request gains 1 + accepted tokens; for chains and trees alike the mean
 can only grow with K, so it is kept non-decreasing), and seconds(b, K) is
-the lower quartile of recent decode steps' times at that K in b's bucket
+the mean of recent decode steps' times at that K in b's bucket
 of batch sizes (powers of two: 1, 2-3, 4-7, ...), each scaled to b by how
 the bucket's times grow with the batch (step_times.py). One-off
 slow steps are kept out three ways: the scheduler does not time the first
 step at each new shape (it captures a drafting graph: 200-450 ms on the
 H100 where others took 4); a step `STALL_RATIO` times slower than one known
-to do at least as much work is dropped; and the lower quartile of the last
-32 discounts the rest. A length not measured in this bucket is priced by its ratio to the
+to do at least as much work is dropped; and the mean of the last 32 leaves
+out those over 3x their median. A length not measured in this bucket is priced by its ratio to the
 current length in the nearest bucket where both were measured, if that is
 at most 4x the batch away (else it is measured there). A step
 counts for the time of K only when it both verified the drafts asked at K
@@ -120,10 +120,15 @@ class BatchDraftLength:
         explore_every: one step in this many measures another length.
         acceptance_fade: per request verified at a length, the weight its
             older accepted counts keep (about 1 / (1 - fade) requests count).
+        chains: the lengths are chains (n-gram, suffix, hybrid, a head with
+            topk=1), whose first k drafts are the k-chain's: a step verified
+            at K also tells every shorter k's acceptance (`verified`).
+            False for trees, whose smaller trees are not prefixes.
     """
 
     def __init__(self, candidates: tuple[int, ...], explore_every: int = 32,
-                 switch_margin: float = 0.02, acceptance_fade: float = 0.995) -> None:
+                 switch_margin: float = 0.02, acceptance_fade: float = 0.995,
+                 chains: bool = True) -> None:
         if not candidates or list(candidates) != sorted(set(candidates)) or candidates[0] < 0:
             raise ValueError(f"candidates must be ascending lengths >= 0, got {candidates}")
         self.candidates = tuple(candidates)
@@ -131,7 +136,7 @@ class BatchDraftLength:
         self.times = StepTimes()
         self.tries: dict[tuple[int, int], int] = {}  # (K, bucket) -> explorations
         self.explore_every, self.switch_margin = explore_every, switch_margin
-        self.acceptance_fade = acceptance_fade
+        self.acceptance_fade, self.chains = acceptance_fade, chains
         self.current = candidates[-1]
         self.exploring: int | None = None  # the length an exploration holds
         self.explore_left = 0  # steps it still holds it
@@ -271,14 +276,24 @@ class BatchDraftLength:
 
     def verified(self, k: int, num_accepted: list[int]) -> None:
         """A step verified `k` drafts per request; `num_accepted` per request.
+        For chains it also counts for every shorter length, as min(accepted,
+        length): a shorter length's estimate then comes from the same recent
+        requests as the current one's, not from its own rare explorations.
+        On SmolLM2 on CPU (suffix) a length explored now and then expected
+        1.51 tokens a request where the steps at 5 realised 1.38-1.45, and
+        the estimate, kept non-decreasing, carried it to 5: no speculation
+        never looked better (docs/results/batch_draft_length_cpu_run4).
         Steps at the length it exploits also count in expected vs realised
         (the expectation it had when it last chose that length)."""
         if k not in self.lengths or not num_accepted:
             return
-        stats, self._expected = self.lengths[k], None
+        self._expected = None
         fade = self.acceptance_fade ** len(num_accepted)
-        stats.accepted = stats.accepted * fade + sum(num_accepted)
-        stats.num_requests = stats.num_requests * fade + len(num_accepted)
+        for length in (self.candidates if self.chains else (k,)):
+            if 0 < length <= k:
+                stats = self.lengths[length]
+                stats.accepted = stats.accepted * fade + sum(min(a, length) for a in num_accepted)
+                stats.num_requests = stats.num_requests * fade + len(num_accepted)
         if k == self.current and k in self.last_expected:
             self.stats.expected_tokens += self.last_expected[k] * len(num_accepted)
             self.stats.realised_tokens += len(num_accepted) + sum(num_accepted)

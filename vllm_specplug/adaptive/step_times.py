@@ -51,6 +51,15 @@ MAX_EXPONENT = 1.5
 REFIT_EVERY = 8
 
 
+def _clipped_mean(times: list[float]) -> float:
+    """The mean of sorted `times` without those over `STALL_RATIO` x their
+    median or under 1 / `STALL_RATIO` of it (an interval that ended early:
+    outputs queued behind a host stall come back close together)."""
+    middle = times[len(times) // 2]
+    kept = [t for t in times if middle / STALL_RATIO <= t <= middle * STALL_RATIO]
+    return sum(kept) / len(kept)
+
+
 def batch_bucket(batch_size: int) -> int:
     """1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (powers of two)."""
     return max(int(batch_size), 1).bit_length()
@@ -132,17 +141,21 @@ class StepTimes:
         return sorted(s * (batch_size / b) ** exponent for b, s in window)
 
     def typical(self, k: int, bucket: int, batch_size: int | None = None) -> float | None:
-        """The lower quartile of the bucket's last `WINDOW` step times at
-        `batch_size` (the bucket's smallest by default; None under
-        `MIN_SAMPLES`): a step's time only strays upwards (a graph captured
-        on first use, a stall), and within a bucket each new padded batch
-        size captures once, so a plain median of 3 could still be two
-        captures."""
+        """The mean of the bucket's last `WINDOW` step times at `batch_size`
+        (the bucket's smallest by default; None under `MIN_SAMPLES`), less
+        those `STALL_RATIO` times over or under their median (a graph
+        captured on first use, a stall; an interval that ended early). The mean, because tokens per second is tokens
+        over the steps' summed time: where a step's work varies (n-gram and
+        suffix draft for some requests only), a quantile misprices it. On
+        SmolLM2 on CPU, suffix's steps at K=5 and batch 16 had a lower
+        quartile of 90 ms and a mean of 138: read by the quartile, K=5 beat
+        no speculation (84 ms), which ran 1.1x faster than it
+        (docs/results/batch_draft_length_cpu_run4)."""
         key = (k, batch_size or bucket_batch(bucket))
         cache = self.typicals.setdefault(bucket, {})
         if key not in cache:
             times = self.scaled(k, bucket, key[1])
-            cache[key] = times[len(times) // 4] if len(times) >= MIN_SAMPLES else None
+            cache[key] = _clipped_mean(times) if len(times) >= MIN_SAMPLES else None
         return cache[key]
 
     def exponent(self, bucket: int) -> float:
@@ -208,11 +221,10 @@ class StepTimes:
 
     def windows(self) -> dict[str, dict]:
         """"K@batch" (as `step_ms`) -> the raw window: its samples, mean
-        batch size, and mean, median and lower quartile in ms. The policy
-        reads the lower quartile; under async scheduling an interval between
-        two outputs may also stray low (outputs queued behind a host stall),
-        so the mean beside it shows whether it still tells the step's cost
-        (docs/results/batch_draft_length_h200_run5)."""
+        batch size, and mean, median and lower quartile in ms (the policy
+        reads the mean, `typical`; under async scheduling an interval between
+        two outputs may also stray low, outputs queued behind a host stall,
+        docs/results/batch_draft_length_h200_run5)."""
         out = {}
         for (k, b), window in sorted(self.samples.items()):
             seconds = sorted(s for _, s in window)

@@ -57,7 +57,8 @@ class BatchDraftSchedule:
         lengths = (table_lengths(table) if table
                    else draft_length_candidates(self.num_spec_tokens))
         self.draft_length = BatchDraftLength(tuple(k for k in lengths
-                                                   if k <= self.num_spec_tokens))
+                                                   if k <= self.num_spec_tokens),
+                                             chains=not _drafts_trees(spec))
         self.dynamic_sd_lookup = self.draft_length
         self._last_output_at: float | None = None
         self._last_log = time.monotonic()
@@ -127,6 +128,15 @@ class BatchDraftSchedule:
                     d["chosen"], d["num_explored"], d["num_steps"],
                     _fmt(d["expected_tokens_per_request"]),
                     _fmt(d["realised_tokens_per_request"]))
+
+
+def _drafts_trees(spec) -> bool:
+    """Whether the method drafts trees (a head with topk > 1), whose
+    smaller trees are not prefixes of the larger."""
+    from vllm_specplug.integration.config import selection_of
+
+    selection = selection_of(spec)
+    return selection is not None and int(selection.options.get("topk", 1) or 1) > 1
 
 
 class BatchPolicyView:

@@ -78,7 +78,8 @@ class StepTimes:
         # (K, bucket) -> (batch size, seconds) of its last `WINDOW` steps
         self.samples: dict[tuple[int, int], deque] = {}
         # bucket -> `spread` / fitted exponent (None: too few pairs), until
-        # the bucket's next sample
+        # the bucket's next refit (`REFIT_EVERY` samples; the spread also
+        # when a length reaches `MIN_SAMPLES` there)
         self.spreads: dict[int, float] = {}
         self.fits: dict[int, float | None] = {}
         self.fit_age: dict[int, int] = {}  # bucket -> samples added since its fit

@@ -270,10 +270,6 @@ class BatchDraftLength:
                 self._expected[length] = best
         return self._expected[k]
 
-    def tokens_per_second(self, k: int, batch_size: int) -> float | None:
-        seconds = self.times.predict(k, batch_size, self.current)
-        return None if seconds is None else batch_size * self.expected_tokens(k) / seconds
-
     def verified(self, k: int, num_accepted: list[int]) -> None:
         """A step verified `k` drafts per request; `num_accepted` per request.
         For chains it also counts for every shorter length, as min(accepted,

@@ -236,11 +236,6 @@ class StepTimes:
                 "q1": round(1e3 * seconds[len(seconds) // 4], 3)}
         return out
 
-    def predict(self, k: int, batch_size: int, anchor: int) -> float | None:
-        """Seconds of a step at `k` with `batch_size` requests (`estimate`)."""
-        estimate = self.estimate(k, batch_size, anchor)
-        return None if estimate is None else estimate[0]
-
     def estimate(self, k: int, batch_size: int, anchor: int) -> tuple[float, float] | None:
         """(seconds, relative standard error) of a step at `k` with
         `batch_size` requests: measured in its bucket, or the `anchor`

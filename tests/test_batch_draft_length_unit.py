@@ -276,6 +276,68 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
     assert (stats.num_first_at_shape, stats.num_measured) == (2, 3)
 
 
+def test_every_steps_time_is_added_to_its_kind():
+    """A phase's time beyond its timed decode steps (H200, batch 256: the
+    policy's decode steps explained about half of it) is found in the
+    policy's counters: each step's interval is added to pure decode at one
+    length, a change of length, or a step with prefill tokens."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+                                _drafted_before=None, _maybe_log=lambda: None)
+    scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
+        scheduler, k, out)
+    spec = {f"r{i}": [7] * 4 for i in range(8)}
+
+    def step(k_next: int, prefill_tokens: int, seconds: float) -> None:
+        output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
+                                 num_scheduled_tokens={r: 5 for r in spec},
+                                 total_num_scheduled_tokens=5 * len(spec) + prefill_tokens,
+                                 num_spec_tokens_to_schedule=k_next)
+        runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(spec)},
+                                 sampled_token_ids=[[1, 2]] * len(spec))
+        BatchDraftSchedule._observe(scheduler, output, runner, seconds)
+
+    for k_next, prefill_tokens, seconds in ((4, 0, 0.01), (4, 0, 0.02), (4, 30, 0.5),
+                                            (0, 0, 0.04), (4, 0, 0.08)):
+        step(k_next, prefill_tokens, seconds)
+    counters = scheduler.draft_length.counters()
+    assert (counters["decode_steps"], counters["switch_steps"], counters["mixed_steps"]) \
+        == (2, 2, 1)
+    assert counters["decode_seconds"] == pytest.approx(0.03)
+    assert counters["switch_seconds"] == pytest.approx(0.12)
+    assert counters["mixed_seconds"] == pytest.approx(0.5)
+
+
+def test_the_first_step_after_the_engine_idled_is_not_timed():
+    """The interval before the first output of a new batch of requests holds
+    the wait for them (bench: the time between two phases), not a step."""
+    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+
+    class Engine:
+        pending = True
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return "outputs"
+
+        def has_unfinished_requests(self) -> bool:
+            return self.pending
+
+    class Clocked(BatchDraftSchedule, Engine):
+        def _observe(self, scheduler_output, model_runner_output, seconds):
+            self.intervals.append(seconds)
+
+    scheduler = object.__new__(Clocked)
+    scheduler.intervals, scheduler._last_output_at = [], None
+    for pending in (True, False, True):
+        scheduler.pending = pending
+        assert scheduler.update_from_output(None, None) == "outputs"
+    assert scheduler.intervals[0] is None and scheduler.intervals[1] is not None
+    assert scheduler.intervals[2] is None
+
+
 def test_steps_where_some_requests_drafted_nothing_are_timed_and_counted():
     """n-gram and suffix find no draft for many requests. On SmolLM2 at batch
     16 and 80 (docs/results/batch_draft_length_cpu_run2, smollm2_no_cache)

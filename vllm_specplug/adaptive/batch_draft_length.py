@@ -75,6 +75,8 @@ SWITCH_Z = 2.0
 STEP_MS_EVERY = 64
 # counters that are a state as of now, not counts to difference
 SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows")
+# the kinds of step whose wall time `stepped` adds up (BatchDraftStats)
+STEP_KINDS = ("decode", "switch", "mixed")
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
@@ -105,6 +107,16 @@ class BatchDraftStats:
     num_measured: int = 0  # steps whose time counted
     num_stalled: int = 0  # steps whose time was dropped as a stall (StepTimes.add)
     num_first_at_shape: int = 0  # steps not timed: first at their shape (the scheduler's)
+    # every step's wall time between outputs, by kind (the scheduler's
+    # `_observe`): pure decode steps that verified and drafted one length
+    # (timed or not), those that changed length, and steps with prefill
+    # tokens; a phase's time beyond their sum is spent idle or starting
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    switch_steps: int = 0
+    switch_seconds: float = 0.0
+    mixed_steps: int = 0
+    mixed_seconds: float = 0.0
     # expected vs realised tokens per request of the steps verified at the
     # length it exploits
     expected_tokens: float = 0.0
@@ -307,6 +319,12 @@ class BatchDraftLength:
         self.lengths[k].last_measured = self.num_decode_steps
         self.stats.num_measured += 1
 
+    def stepped(self, kind: str, seconds: float) -> None:
+        """A step of `kind` (`STEP_KINDS`) took `seconds` since the output
+        before it, whether or not its time counts for a length."""
+        setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
+        setattr(self.stats, f"{kind}_seconds", getattr(self.stats, f"{kind}_seconds") + seconds)
+
     def counters(self) -> dict:
         """What it decided so far, cheap enough to read every step (the
         scheduler hands it to the workers with each step: bench reads it
@@ -323,6 +341,8 @@ class BatchDraftLength:
         return {"current": self.current, "num_steps": s.num_steps,
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
+                **{f"{kind}_{unit}": getattr(s, f"{kind}_{unit}") for kind in STEP_KINDS
+                   for unit in ("steps", "seconds")},
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},
                 "expected_tokens": s.expected_tokens, "realised_tokens": s.realised_tokens,
                 "num_requests": s.num_requests,

@@ -9,6 +9,7 @@ from functools import reduce
 from operator import add
 from pathlib import Path
 
+from vllm_specplug.adaptive.batch_draft_length import STEP_KINDS
 from vllm_specplug.metrics import SpecDecodeCounts
 
 
@@ -127,11 +128,13 @@ def _adaptive_cells(row) -> str:
 def format_batch_policy_table(rows) -> str:
     """The batch draft length's decisions per row (rows where it ran): the
     share of steps each length was chosen for ("trying": steps that held
-    another length to measure it), the explorations, and the tokens per
-    request it expected against those it got."""
+    another length to measure it), the explorations, the tokens per
+    request it expected against those it got, and the seconds its steps took
+    (pure decode at one length / changing length / with prefill tokens)."""
     return _decision_table(
         rows, "batch_policy", "batch draft length", f"{'steps':>7}{'explored':>10}"
-        f"{'tokens/request expected/realised':>34}  chosen K: share of steps", _policy_cells)
+        f"{'tokens/request expected/realised':>34}{'s decode/switch/mixed':>24}"
+        "  chosen K: share of steps", _policy_cells)
 
 
 def _policy_cells(row) -> str:
@@ -142,7 +145,8 @@ def _policy_cells(row) -> str:
     trying = p["num_steps"] - sum(p["chosen"].values())
     chosen += f" trying:{trying / steps:.0%}" if trying > 0 else ""
     tokens = f"{p['expected_tokens'] / requests:.2f}/{p['realised_tokens'] / requests:.2f}"
-    return f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}  {chosen}"
+    seconds = "/".join(f"{p.get(kind + '_seconds', float('nan')):.2f}" for kind in STEP_KINDS)
+    return f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}{seconds:>24}  {chosen}"
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",

@@ -75,7 +75,12 @@ class BatchDraftSchedule:
         seconds = None if self._last_output_at is None else now - self._last_output_at
         self._last_output_at = now
         self._observe(scheduler_output, model_runner_output, seconds)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if not self.has_unfinished_requests():
+            # idle until the next request: its first step's interval would
+            # hold the wait
+            self._last_output_at = None
+        return outputs
 
     def _observe(self, scheduler_output, model_runner_output, seconds: float | None) -> None:
         """The step's accepted counts count for the K its drafts were asked
@@ -98,6 +103,9 @@ class BatchDraftSchedule:
         self.draft_length.verified(verified_k, accepted)
         pure_decode = scheduler_output.total_num_scheduled_tokens == num_reqs + sum(
             len(ids) for ids in spec.values())
+        if seconds is not None:
+            self.draft_length.stepped(("mixed" if not pure_decode else "decode"
+                                       if drafted_k == verified_k else "switch"), seconds)
         if seconds is not None and pure_decode and drafted_k == verified_k:
             if self._first_at_shape(verified_k, scheduler_output):
                 self.draft_length.stats.num_first_at_shape += 1

@@ -211,7 +211,7 @@ def test_a_chains_steps_also_tell_its_shorter_lengths_acceptance():
     assert policy.expected_tokens(2) == pytest.approx(2.25)  # min(a, 2): 0 1 2 2
     assert policy.expected_tokens(4) == pytest.approx(3.0)
     policy.verified(2, [2, 2, 2, 2])  # says nothing of 4
-    assert policy.lengths[4].num_requests == pytest.approx(4)
+    assert policy.acceptance.lengths[4].num_requests == pytest.approx(4)
 
 
 def test_every_candidate_is_measured_before_the_policy_chooses():
@@ -431,6 +431,50 @@ def test_after_a_large_batch_chose_short_a_latency_bound_batch_returns_to_the_lo
         shares.append(chosen[8] / sum(chosen.values()))
     assert min(shares) >= 0.7, shares
     assert min(ratios) >= 0.97, ratios
+
+
+def test_a_tree_size_learnt_on_other_requests_is_relearnt():
+    """The H200 (docs/results/batch_draft_length_h200_run6): after batch 256
+    (low acceptance, short trees chosen), batch 1 (easier requests, 15 nodes
+    13% dearer a step than 4 and best): the policy's 4-node estimate rose on
+    the new requests, the 15-node one kept batch 256's, below it, and it ran
+    4 nodes for 37% of the steps. Trees (`chains=False`) learn a size only
+    from its own steps. Three rounds of both phases, four seeds: batch 1
+    within 3% of the static 15-node tree on average, 6% at worst (before:
+    0.86-0.91 in every round)."""
+    candidates = (0, 1, 2, 4, 8, 15)
+    busy = dict(rates=[0.8, 0.5, 0.35, 0.25] + [0.15] * 11, fixed=2e-3, per_token=5e-6,
+                per_draft=0.0)
+    idle = dict(rates=[0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6] + [0.5] * 7, fixed=3.4e-3,
+                per_token=1e-7, per_draft=4e-5)
+    ratios = []
+    for seed in range(4):
+        policy = BatchDraftLength(candidates, chains=False)
+        for round_ in range(3):
+            _run(_ChainEngine(**busy, seed=seed + 10 * round_), 256, 100, policy)
+            longest = _run(_ChainEngine(**idle, seed=seed), 1, 300, lambda b: 15)
+            ratios.append(_run(_ChainEngine(**idle, seed=seed), 1, 300, policy) / longest)
+    assert np.mean(ratios) >= 0.97 and min(ratios) >= 0.94, ratios
+
+
+def test_a_longer_length_below_a_fresher_shorter_one_is_stale_and_relearns():
+    """Trees: 8 drafts learnt on hard requests (1.5 tokens), then 4 on easy
+    ones (4.0): 8's mean cannot be right for these requests. It is stale,
+    and its next step counts as much as `RELEARN_REQUESTS` of its past."""
+    from vllm_specplug.adaptive.length_acceptance import RELEARN_REQUESTS, LengthAcceptance
+
+    acceptance = LengthAcceptance((0, 4, 8), chains=False)
+    for _ in range(50):
+        acceptance.verified(8, [1, 0])
+    for _ in range(50):
+        acceptance.verified(4, [3, 3])
+    assert acceptance.stale() == [8]
+    assert acceptance.expected(8) == acceptance.expected(4) == pytest.approx(4.0)
+    acceptance.verified(8, [6, 6])
+    mean = 1 + (RELEARN_REQUESTS * 0.5 * acceptance.fade ** 2 + 12) / (
+        RELEARN_REQUESTS * acceptance.fade ** 2 + 2)
+    assert acceptance.expected(8) == pytest.approx(mean)
+    assert acceptance.stale() == [] and acceptance.num_relearned == 1
 
 
 def _run_phases(engine: _ChainEngine, phases, choose, seed: int) -> list[float]:

@@ -32,7 +32,8 @@
 #            and tree 16 static and adaptive; BATCHK=lean: the same without our chain;
 #            BATCHK=free: vLLM ngram, ours ngram static, default and one length per
 #            step; BATCHK=tree: our tree 16 static and adaptive alone; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
-#            takes over 40 minutes)
+#            takes over 40 minutes; REPEATS, default 3: the engines start once, so a
+#            repeat costs only its phases, a few seconds)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -137,7 +138,7 @@ run() {
       # SIZES / MAX_TOKENS: fewer for a run that fits one lease (BATCHK=lean)
       bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64 128 256} \
         --limit-prompts 1=6 --limit-prompts 4=16 --limit-prompts 16=48 --limit-prompts 64=128 \
-        --limit-prompts 128=256 --limit-prompts 256=320 --repeats 3 --max-tokens "${MAX_TOKENS:-96}" \
+        --limit-prompts 128=256 --limit-prompts 256=320 --repeats "${REPEATS:-3}" --max-tokens "${MAX_TOKENS:-96}" \
         --dtype float32 ${PHASES---phases} \
         --engine-args '{"max_num_seqs": 256, "compilation_config": {"max_cudagraph_capture_size": 1100}}' \
         --out "$RESULTS/${RUN_NAME:-tiny-batchk-${BATCHK:-heads}}" ;;

@@ -15,7 +15,9 @@ table: asked for batch size b, it returns the K among its candidates
 
 where E comes from the accepted counts of recent steps verified at that K
 (a request gains 1 + accepted tokens; for chains and trees alike the mean
-can only grow with K, so it is kept non-decreasing), and seconds(b, K) is
+can only grow with K, so it is kept non-decreasing; a length whose mean
+falls below a shorter one's learnt on later requests is stale and tried
+first, length_acceptance.py), and seconds(b, K) is
 the mean of recent decode steps' times at that K in b's bucket
 of batch sizes (powers of two: 1, 2-3, 4-7, ...), each scaled to b by how
 the bucket's times grow with the batch (step_times.py). One-off
@@ -53,6 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_specplug.adaptive.length_acceptance import LengthAcceptance
 from vllm_specplug.adaptive.step_times import (MIN_SAMPLES, StepTimes, batch_bucket,
                                                 bucket_batch)
 
@@ -93,9 +96,8 @@ def draft_length_candidates(max_k: int) -> tuple[int, ...]:
 
 @dataclass
 class LengthStats:
-    """What is known about one candidate K besides its step times."""
-    accepted: float = 0.0  # faded sum of accepted drafts per request
-    num_requests: float = 0.0  # faded count of requests verified at this K
+    """What is known about one candidate K besides its step times and
+    acceptance (`LengthAcceptance`)."""
     last_measured: int = -1  # decode step at which its time was last observed
     num_chosen: int = 0  # steps it was chosen for (not explored)
 
@@ -145,10 +147,10 @@ class BatchDraftLength:
             raise ValueError(f"candidates must be ascending lengths >= 0, got {candidates}")
         self.candidates = tuple(candidates)
         self.lengths = {k: LengthStats() for k in candidates}
+        self.acceptance = LengthAcceptance(self.candidates, acceptance_fade, chains)
         self.times = StepTimes()
         self.tries: dict[tuple[int, int], int] = {}  # (K, bucket) -> explorations
         self.explore_every, self.switch_margin = explore_every, switch_margin
-        self.acceptance_fade, self.chains = acceptance_fade, chains
         self.current = candidates[-1]
         self.exploring: int | None = None  # the length an exploration holds
         self.explore_left = 0  # steps it still holds it
@@ -157,7 +159,6 @@ class BatchDraftLength:
         self.num_decode_steps = 0
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
-        self._expected: dict[int, float] | None = None  # expected_tokens, per length
         self._step_ms: dict[str, float] | None = None  # counters' copy of step_ms()
         self._step_ms_at = 0  # num_decode_steps when it was taken
         self._step_windows: dict[str, dict] = {}  # counters' copy of times.windows()
@@ -220,20 +221,22 @@ class BatchDraftLength:
             self.current = max(cheap)
 
     def _next_to_explore(self) -> list[int]:
-        """The lengths to try, preferred first: the current length's
-        neighbours in turn (where the best length moves to as the batch
-        changes, and cheap to try), and every `FAR_EVERY`-th time first the
-        length measured least recently."""
+        """The lengths to try, preferred first: those whose acceptance is
+        stale (`LengthAcceptance.stale`: learnt on other requests), the
+        current length's neighbours in turn (where the best length moves to
+        as the batch changes, and cheap to try), and every `FAR_EVERY`-th
+        time first the length measured least recently."""
         self.num_exploring_turns += 1
         i = self.candidates.index(self.current)
         near = [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
         turn = self.num_exploring_turns % max(len(near), 1)
         near = near[turn:] + near[:turn]
         others = [k for k in self.candidates if k != self.current]
+        stale = [k for k in self.acceptance.stale() if k != self.current]
         if self.num_exploring_turns % FAR_EVERY == 0 or not near:
             far = min(others, key=lambda k: self.lengths[k].last_measured, default=None)
-            return [k for k in [far] + near if k is not None]
-        return near
+            return stale + [k for k in [far] + near if k is not None]
+        return stale + near
 
     def _affordable(self, preferred: list[int], batch_size: int,
                     estimates: dict) -> int | None:
@@ -266,42 +269,17 @@ class BatchDraftLength:
         return k
 
     def expected_tokens(self, k: int) -> float:
-        """E[tokens a request gains per step | K = k]: 1 + accepted, non-
-        decreasing in K (a longer chain or a bigger tree keeps the shorter
-        one's nodes). A length not verified yet is taken at its best, 1 + k,
-        so that it is tried once where its step time allows: otherwise a
-        longer draft, never verified, would look no better than a shorter
-        one and never be chosen."""
-        if self._expected is None:  # taken again after each verified step
-            self._expected, best = {}, 1.0
-            for length in self.candidates:
-                stats = self.lengths[length]
-                if length > 0:
-                    best = max(best, 1.0 + (stats.accepted / stats.num_requests
-                                            if stats.num_requests > 0 else length))
-                self._expected[length] = best
-        return self._expected[k]
+        """E[tokens a request gains per step | K = k] (`LengthAcceptance`)."""
+        return self.acceptance.expected(k)
 
     def verified(self, k: int, num_accepted: list[int]) -> None:
-        """A step verified `k` drafts per request; `num_accepted` per request.
-        For chains it also counts for every shorter length, as min(accepted,
-        length): a shorter length's estimate then comes from the same recent
-        requests as the current one's, not from its own rare explorations.
-        On SmolLM2 on CPU (suffix) a length explored now and then expected
-        1.51 tokens a request where the steps at 5 realised 1.38-1.45, and
-        the estimate, kept non-decreasing, carried it to 5: no speculation
-        never looked better (docs/results/batch_draft_length_cpu_run4).
-        Steps at the length it exploits also count in expected vs realised
-        (the expectation it had when it last chose that length)."""
+        """A step verified `k` drafts per request; `num_accepted` per request
+        (`LengthAcceptance.verified`). Steps at the length it exploits also
+        count in expected vs realised (the expectation it had when it last
+        chose that length)."""
         if k not in self.lengths or not num_accepted:
             return
-        self._expected = None
-        fade = self.acceptance_fade ** len(num_accepted)
-        for length in (self.candidates if self.chains else (k,)):
-            if 0 < length <= k:
-                stats = self.lengths[length]
-                stats.accepted = stats.accepted * fade + sum(min(a, length) for a in num_accepted)
-                stats.num_requests = stats.num_requests * fade + len(num_accepted)
+        self.acceptance.verified(k, num_accepted)
         if k == self.current and k in self.last_expected:
             self.stats.expected_tokens += self.last_expected[k] * len(num_accepted)
             self.stats.realised_tokens += len(num_accepted) + sum(num_accepted)
@@ -341,6 +319,7 @@ class BatchDraftLength:
         return {"current": self.current, "num_steps": s.num_steps,
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
+                "num_relearned": self.acceptance.num_relearned,
                 **{f"{kind}_{unit}": getattr(s, f"{kind}_{unit}") for kind in STEP_KINDS
                    for unit in ("steps", "seconds")},
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},

@@ -103,7 +103,10 @@ class StepTimes:
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
         if self.fit_age[key[1]] >= REFIT_EVERY or key[1] not in self.fits:
             self._refit(key[1])
-        self.typicals.pop(key[1], None)
+        # only this length's typical times moved (a refit clears them all)
+        cache = self.typicals.get(key[1], {})
+        for cached in [c for c in cache if c[0] == k]:
+            del cache[cached]
         self.medians.pop(key, None)
         if len(self.samples[key]) <= MIN_SAMPLES:  # a length joins the pooled spread
             self.spreads.pop(key[1], None)

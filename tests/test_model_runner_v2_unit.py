@@ -129,14 +129,14 @@ def test_host_drafts_of_a_structured_request_are_the_ones_its_grammar_allows(tin
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.tokenizers.registry import cached_tokenizer_from_config
 
-    from vllm_specplug.integration.grammar_drafting import DraftGrammars
+    from vllm_specplug.integration.v2.structured import StructuredRequests
 
     one, two, three, four, a = 22, 23, 24, 25, 70  # "1" "2" "3" "4" "a"
     prompt = [one, two, a, one, two, a, one, two, three, four, one, two, a]
     states = States()
     speculator = make_speculator(states, spec_config=SUFFIX)
     config = _config(tiny_model_dir, OUR_SPEC)
-    speculator.grammars = DraftGrammars(config)
+    speculator.structured = StructuredRequests(config)
     digits = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     # what vLLM's input processor does to a request (it picks the backend)
     digits.verify(config.model_config, None, config.structured_outputs_config,
@@ -144,10 +144,10 @@ def test_host_drafts_of_a_structured_request_are_the_ones_its_grammar_allows(tin
     new = [SimpleNamespace(req_id="digits", sampling_params=digits),
            SimpleNamespace(req_id="free", sampling_params=SamplingParams())]
     speculator.schedule(SimpleNamespace(scheduled_new_reqs=new, finished_req_ids=set()), states)
-    assert set(speculator.structured) == {"digits"}
+    assert set(speculator.structured.params) == {"digits"}
     # compiled on the manager's threads: wait for it before the step drafts
-    speculator.grammars.grammar_of("digits", digits, np.zeros(0, dtype=np.int32))
-    holder = speculator.grammars.tracked["digits"].holder.structured_output_request
+    speculator.structured.grammar("digits", np.zeros(0, dtype=np.int32))
+    holder = speculator.structured.grammars.tracked["digits"].holder.structured_output_request
     deadline = time.monotonic() + 60
     while holder.grammar is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -159,7 +159,7 @@ def test_host_drafts_of_a_structured_request_are_the_ones_its_grammar_allows(tin
     assert lists[0] == [three, four, one]
     speculator.schedule(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"digits"}),
                         states)
-    assert not speculator.structured and "digits" not in speculator.grammars.tracked
+    assert not speculator.structured and "digits" not in speculator.structured.grammars.tracked
 
 
 def test_a_sharded_target_drafts_once_on_the_first_rank():

@@ -129,7 +129,7 @@ def test_step_tree_shape_follows_the_drafts_vllm_asks_for():
     """vLLM's dynamic speculative decoding asks for fewer drafts at bigger
     batches: the tree has that many nodes past the root, at least one, at
     most the method's, and no deeper drafting than it can use."""
-    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+    from vllm_specplug.integration.v2.step_inputs import step_tree_shape
 
     tree, chain = (4, 4, 16), (1, 5, 6)
     assert step_tree_shape(tree, None) == tree and step_tree_shape(tree, 15) == tree
@@ -202,7 +202,7 @@ def test_a_beam_as_wide_as_the_kept_nodes_drafts_the_same_tree(num_nodes):
     """`step_tree_shape` narrows topk to num_nodes - 1: the tree a 4-wide
     search keeps is the one the narrow search keeps (same nodes, same
     parents, same order), on a random head."""
-    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+    from vllm_specplug.integration.v2.step_inputs import step_tree_shape
 
     runtimes, step = _fused_step_runtimes(seed=num_nodes)
     runtime = runtimes[0]
@@ -299,8 +299,8 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     and the drafts are as before, and a runtime that ran them drafts and
     caches what one that did not does."""
     from tests.test_tree_eagle_unit import _gqa_head
-    from vllm_specplug.integration.v2.head_speculator import (SpecplugV2HeadSpeculator,
-                                                              StepInputs, step_tree_shape)
+    from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+    from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
     from vllm_specplug.integration.v2.step_warmup import (padded_sizes, steady_steps, step_keys,
                                                           warm_up_step_graphs)
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
@@ -357,7 +357,7 @@ def test_start_up_covers_the_steps_where_a_tables_draft_length_changes():
     whose table only lists lengths, it does not."""
     from types import SimpleNamespace
 
-    from vllm_specplug.integration.v2.head_speculator import step_tree_shape
+    from vllm_specplug.integration.v2.step_inputs import step_tree_shape
     from vllm_specplug.integration.v2.step_warmup import step_keys, table_of, transition_steps
 
     chain, table = (1, 5, 6), [[1, 4, 5], [5, 1024, 2]]

@@ -31,10 +31,12 @@ pytestmark = pytest.mark.skipif(
 
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25}
-# Model Runner V2 drafts unmasked under a grammar (the scheduler prunes each
-# node on its path): the bound the V1 runner had before its drafts were
-# masked (tree 16 there, unmasked: 2.43 tokens a step on the same schema)
-MIN_TOKENS_PER_STEP_UNDER_SCHEMA = 2.0
+# Drafts masked per node on their path's grammar (integration/v2/structured.py)
+# and pruned by the scheduler: on the V1 runner tree 16 made 4.20 tokens a
+# step masked and 2.43 unmasked on the same schema, and Model Runner V2
+# unmasked 2.89 at batch 1 (docs/results/v2_grammar_trees_h100); a bound
+# above what unmasked drafts gave (set before its first GPU run)
+MIN_TOKENS_PER_STEP_UNDER_SCHEMA = 3.0
 NUM_PROMPTS = 12
 NUM_ALONE = 4
 MAX_TOKENS = 64

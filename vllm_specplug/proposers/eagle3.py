@@ -58,9 +58,10 @@ class TreeOptions(ProposerOptions):
     # cache. Both are exact; other backends always rewrite.
     tree_attention: str = "split"
     # Under structured outputs, each drafting step ranks only the tokens the
-    # request's grammar allows on that node's path (V1 runner; Model Runner
-    # V2 drafts unmasked: its drafting pass runs ahead of the host). Selection
-    # only: the scheduler still checks every node, so either way is lossless.
+    # request's grammar allows on that node's path (both runners; on Model
+    # Runner V2 a batch with structured output drafts eagerly, apart from
+    # the fused pass). Selection only: the scheduler still checks every
+    # node, so either way is lossless.
     grammar_drafts: bool = True
 
     def validate(self, name: str) -> None:

@@ -43,11 +43,13 @@ from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
+from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2, to_device
-from vllm_specplug.verification.tree_rows import VerifiedRows, verified_rows
+from vllm_specplug.verification.tree_rows import verified_rows
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
 
@@ -56,53 +58,6 @@ logger = logging.getLogger("vllm_specplug.tree_drafter")
 # SmolLM2's head at 64 x 2048; an 8B-shaped head's 4 KB a position at 256 x
 # 8192 would be 8.6 GB, so it starts at what 4% holds and grows from there)
 HEAD_POOL_MEMORY_SHARE = 0.04
-
-
-def step_tree_shape(shape: tuple[int, int, int],
-                    num_drafts: int | None) -> tuple[int, int, int]:
-    """(topk, num_steps, num_draft_tokens) of this step's trees, from the
-    method's `shape`: vLLM's dynamic speculative decoding
-    (`num_speculative_tokens_per_batch_size`) asks for `num_drafts` per
-    request at this batch size, so the tree has that many nodes past the root
-    (at least one: at 0 the drafter still ingests, to stay in sync, and vLLM
-    schedules none of its drafts), and no more drafting steps than it can be
-    deep, nor wider than it can keep. When the batch then shrinks, vLLM schedules more drafts than the
-    tree has; tree verification stops at each slot's drafted nodes
-    (`TreeSlots.num_drafted`), vLLM's own sampler rejects a chain's missing
-    drafts."""
-    topk, num_steps, num_nodes = shape
-    if num_drafts is not None:
-        num_nodes = max(2, min(num_nodes, num_drafts + 1))
-    # EAGLE-2 keeps the best num_nodes - 1 nodes by path score, and a path's
-    # score never rises: a kept node's parent is kept, and at most
-    # num_nodes - 1 nodes outrank it at its depth or among its siblings. So
-    # a beam and a top-k of num_nodes - 1 draft the same tree as wider ones
-    # (ties aside), with fewer rows: a 3-node tree expands 2 x 2, not 4 x 4.
-    return min(topk, num_nodes - 1), min(num_steps, num_nodes - 1), num_nodes
-
-
-class StepInputs:
-    """Persistent buffers a fused decode step's graph reads in place: views
-    of them taken the same way for a given (padded batch, rows) always start
-    at the same address."""
-
-    def __init__(self, max_padded: int, max_rows: int, device: torch.device) -> None:
-        self.max_padded, self.max_rows, self.device = max_padded, max_rows, device
-        self.buffers = VerifiedRows.empty(max_padded, max_rows, device)
-        self.batch_rows = torch.arange(max_padded, dtype=torch.int64, device=device)  # [Bp]
-        self.target: torch.Tensor | None = None  # [Bp * R, *] the target's hidden states
-
-    def rows(self, size: int, num_rows: int) -> VerifiedRows:
-        b, n = self.buffers, size * num_rows
-        return VerifiedRows(b.token_rows[:n], b.positions.view(-1)[:n].view(size, num_rows),
-                            b.next_ids[:n], b.slots[:size], b.cuts[:size], b.root_ids[:size],
-                            b.root_positions[:size])
-
-    def hidden(self, num: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.target is None or self.target.shape[1] != width or self.target.dtype != dtype:
-            self.target = torch.empty(self.max_padded * self.max_rows, width, dtype=dtype,
-                                      device=self.device)
-        return self.target[:num]
 
 
 class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
@@ -136,6 +91,11 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         # the head's rows of the target's cached blocks (prefix_blocks.py)
         self.prefix = (PrefixBlocks(cache.block_size) if cache.enable_prefix_caching
                        else None)
+        # structured requests' grammars: each drafting step of theirs ranks
+        # only what its node's path allows (structured.py)
+        self.structured = (StructuredRequests(vllm_config)
+                           if self.drafter.options.grammar_drafts else None)
+        self._draft_to_target: torch.Tensor | None = None  # [V_draft] int64, on the host
 
     def _init_adaptive_verification(self, spec_config, device: torch.device) -> None:
         """vLLM's adaptive verification (`enable_adaptive_verification`, chains
@@ -231,7 +191,10 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:
         """Before Model Runner V2 applies a scheduler output (our runner
-        patch calls it): the prefix blocks' bookkeeping."""
+        patch calls it): the structured requests' params, and the prefix
+        blocks' bookkeeping."""
+        if self.structured is not None:
+            self.structured.schedule(scheduler_output)
         if self.prefix is None or self.runtime is None or self.guard.disabled:
             return
         finished = scheduler_output.finished_req_ids
@@ -300,7 +263,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         prefill = input_batch.is_prefilling_np[:num_reqs] | new
         if self.prefix is not None and new.any():
             self._adopt_prefixes(input_batch, np.flatnonzero(new), new)
-        if not prefill.any():  # every request decodes: one pass
+        masks = self._grammar_masks(input_batch)
+        if not prefill.any() and masks is None:  # every request decodes: one pass
             with record_function("specplug::decode_step"):  # ranges for `bench offline --phases`
                 return self._decode_step(input_batch, hidden, aux, num_rejected, last_sampled,
                                          max_position, shape)
@@ -308,10 +272,29 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             if (~prefill).any():
                 self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
                                      num_rejected, last_sampled, max_position)
-            self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
-                                  last_sampled, next_prefill)
+            if prefill.any():  # else: decodes drafted apart, under grammar masks
+                self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
+                                      last_sampled, next_prefill)
         with record_function("specplug::draft_tree"):
-            self._draft(input_batch, last_sampled, max_position + 1, drafts, shape)
+            self._draft(input_batch, last_sampled, max_position + 1, drafts, shape, masks)
+
+    def _grammar_masks(self, input_batch):
+        """The drafting pass's logits hook when the batch has structured
+        output (`StructuredRequests.path_masks`): its steps then run apart
+        and eagerly, the hook reading the pass on the host. A grammar's fault
+        costs the step its masks, never the engine."""
+        if self.structured is None or not self.structured \
+                or not input_batch.has_structured_output_reqs:
+            return None
+        if self._draft_to_target is None:
+            layer = self.runtime.layer
+            self._draft_to_target = layer.to_target(
+                torch.arange(layer.logits_size, device=self.device)).cpu()
+        ok, masks = self.guard.call("grammar_masks", input_batch.req_ids,
+                                    self.structured.path_masks, input_batch, self.req_states,
+                                    self._draft_to_target,
+                                    effect="its drafts go unmasked this step")
+        return masks if ok else None
 
     def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,
                      max_position: int, shape: tuple[int, int, int]) -> None:
@@ -396,12 +379,16 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
                                   target, next_ids, positions, counts.tolist())
 
     def _draft(self, input_batch, last_sampled, num_keys: int, drafts,
-               shape: tuple[int, int, int]) -> None:
+               shape: tuple[int, int, int], masks=None) -> None:
         num_reqs = input_batch.num_reqs
         slots = input_batch.idx_mapping[:num_reqs]
         roots = last_sampled[slots]
         root_positions = self.req_states.total_len.gpu[slots].long() - 1
-        tree = self.runtime.draft_slots(slots, roots, root_positions, num_keys, *shape)
+        self.runtime.tree_logits_hook = masks
+        try:
+            tree = self.runtime.draft_slots(slots, roots, root_positions, num_keys, *shape)
+        finally:
+            self.runtime.tree_logits_hook = None
         drafts[:, :tree.num_nodes - 1].copy_(tree.token_ids[:, 1:])
         if self.tree_slots is not None:
             self.tree_slots.store(slots, tree, True)

@@ -42,8 +42,9 @@ import torch
 
 from vllm_specplug.integration.batch_schedule import BatchPolicyView
 from vllm_specplug.integration.first_rank import FirstRankShare
-from vllm_specplug.integration.grammar_drafting import DraftGrammars, is_constrained, prefix_check
+from vllm_specplug.integration.grammar_drafting import prefix_check
 from vllm_specplug.integration.session import ProposerSession, read_only, read_only_rows
+from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.proposers.base import DeviceProposeBatch, ProposeBatch, StopReason
 
 # A request slot in req_states that holds no request we know of.
@@ -183,25 +184,16 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         self.pending_lengths: dict[str, int] | None = None
         # the drafter's own grammar per structured request, for a host
         # proposer that prefers drafts the grammar allows (suffix, hybrid;
-        # grammar_drafting.py); req_id -> sampling params of those requests
-        self.grammars = (DraftGrammars(vllm_config) if self.device_drafter is None
-                         and self.session.proposer.reads_grammars else None)
-        self.structured: dict[str, object] = {}
+        # grammar_drafting.py)
+        self.structured = (StructuredRequests(vllm_config) if self.device_drafter is None
+                           and self.session.proposer.reads_grammars else None)
 
     def schedule(self, scheduler_output, req_states) -> None:
-        """Model Runner V2 keeps no request's sampling params: the structured
-        requests' are kept here from their first scheduler output, until they
-        finish (a preempted request keeps its grammar, advanced as far as its
-        output, which it keeps)."""
+        """The structured requests' params, which Model Runner V2 does not
+        keep (structured.py)."""
         del req_states
-        if self.grammars is None:
-            return
-        for new in scheduler_output.scheduled_new_reqs:
-            if is_constrained(new.sampling_params):
-                self.structured[new.req_id] = new.sampling_params
-        for req_id in scheduler_output.finished_req_ids:
-            if self.structured.pop(req_id, None) is not None:
-                self.grammars.forget(req_id)
+        if self.structured is not None:
+            self.structured.schedule(scheduler_output)
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -336,12 +328,11 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         (`ProposeBatch.valid_prefix`), as the V1 drafter gives them."""
         checks = {}
         for j, (req_id, slot, num_tokens) in enumerate(zip(req_ids, slots, lens)):
-            params = self.structured.get(req_id)
-            if params is None:
+            if req_id not in self.structured.params:
                 continue
             start = int(self.req_states.prompt_len.np[slot])
-            grammar = self.grammars.grammar_of(req_id, params,
-                                               self.histories.token_ids[slot, start:num_tokens])
+            grammar = self.structured.grammar(req_id,
+                                              self.histories.token_ids[slot, start:num_tokens])
             if grammar is not None:
                 checks[j] = prefix_check(grammar)
         return checks

@@ -60,7 +60,7 @@ def steady_steps(lengths: tuple[int, ...], tree_shape: tuple[int, int, int], ste
     when the step before drafted the same length: it verifies the root and
     one node per level, at most num_steps + 1 rows, padded to a power of two
     (`SpecplugV2HeadSpeculator._decode_step`). `step_shape` is
-    `head_speculator.step_tree_shape`."""
+    `step_inputs.step_tree_shape`."""
     return sorted({_step(k, k, tree_shape, step_shape) for k in lengths})
 
 

@@ -1,0 +1,121 @@
+"""Model Runner V2's heads under structured outputs (issue 30), on CPU:
+`SpecplugV2HeadSpeculator` ranks each drafting step of a structured request
+among the tokens its grammar allows on that node's path, and drafts the free
+requests of the same batch as before. Model Runner V2 needs CUDA: here its
+`req_states` and `input_batch` are stand-ins with the fields the speculator
+reads, the head is a random one on the CPU, and the grammar is vLLM's own
+manager on the tiny model's tokenizer. The engine test is
+tests/gpu/test_grammar_trees_cuda.py."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_specplug.integration.guard import ProposerGuard
+from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+from vllm_specplug.integration.v2.structured import StructuredRequests
+
+ONE = 22  # "1" in the tiny model's tokenizer
+PROMPT_LEN = 10
+TREE = (4, 4, 16)  # topk, num_steps, num_draft_tokens
+
+
+def _structured(tiny_model_dir) -> StructuredRequests:
+    """Requests "digits" (regex [0-9]+) and "free", scheduled; the grammar
+    compiled (on the manager's threads)."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+    config = EngineArgs(model=str(tiny_model_dir), max_model_len=512).create_engine_config()
+    digits = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    digits.verify(config.model_config, None, config.structured_outputs_config,
+                  cached_tokenizer_from_config(config.model_config))
+    structured = StructuredRequests(config)
+    structured.schedule(SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[
+        SimpleNamespace(req_id="digits", sampling_params=digits),
+        SimpleNamespace(req_id="free", sampling_params=SamplingParams())]))
+    structured.grammar("digits", np.zeros(0, dtype=np.int32))
+    holder = structured.grammars.tracked["digits"].holder.structured_output_request
+    deadline = time.monotonic() + 60
+    while holder.grammar is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return structured
+
+
+def _speculator(structured: StructuredRequests):
+    """The fields of `SpecplugV2HeadSpeculator` that `_grammar_masks` and
+    `_draft` read: two requests in slots 0 and 1, each with a 10-token
+    prompt cached in the head and "1" sampled after it."""
+    from tests.test_tree_eagle_unit import _gqa_head
+    from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+    generator = torch.Generator().manual_seed(5)
+    embed = torch.nn.Embedding(50, 32, _weight=torch.randn(50, 32, generator=generator))
+    runtime = HeadRuntime(_gqa_head(5), embed)
+    runtime.make_pool(2, torch.float32, "cpu")
+    runtime.ingest_slots(np.array([0, 1]), np.ones(2, dtype=bool),
+                         torch.randn(2 * PROMPT_LEN, 48, generator=generator),
+                         torch.randint(0, 50, (2 * PROMPT_LEN,), generator=generator),
+                         np.tile(np.arange(PROMPT_LEN), 2), [PROMPT_LEN, PROMPT_LEN])
+    all_token_ids = torch.zeros(2, 64, dtype=torch.int64)
+    all_token_ids[:, PROMPT_LEN] = ONE
+    req_states = SimpleNamespace(
+        total_len=SimpleNamespace(gpu=torch.tensor([PROMPT_LEN + 1] * 2)),
+        prompt_len=SimpleNamespace(np=np.array([PROMPT_LEN] * 2)),
+        all_token_ids=SimpleNamespace(gpu=all_token_ids))
+    return SimpleNamespace(structured=structured, runtime=runtime, req_states=req_states,
+                           device=torch.device("cpu"), _draft_to_target=None,
+                           guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None,
+                           drafts=torch.zeros(2, TREE[2] - 1, dtype=torch.int64))
+
+
+def _batch(has_structured: bool = True):
+    return SimpleNamespace(num_reqs=2, req_ids=["digits", "free"],
+                           idx_mapping=torch.tensor([0, 1]), idx_mapping_np=np.array([0, 1]),
+                           has_structured_output_reqs=has_structured)
+
+
+def _draft(speculator, masks) -> list[set[int]]:
+    """Each request's drafted tokens (16-node trees after "1")."""
+    SpecplugV2HeadSpeculator._draft(speculator, _batch(), torch.tensor([ONE, ONE]), 16,
+                                    speculator.drafts, TREE, masks)
+    return [set(row.tolist()) for row in speculator.drafts]
+
+
+def test_a_structured_requests_tree_holds_only_what_its_grammar_allows(tiny_model_dir):
+    """After "1" under [0-9]+, every node of the "digits" tree is a digit or
+    the end of the output (each node's path stays in the grammar: digits
+    after digits), where the same head drafts other tokens unmasked; the
+    free request's tree is the one it drafts without masks; the grammar
+    stays where the output is (the masks roll their paths back)."""
+    structured = _structured(tiny_model_dir)
+    speculator = _speculator(structured)
+    masks = SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch())
+    assert masks is not None and speculator.guard.num_failures == 0
+    grammar = structured.grammars.tracked["digits"].holder.structured_output_request.grammar
+    bitmask = structured.grammars.manager.backend.allocate_token_bitmask(1)
+    grammar.fill_bitmask(bitmask, 0)
+    allowed = {t for t in range(50) if (int(bitmask[0, t >> 5]) >> (t & 31)) & 1}
+    assert ONE in allowed and len(allowed) < 20  # digits (and the end): a real constraint
+    unmasked = _draft(speculator, None)
+    masked = _draft(speculator, masks)
+    assert unmasked[0] - allowed, "the head drafts other tokens unmasked: the test tests nothing"
+    assert masked[0] <= allowed, masked[0] - allowed
+    assert masked[1] == unmasked[1]
+    assert structured.grammars.tracked["digits"].num_accepted == 1
+    assert speculator.runtime.tree_logits_hook is None
+
+
+def test_no_masks_without_structured_requests_in_the_batch(tiny_model_dir):
+    """A batch vLLM marks as free (or a speculator with no structured
+    request) drafts in one fused pass: no masks, no sync."""
+    structured = _structured(tiny_model_dir)
+    speculator = _speculator(structured)
+    assert SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch(False)) is None
+    structured.schedule(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"digits"}))
+    assert SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch()) is None

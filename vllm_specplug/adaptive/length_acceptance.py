@@ -34,7 +34,6 @@ class _Length:
     accepted: float = 0.0  # faded sum of accepted drafts per request
     num_requests: float = 0.0  # faded count of requests verified at this length
     stamp: float = 0.0  # faded sum of (verified step index x requests): their mean age
-    last_verified: int = -1  # verified step at which it was last seen
 
     def mean(self) -> float | None:
         return 1.0 + self.accepted / self.num_requests if self.num_requests > 0 else None
@@ -85,7 +84,6 @@ class LengthAcceptance:
                 stats.accepted = stats.accepted * fade + sum(min(a, length) for a in num_accepted)
                 stats.num_requests = stats.num_requests * fade + n
                 stats.stamp = stats.stamp * fade + self.num_steps * n
-                stats.last_verified = self.num_steps
 
     def stale(self) -> list[int]:
         """Lengths whose mean is `STALE_BY` below a shorter length's whose

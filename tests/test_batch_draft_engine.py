@@ -9,7 +9,8 @@ pinned on the scheduler's own step times, so each phase's decision does not
 depend on this machine's speed: "costly" makes every verified token cost a
 second (no draft pays: K = 0), "cheap" makes the step's fixed part dominate
 (the longest draft pays). Outputs must equal no speculation's whatever was
-decided, and after K = 0 steps the drafts must be accepted as before
+decided, and after K = 0 steps (where the head's ingest waits for the next
+drafting step, deferred_ingest.py) the drafts must be accepted as before
 (TensorRT-LLM #16888: acceptance silently collapsed after K = 0 steps).
 """
 from __future__ import annotations
@@ -80,6 +81,12 @@ def _phased(llm, prompts, phases, candidates: tuple[int, ...] | None = None):
     return token_ids, counts, policy
 
 
+def _num_deferred_rows(llm) -> int:
+    """Verified rows the head kept back so far (deferred_ingest.py)."""
+    return llm.collective_rpc(
+        lambda worker: worker.model_runner.drafter.deferred.num_deferred)[0]
+
+
 def test_costly_steps_draft_nothing_and_stay_exact(batch_llm, prompts, expected):
     token_ids, (counts,), policy = _phased(batch_llm, prompts, [(None, COSTLY)])
     assert_same_tokens(expected, token_ids, prompts)
@@ -102,9 +109,12 @@ def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, pro
     whole, (reference,), cheap = _phased(batch_llm, prompts, [(None, CHEAP)], (0, longest))
     assert_same_tokens(expected, whole, prompts)
     assert cheap.current == longest, cheap.as_dict()
+    deferred = _num_deferred_rows(batch_llm)
     token_ids, (_, resumed), policy = _phased(
         batch_llm, prompts, [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)], (0, longest))
     assert policy.lengths[0].num_chosen >= NUM_COSTLY_STEPS // 2, policy.as_dict()
+    # at K = 0 the head's ingest waited for the next drafting step
+    assert _num_deferred_rows(batch_llm) > deferred
     assert_same_tokens(expected, token_ids, prompts)
     assert reference.num_drafts > 0 and resumed.num_drafts > 0
     assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (

@@ -169,6 +169,13 @@ class TreeEagleDrafter(V1DrafterHooks):
         if self.adaptive is not None:
             self._record_verified(step)
             planned = self._budgeted(batch, sampled_token_ids, allowance)
+        elif allowance <= 0:
+            # no request drafts this step (the batch policy or vLLM's table
+            # chose no speculation): the head's ingest waits for the next
+            # step that drafts, as a request the tree budget leaves out
+            # (deferred_ingest.py); on CPU it was most of what a step at K = 0
+            # cost over no speculation (docs/results/batch_draft_length_cpu_run5)
+            planned = {}
         ok, _ = self.guard.call("ingest", batch.req_ids, self._ingest, batch, step, aux,
                                 planned)
         if not ok:
@@ -245,8 +252,8 @@ class TreeEagleDrafter(V1DrafterHooks):
 
     def _ingest(self, batch, step, aux: torch.Tensor, planned: dict[str, int] | None) -> None:
         """Every request's newly verified positions, in one pass of the head;
-        under the tree budget (`planned`), those of requests that do not
-        draft this step are deferred, and a drafting request's deferred rows
+        under the tree budget or at K = 0 (`planned`), those of requests
+        that do not draft this step are deferred, and a drafting request's deferred rows
         go in first (deferred_ingest.py)."""
         verified = self._verified(batch, step)
         if planned is not None:
@@ -257,8 +264,9 @@ class TreeEagleDrafter(V1DrafterHooks):
                     self.deferred.defer(req_id, aux[torch.from_numpy(token_rows).to(aux.device)],
                                         next_ids, pos)
             verified = [v for v in verified if v[0] not in deferred]
-            self.adaptive.stats.num_deferred_rows = self.deferred.num_deferred
-            self.adaptive.stats.num_dropped_rows = self.deferred.num_dropped
+            if self.adaptive is not None:
+                self.adaptive.stats.num_deferred_rows = self.deferred.num_deferred
+                self.adaptive.stats.num_dropped_rows = self.deferred.num_dropped
         if not verified:
             return
         table = batch.block_table[0]  # the target's KV blocks: prefix-cache hits

@@ -6,6 +6,7 @@ one). Language "abd" | "bc", one token a letter."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -61,7 +62,8 @@ def _compiled(grammars: DraftGrammars, params, output: list[int]):
 
 
 def _first_step_allowed(grammars: DraftGrammars, grammar, vocab_size: int) -> set[int]:
-    masks = grammars.masks(["r"], [grammar], torch.arange(vocab_size))
+    identity = SimpleNamespace(logits_size=vocab_size, to_target=lambda ids: ids)  # a head's layer
+    masks = grammars.masks(["r"], [grammar], identity, "cpu")
     row = masks(torch.zeros(1, vocab_size), None, None, None)[0]
     return set(torch.isfinite(row).nonzero().flatten().tolist())
 

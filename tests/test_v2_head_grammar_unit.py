@@ -69,7 +69,7 @@ def _speculator(structured: StructuredRequests):
         prompt_len=SimpleNamespace(np=np.array([PROMPT_LEN] * 2)),
         all_token_ids=SimpleNamespace(gpu=all_token_ids))
     return SimpleNamespace(structured=structured, runtime=runtime, req_states=req_states,
-                           device=torch.device("cpu"), _draft_to_target=None,
+                           device=torch.device("cpu"),
                            guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None,
                            drafts=torch.zeros(2, TREE[2] - 1, dtype=torch.int64))
 

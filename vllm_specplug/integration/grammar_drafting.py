@@ -54,6 +54,9 @@ class DraftGrammars:
     manager: object | None = None
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     num_masked_passes: int = 0  # drafting passes that masked at least one request
+    # [V_draft] int64 on the host: the target id of each of the head's draft
+    # ids (taken from the head's layer at the first masked pass)
+    draft_to_target: torch.Tensor | None = None
 
     def grammar_of(self, req_id: str, sampling_params,
                    output_token_ids: np.ndarray):
@@ -114,14 +117,18 @@ class DraftGrammars:
         self.tracked[req_id] = _Tracked(holder)
         return True
 
-    def masks(self, req_ids: list[str], grammars: list, draft_to_target: torch.Tensor):
+    def masks(self, req_ids: list[str], grammars: list, layer, device):
         """A `HeadRuntime.tree_logits_hook` for one drafting pass over
-        `req_ids` (grammars[b]: that request's, or None); None when no
-        request of the pass has one."""
+        `req_ids` (grammars[b]: that request's, or None) of the head whose
+        draft layer is `layer`, on `device`; None when no request of the
+        pass has one."""
         if all(grammar is None for grammar in grammars):
             return None
+        if self.draft_to_target is None:
+            ids = torch.arange(layer.logits_size, device=device)
+            self.draft_to_target = layer.to_target(ids).cpu()
         self.num_masked_passes += 1
-        return PathMasks(req_ids, grammars, draft_to_target,
+        return PathMasks(req_ids, grammars, self.draft_to_target,
                          self.manager.backend.allocate_token_bitmask)
 
 

@@ -79,7 +79,6 @@ class TreeEagleDrafter(V1DrafterHooks):
         # the drafter's own grammar per structured request: drafts ranked
         # among the tokens each node's path allows (grammar_drafting.py)
         self.grammars = DraftGrammars(vllm_config) if self.options.grammar_drafts else None
-        self._draft_to_target: torch.Tensor | None = None  # [V_draft] int64, CPU
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -341,12 +340,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         if self.grammars is None:
             return None
         grammars = [self.grammars.of_row(runner, row) for row in rows]
-        if self._draft_to_target is None and any(g is not None for g in grammars):
-            layer = self.head.layer
-            self._draft_to_target = layer.to_target(
-                torch.arange(layer.logits_size, device=self.device)).cpu()
-        return self.grammars.masks([batch.req_ids[i] for i in rows], grammars,
-                                   self._draft_to_target)
+        return self.grammars.masks([batch.req_ids[i] for i in rows], grammars, self.head.layer,
+                                   self.device)
 
     def _draft(self, batch, rows: list[int], allowance: int, drafts,
                sizes: list[int] | None = None, masks=None) -> None:

@@ -95,7 +95,6 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         # only what its node's path allows (structured.py)
         self.structured = (StructuredRequests(vllm_config)
                            if self.drafter.options.grammar_drafts else None)
-        self._draft_to_target: torch.Tensor | None = None  # [V_draft] int64, on the host
 
     def _init_adaptive_verification(self, spec_config, device: torch.device) -> None:
         """vLLM's adaptive verification (`enable_adaptive_verification`, chains
@@ -286,13 +285,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if self.structured is None or not self.structured \
                 or not input_batch.has_structured_output_reqs:
             return None
-        if self._draft_to_target is None:
-            layer = self.runtime.layer
-            self._draft_to_target = layer.to_target(
-                torch.arange(layer.logits_size, device=self.device)).cpu()
         ok, masks = self.guard.call("grammar_masks", input_batch.req_ids,
                                     self.structured.path_masks, input_batch, self.req_states,
-                                    self._draft_to_target,
+                                    self.runtime.layer, self.device,
                                     effect="its drafts go unmasked this step")
         return masks if ok else None
 

@@ -42,13 +42,14 @@ class StructuredRequests:
             return None
         return self.grammars.grammar_of(req_id, params, output_token_ids)
 
-    def path_masks(self, input_batch, req_states, draft_to_target):
+    def path_masks(self, input_batch, req_states, layer, device):
         """A drafting pass's logits hook over the batch's requests
         (`DraftGrammars.masks`: each node's logits masked to what its path
-        allows), each grammar advanced to the request's output; None when no
-        request of the batch has one. Reads those requests' output from the
-        device after the step's sampling: a sync, which only batches with
-        structured output pay."""
+        allows; `layer`: the head's draft layer, on `device`), each grammar
+        advanced to the request's output; None when no request of the batch
+        has one. Reads those requests' output from the device after the
+        step's sampling: a sync, which only batches with structured output
+        pay."""
         num_reqs = input_batch.num_reqs
         req_ids = list(input_batch.req_ids[:num_reqs])
         if not any(req_id in self.params for req_id in req_ids):
@@ -63,4 +64,4 @@ class StructuredRequests:
                 continue
             output = req_states.all_token_ids.gpu[slot, start:int(end)].cpu().numpy()
             grammars.append(self.grammar(req_id, output))
-        return self.grammars.masks(req_ids, grammars, draft_to_target)
+        return self.grammars.masks(req_ids, grammars, layer, device)

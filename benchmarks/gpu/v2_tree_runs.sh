@@ -31,7 +31,8 @@
 #            (BATCHK=heads, the default: vLLM eagle3 K=5 fixed and sized, ours chain K=5
 #            and tree 16 static and adaptive; BATCHK=lean: the same without our chain;
 #            BATCHK=free: vLLM ngram, ours ngram static, default and one length per
-#            step; BATCHK=tree: our tree 16 static and adaptive alone; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
+#            step; BATCHK=tree: our tree 16 static and adaptive alone;
+#            BATCHK=pin: the same plus vLLM's table at 15 drafts and our policy pinned there; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
 #            takes over 40 minutes; REPEATS, default 3: the engines start once, so a
 #            repeat costs only its phases, a few seconds)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
@@ -104,6 +105,13 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
   fi
   # tree: our tree's two rows alone (a run that fits what is left of a lease)
   [ "$1" = tree ] && printf '%s\n' --spec "ours-tree16={$tree}" \
+    --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
+  # pin: where the adaptive tree's time goes beside the static one: vLLM's dynamic
+  # table at one size (15 drafts at every batch), and our policy over that one size
+  local one='"num_speculative_tokens_per_batch_size": [[1, 1024, 15]]'
+  [ "$1" = pin ] && printf '%s\n' --spec "ours-tree16={$tree}" \
+    --spec "ours-tree16-table15={$tree, $one}" \
+    --spec "ours-tree16-pinned={$tree, $one, \"adaptive\": true}" \
     --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
   printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
     --spec "vllm-eagle3-sized={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, \"num_speculative_tokens_per_batch_size\": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]}"

@@ -30,16 +30,20 @@ current length in the nearest bucket where both were measured, if that is
 at most 4x the batch away (else it is measured there). A step
 counts for the time of K only when it both verified the drafts asked at K
 and drafted K for the next (the drafting of step t is paid in step t, its
-verification in step t + 1), and only when it was a pure decode step,
-whichever requests found a draft (n-gram and suffix often find none: such a
-request counts as accepting nothing at K).
+verification in step t + 1), when the step before did too (settled: on the
+H200 the first step that verified and drafted a new length ran 0.8-1.3 ms
+over the steady step, so a length timed only right after a change looked
+dearer than the one it left, and the policy kept whichever it ran;
+docs/results/batch_draft_length_h200_run7), and only when it was a pure
+decode step, whichever requests found a draft (n-gram and suffix often find
+none: such a request counts as accepting nothing at K).
 
 Each length is measured `MIN_SAMPLES` times at the first batch sizes seen
 (and at others, where no ratio prices it). After that, one step in
-`explore_every` tries another length, twice in a row so that one of the two
-counts: mostly a neighbour of the current one (cheap to try, and where the
+`explore_every` tries another length, `HOLD_STEPS` in a row so that the last
+one counts (settled): mostly a neighbour of the current one (cheap to try, and where the
 best length moves as the batch grows and shrinks), at times the length
-measured least recently, and only if what its two steps are expected to
+measured least recently, and only if what its steps are expected to
 lose fits a credit of `EXPLORE_SHARE` of the time (a length far dearer than
 the current one is tried rarely). A change needs a `switch_margin` gain over the
 current K plus the noise of the two times (their standard errors): two
@@ -59,6 +63,10 @@ from vllm_specplug.adaptive.length_acceptance import LengthAcceptance
 from vllm_specplug.adaptive.step_times import (MIN_SAMPLES, StepTimes, batch_bucket,
                                                 bucket_batch)
 
+# an exploration holds its length this many steps: the first changes length
+# (verifies the old drafts), the second is the first at the new length (slow
+# on the H200), the third is timed (settled)
+HOLD_STEPS = 3
 # one exploration in this many measures the length measured least recently
 # (the others try the current length's neighbours)
 FAR_EVERY = 4
@@ -111,7 +119,8 @@ class BatchDraftStats:
     num_first_at_shape: int = 0  # steps not timed: first at their shape (the scheduler's)
     # every step's wall time between outputs, by kind (the scheduler's
     # `_observe`): pure decode steps that verified and drafted one length
-    # (timed or not), those that changed length, and steps with prefill
+    # after a step that did too (timed or not), those that changed length or
+    # were the first after a change, and steps with prefill
     # tokens; a phase's time beyond their sum is spent idle or starting
     decode_steps: int = 0
     decode_seconds: float = 0.0
@@ -240,10 +249,10 @@ class BatchDraftLength:
 
     def _affordable(self, preferred: list[int], batch_size: int,
                     estimates: dict) -> int | None:
-        """The first of `preferred` whose two steps' expected loss fits the
+        """The first of `preferred` whose `HOLD_STEPS` steps' expected loss fits the
         exploration credit, paid out of it; None when none fits. The credit
         grows by `EXPLORE_SHARE` of each step's (predicted) seconds; a loss is
-        the extra seconds two steps at k take for their tokens at the current
+        the extra seconds its steps at k take for their tokens at the current
         length's rate. On SmolLM2 on CPU (batch 16 and 80) K=5 took over 2x
         the time of K=0 per token, and one try in 32 steps of it alone cost
         3-4%; seconds, not steps, because a batch-80 step costs many batch-1
@@ -253,7 +262,8 @@ class BatchDraftLength:
         for k in preferred:
             rate = (None if estimates.get(k) is None
                     else batch_size * self.expected_tokens(k) / estimates[k][0])
-            cost = 0.0 if rate is None else 2.0 * seconds * max(current / rate - 1.0, 0.0)
+            cost = (0.0 if rate is None
+                    else HOLD_STEPS * seconds * max(current / rate - 1.0, 0.0))
             if cost <= self.explore_credit:
                 self.explore_credit -= cost
                 self.stats.num_explored += 1
@@ -261,9 +271,9 @@ class BatchDraftLength:
         return None
 
     def _hold(self, k: int, batch_size: int) -> int:
-        """Try `k` for this step and the next: only the second both drafts
-        and verifies k, and counts for its time."""
-        self.exploring, self.explore_left = k, 1
+        """Try `k` for `HOLD_STEPS` steps: only the last both drafts and
+        verifies k after a step that did too, and counts for its time."""
+        self.exploring, self.explore_left = k, HOLD_STEPS - 1
         key = (k, batch_bucket(batch_size))
         self.tries[key] = self.tries.get(key, 0) + 1
         return k

@@ -64,6 +64,7 @@ class BatchDraftSchedule:
         self._last_log = time.monotonic()
         self._shapes_seen: set[tuple[int, int]] = set()
         self._drafted_before: int | None = None  # the last step's K (its drafts verify next)
+        self._drafted_two_before: int | None = None  # the K of the step before that
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
@@ -87,7 +88,9 @@ class BatchDraftSchedule:
         for (the step before's), every decoding request's: one that drafted
         nothing at that K (n-gram and suffix often find nothing) gained no
         drafts. Its time counts for K when it was a pure decode step that
-        verified and drafted the same K, whoever drafted."""
+        verified and drafted the same K after a step that did too (settled:
+        the first step at a new length is slower, batch_draft_length.py),
+        whoever drafted."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         num_scheduled = scheduler_output.num_scheduled_tokens
         num_reqs = len(num_scheduled)
@@ -95,9 +98,11 @@ class BatchDraftSchedule:
             return
         # the K asked of the drafts verified now, and of those drafted now
         verified_k, drafted_k = self._drafted_before, scheduler_output.num_spec_tokens_to_schedule
-        self._drafted_before = drafted_k
         if verified_k is None:  # the first step seen
-            verified_k = max((len(ids) for ids in spec.values()), default=0)
+            verified_k = self._drafted_two_before = max((len(ids) for ids in spec.values()),
+                                                        default=0)
+        settled = self._drafted_two_before == verified_k == drafted_k
+        self._drafted_two_before, self._drafted_before = verified_k, drafted_k
         accepted = _accepted_counts(spec, model_runner_output) + [
             0 for req_id, n in num_scheduled.items() if n == 1 and not spec.get(req_id)]
         self.draft_length.verified(verified_k, accepted)
@@ -105,8 +110,8 @@ class BatchDraftSchedule:
             len(ids) for ids in spec.values())
         if seconds is not None:
             self.draft_length.stepped(("mixed" if not pure_decode else "decode"
-                                       if drafted_k == verified_k else "switch"), seconds)
-        if seconds is not None and pure_decode and drafted_k == verified_k:
+                                       if settled else "switch"), seconds)
+        if seconds is not None and pure_decode and settled:
             if self._first_at_shape(verified_k, scheduler_output):
                 self.draft_length.stats.num_first_at_shape += 1
             else:

@@ -53,7 +53,10 @@ def _report(policy, batch_size: int, call: int, tokens_per_second: float) -> Non
           f"measured={d['num_measured']} stalled={d['num_stalled']} "
           f"first_at_shape={d['num_first_at_shape']} exp={d['expected_tokens_per_request']} "
           f"real={d['realised_tokens_per_request']}", flush=True)
-    rates = {k: policy.tokens_per_second(k, batch_size) for k in policy.candidates}
+    # what `choose` weighs at this batch size: b x E[tokens | K] / seconds(b, K)
+    times = {k: policy.times.estimate(k, batch_size, policy.current) for k in policy.candidates}
+    rates = {k: None if t is None else batch_size * policy.expected_tokens(k) / t[0]
+             for k, t in times.items()}
     print("   rates", {k: None if r is None else round(r) for k, r in rates.items()},
           "E", {k: round(policy.expected_tokens(k), 2) for k in policy.candidates},
           "ms", d["step_ms"], flush=True)

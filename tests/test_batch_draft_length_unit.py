@@ -21,9 +21,9 @@ class _ChainEngine:
     `settle` seconds more (the H200, docs/results/batch_draft_length_h200_run7)."""
 
     def __init__(self, rates, fixed, per_token, per_draft, seed=0, first_slow=False,
-                 padded=False, floor=0.0, noise=0.03, per_request=0.0, settle=0.0):
+                 padded=False, floor=0.0, noise=0.03, per_request=0.0, settle=0.0, speed=1.0):
         self.rates, self.floor = rates, floor  # floor: a latency-bound step's seconds
-        self.settle = settle
+        self.settle, self.speed = settle, speed  # speed: the host's, a factor on every step
         self.noise, self.per_request = noise, per_request
         self.fixed, self.per_token, self.per_draft = fixed, per_token, per_draft
         self.rng = np.random.default_rng(seed)
@@ -49,7 +49,7 @@ class _ChainEngine:
         if self.first_slow and shape not in self.seen:
             self.seen.add(shape)
             mean *= 100
-        return mean * self.rng.uniform(1 - self.noise, 1 + self.noise)
+        return self.speed * mean * self.rng.uniform(1 - self.noise, 1 + self.noise)
 
 
 def _run(engine: _ChainEngine, batch, num_steps: int, choose) -> float:
@@ -476,6 +476,36 @@ def test_a_length_is_timed_once_settled_not_right_after_a_change():
         assert policy.lengths[15].num_chosen < 0.1 * policy.stats.num_steps, policy.as_dict()
         assert all(abs(timed[k] / settled[k] - 1) < 0.05 for k in timed), (timed, settled)
         assert ratio >= 0.96, (ratio, policy.as_dict())
+
+
+def test_a_length_timed_in_a_slow_spell_is_read_at_the_hosts_speed_now():
+    """A host's speed drifts (the H200 beside other engines, 1.5-2x; the
+    2-core CPU, where K=0's three samples at batch 1 were older than 15
+    nodes' last 32, docs/results/batch_draft_length_cpu_run6). Here, batch
+    1: easy requests on a host running at half speed (15 nodes best; K=0
+    timed there), then hard requests at full speed, where K=0 is best by
+    about 1.4x. With samples kept relative to the host's speed (followed
+    through the current length's steps), K=0's old time is read at today's
+    speed: over the last 400 steps the policy runs K=0 for at least 85% of
+    them, within 9% of it (its tries of 15 nodes cost the rest). Read as
+    taken, K=0 looked twice its cost: 51-81% of the steps, 0.84-0.89x."""
+    easy = dict(rates=[0.9] * 8 + [0.5] * 7, fixed=10e-3, per_token=1e-9, per_draft=6e-4,
+                speed=2.0)
+    hard = dict(rates=[0.3] + [0.2] * 14, fixed=10e-3, per_token=1e-9, per_draft=6e-4)
+    for seed in range(4):
+        policy = BatchDraftLength((0, 15), chains=False)
+        _run(_ChainEngine(**easy, seed=seed), 1, 300, policy)
+        assert policy.current == 15, policy.as_dict()
+        _run(_ChainEngine(**hard, seed=seed), 1, 800, policy)
+        before = policy.lengths[0].num_chosen
+        best = _run(_ChainEngine(**hard, seed=seed), 1, 400, lambda b: 0)
+        ratio = _run(_ChainEngine(**hard, seed=seed), 1, 400, policy) / best
+        share = (policy.lengths[0].num_chosen - before) / 400
+        assert share >= 0.85 and ratio >= 0.91, (share, ratio, policy.as_dict())
+        # the host ran 2x faster: its speed factor moved down, not all the
+        # way to 0.5 (the current length's window takes in part of a
+        # lasting change while the factor follows it)
+        assert policy.times.host < 0.75, policy.times.host
 
 
 def test_a_tree_size_learnt_on_other_requests_is_relearnt():

@@ -85,7 +85,7 @@ SWITCH_Z = 2.0
 # decode steps: a quantile per length and bucket is too dear for every step
 STEP_MS_EVERY = 64
 # counters that are a state as of now, not counts to difference
-SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows")
+SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows", "host_speed")
 # the kinds of step whose wall time `stepped` adds up (BatchDraftStats)
 STEP_KINDS = ("decode", "switch", "mixed")
 
@@ -301,7 +301,9 @@ class BatchDraftLength:
         if k not in self.lengths or seconds <= 0:
             return
         self.num_decode_steps += 1
-        if not self.times.add(k, batch_size, seconds):
+        # the length it runs tells the host's speed (StepTimes.host); a
+        # length tried now and then does not
+        if not self.times.add(k, batch_size, seconds, follow_host=k == self.current):
             self.stats.num_stalled += 1
             return
         self.lengths[k].last_measured = self.num_decode_steps
@@ -337,7 +339,8 @@ class BatchDraftLength:
                 "num_requests": s.num_requests,
                 "expected_per_length": {k: round(self.expected_tokens(k), 3)
                                         for k in self.candidates},
-                "step_ms": self._step_ms, "step_windows": self._step_windows}
+                "step_ms": self._step_ms, "step_windows": self._step_windows,
+                "host_speed": round(self.times.host, 3)}
 
     def step_ms(self) -> dict[str, float]:
         """"K@batch" -> typical step time in ms at that batch size (its

@@ -49,6 +49,23 @@ MAX_EXPONENT = 1.5
 # their bucket (the fit weighs up to ~3000 pairs; the policy reads both
 # every step)
 REFIT_EVERY = 8
+# A host's speed drifts: on the H200 one engine's repeats moved 1.5-2x beside
+# the bench's other engines, and on the 2-core CPU no speculation's own
+# repeats moved 1.5x. A length timed in a slow spell and rarely again (one the
+# policy only tries now and then) kept that spell's time, and the policy
+# compared it with the current length's fresh times: at batch 1 on CPU, K=0's
+# three samples of 9.7 ms against 15 nodes' last 32 at 19.6, where their
+# steps over the run averaged 31 ms (docs/results/batch_draft_length_cpu_run6).
+# So samples are kept relative to the host's speed when taken (`host`): the
+# current length's steps against their own typical time, an exponentially
+# weighted mean with this weight per step, kept within HOST_RANGE. It
+# follows a lasting change only in part (the current length's window takes in
+# the rest while it moves: after a 2x speed-up it settled at 0.6, not 0.5),
+# and a change in the current length's own cost is read as the host's too;
+# at weight 0.1 it cost the simulated draining phases about 1% where the
+# host did not drift (test_lengths_measured_at_other_batch_sizes_...).
+HOST_WEIGHT = 0.1
+HOST_RANGE = (0.25, 4.0)
 
 
 def _clipped_mean(times: list[float]) -> float:
@@ -90,16 +107,22 @@ class StepTimes:
         self.medians: dict[tuple[int, int], float] = {}  # (K, bucket) -> raw median
         # (fixed, per verified token) seconds that override the samples (tests)
         self.pinned: tuple[float, float] | None = None
+        # the host's speed now against the samples kept (kept as seconds / host)
+        self.host = 1.0
 
-    def add(self, k: int, batch_size: int, seconds: float) -> bool:
-        """Keep a step's time; False (not kept) when it stalled: it took more
-        than `STALL_RATIO` times the typical step that does at least as much
-        work (`reference`)."""
+    def add(self, k: int, batch_size: int, seconds: float, follow_host: bool = False) -> bool:
+        """Keep a step's time, relative to the host's speed (`host`, which a
+        step of the length the policy runs moves: `follow_host`); False (not
+        kept) when it stalled: it took more than `STALL_RATIO` times the
+        typical step that does at least as much work (`reference`)."""
         key = (k, batch_bucket(batch_size))
         reference = self.reference(*key)
-        if reference is not None and seconds > STALL_RATIO * reference:
+        if reference is not None and seconds / self.host > STALL_RATIO * reference:
             return False
-        self.samples.setdefault(key, deque(maxlen=WINDOW)).append((int(batch_size), seconds))
+        if follow_host:
+            self._follow_host(key, batch_size, seconds)
+        self.samples.setdefault(key, deque(maxlen=WINDOW)).append(
+            (int(batch_size), seconds / self.host))
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
         if self.fit_age[key[1]] >= REFIT_EVERY or key[1] not in self.fits:
             self._refit(key[1])
@@ -111,6 +134,16 @@ class StepTimes:
         if len(self.samples[key]) <= MIN_SAMPLES:  # a length joins the pooled spread
             self.spreads.pop(key[1], None)
         return True
+
+    def _follow_host(self, key: tuple[int, int], batch_size: int, seconds: float) -> None:
+        """Move `host` towards this step's time over its length's typical
+        one (at its batch size): where the host slowed down, every length's
+        time is read that much higher, whenever it was taken."""
+        typical = self.typical(key[0], key[1], batch_size)
+        if typical is None:
+            return
+        speed = (1 - HOST_WEIGHT) * self.host + HOST_WEIGHT * seconds / typical
+        self.host = min(max(speed, HOST_RANGE[0]), HOST_RANGE[1])
 
     def _refit(self, bucket: int) -> None:
         """Take the bucket's exponent and spread again (every `REFIT_EVERY`
@@ -250,7 +283,7 @@ class StepTimes:
         bucket = batch_bucket(batch_size)
         own = self.typical(k, bucket, batch_size)
         if own is not None or k == anchor:
-            return None if own is None else (own, self.noise(k, bucket))
+            return None if own is None else (own * self.host, self.noise(k, bucket))
         base = self.typical(anchor, bucket, batch_size)
         if base is None:
             return None
@@ -260,7 +293,7 @@ class StepTimes:
         for other in buckets:
             mine, theirs = self.typical(k, other), self.typical(anchor, other)
             if mine is not None and theirs is not None:
-                return base * mine / theirs, math.hypot(self.noise(anchor, bucket),
+                return base * self.host * mine / theirs, math.hypot(self.noise(anchor, bucket),
                                                         self.noise(k, other),
                                                         self.noise(anchor, other))
         return None

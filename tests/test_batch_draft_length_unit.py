@@ -552,6 +552,42 @@ def test_a_longer_length_below_a_fresher_shorter_one_is_stale_and_relearns():
     assert acceptance.stale() == [] and acceptance.num_relearned == 1
 
 
+def test_a_tree_steps_accepted_paths_teach_every_smaller_size():
+    """Trees learn a size only from its own steps, unless the step's accepted
+    paths come with their nodes' ranks by score (integration/v2/path_ranks.py):
+    the tree of l drafts keeps the nodes of rank < l, so a path's nodes of
+    rank < l are what it would have had accepted. Through the scheduler's
+    `_observe` (the ranks ride on the runner's output, a step late): two
+    requests verified 8 drafts, accepting ranks 0 1 2 and 0 (9: past the
+    path); 2 drafts learn 1 + 3 / 2 tokens a request, 4 drafts 1 + 4 / 2."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.adaptive.length_acceptance import LengthAcceptance
+    from vllm_specplug.integration.batch_schedule import PATH_RANKS_ATTR, BatchDraftSchedule
+
+    acceptance = LengthAcceptance((0, 2, 4, 8), chains=False)
+    assert acceptance.expected(2) == 3.0 and acceptance.expected(4) == 5.0  # never verified
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 2, 4, 8), chains=False),
+                                _shapes_seen=set(), _drafted_before=8, _drafted_two_before=8,
+                                _maybe_log=lambda: None, _first_at_shape=lambda k, out: True)
+    spec = {"a": [7] * 8, "b": [7] * 8}
+    output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
+                             num_scheduled_tokens={r: 9 for r in spec},
+                             total_num_scheduled_tokens=18, num_spec_tokens_to_schedule=8)
+    ranks = np.array([[0, 1, 2] + [9] * 5, [0] + [9] * 7])
+    runner = SimpleNamespace(req_id_to_index={"a": 0, "b": 1},
+                             sampled_token_ids=[[1, 2, 3, 4], [1, 2]])
+    setattr(runner, PATH_RANKS_ATTR, (8, ranks))
+    BatchDraftSchedule._observe(scheduler, output, runner, 0.01)
+    policy = scheduler.draft_length
+    assert policy.expected_tokens(8) == pytest.approx(1 + 4 / 2)
+    assert policy.expected_tokens(2) == pytest.approx(1 + 3 / 2)
+    assert policy.expected_tokens(4) == pytest.approx(1 + 4 / 2)
+    chains = LengthAcceptance((0, 2), chains=True)  # chains learn it in `verified`
+    chains.verified_within(8, ranks)
+    assert chains.expected(2) == 3.0
+
+
 def _run_phases(engine: _ChainEngine, phases, choose, seed: int) -> list[float]:
     """Tokens per second of each phase, as `bench offline` runs them: a phase
     of b > 1 starts b requests of 24-96 tokens and drains as they finish (so

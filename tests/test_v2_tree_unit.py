@@ -88,6 +88,55 @@ def test_tree_slots_store_and_forget():
     assert torch.equal(slots.parents[0], tree.parent_ids[1])  # other slots untouched
 
 
+def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
+    """For the batch policy (integration/v2/path_ranks.py): the tree slots
+    keep each stored tree's node ranks; after verification a row's
+    accepted nodes read as their ranks in path order (rising; `num_nodes`
+    past the path); `PathRanks` hands a step's ranks out at the next step's
+    `take`, once, for the rows that verified the step's draft count."""
+    from vllm_specplug.integration.v2.path_ranks import PathRanks
+    from vllm_specplug.verification.metadata import NO_NODE
+
+    *_, tree = random_tree(2, 4, 4, 16, 40, seed=3)
+    slots = TreeSlots(4, 16, "cpu")
+    slots.store(torch.tensor([2, 0]), tree, True)
+    leaf = int(tree.depths[0].argmax())  # row 0 (slot 2) accepts the path to its deepest node
+    path = [leaf]
+    while path[-1] > 0:
+        path.append(int(tree.parent_ids[0, path[-1]]))
+    path = path[::-1]  # root .. leaf
+    slots.accepted_nodes[:] = NO_NODE
+    slots.accepted_nodes[0, :len(path)] = torch.tensor(path)
+    slots.accepted_nodes[1, 0] = 0  # row 1 (slot 0) accepts nothing
+    ranks = slots.path_ranks(torch.tensor([2, 0]), 2)
+    want = [int(tree.score_ranks[0, node]) for node in path[1:]]
+    assert ranks[0].tolist() == want + [16] * (15 - len(want))
+    assert want == sorted(want) and ranks[1].tolist() == [16] * 15
+    slots.forget(torch.tensor([2]))
+    assert slots.ranks[2].tolist() == list(range(-1, 15))  # a chain's node i: rank i - 1
+
+    batch = SimpleNamespace(num_reqs=3, num_scheduled_tokens=np.array([16, 16, 40]),
+                            is_prefilling_np=np.array([False, False, True]),
+                            idx_mapping=torch.tensor([2, 0, 1]))
+    slots.store(torch.tensor([2]), _first(tree), True)
+    keeper = PathRanks(4, 16, torch.device("cpu"))
+    keeper.record_step(batch, slots)
+    assert keeper.take() is None  # the step's own ranks wait for the next step
+    keeper.record_step(batch, slots)
+    num_drafts, got = keeper.take()
+    assert num_drafts == 15 and got.shape == (2, 15)  # the prefill row left out
+    assert got[0].tolist() == ranks[0].tolist()
+    assert keeper.take() is None  # taken once
+
+
+def _first(tree):
+    """The tree of the first request alone."""
+    import dataclasses
+
+    return dataclasses.replace(tree, **{f.name: getattr(tree, f.name)[:1]
+                                        for f in dataclasses.fields(tree)})
+
+
 def test_padded_ingest_equals_ragged_ingest():
     """What the V2 speculator does for decoding requests (verified rows padded
     by repetition, on the device) leaves the head's cache and last output as

@@ -51,6 +51,30 @@ def test_ties_keep_the_earlier_candidate(device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("topk,depth,num_nodes", [(4, 4, 16), (2, 3, 7)])
+def test_the_tree_of_k_nodes_keeps_the_nodes_ranked_below_k(backend, topk, depth, num_nodes,
+                                                            device):
+    """`score_ranks`: from one pool, the tree of k + 1 nodes holds exactly
+    the candidates of the nodes ranked below k in the full tree, and ranks
+    rise from parent to child (so a path's nodes of rank < k are a prefix
+    of it: what the smaller tree would have accepted)."""
+    candidates, roots, seq_lens, _ = random_tree(6, topk, depth, num_nodes, 111, seed=3,
+                                                 device=device)
+    full = build_draft_tree(candidates, roots, seq_lens, num_nodes, backend=backend)
+    ranks, cands, parents = (full.score_ranks.cpu(), full.cand_ids.cpu(),
+                             full.parent_ids.cpu())
+    assert ranks[:, 0].eq(-1).all()
+    assert sorted(ranks[0, 1:].tolist()) == list(range(num_nodes - 1))
+    child = torch.arange(1, num_nodes)
+    assert (ranks[:, 1:] > ranks.gather(1, parents[:, 1:].clamp(min=0))).all()
+    for k in range(1, num_nodes - 1):
+        small = build_draft_tree(candidates, roots, seq_lens, k + 1, backend=backend)
+        for b in range(6):
+            kept = {int(c) for c, r in zip(cands[b, child], ranks[b, child]) if r < k}
+            assert set(small.cand_ids[b, 1:].tolist()) == kept, (k, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_topk_one_is_a_chain(backend, device):
     candidates, roots, seq_lens, _ = random_tree(5, 1, 6, 7, 111, device=device)
     tree = build_draft_tree(candidates, roots, seq_lens, 7, backend=backend)

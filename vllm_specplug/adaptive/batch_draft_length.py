@@ -295,6 +295,13 @@ class BatchDraftLength:
             self.stats.realised_tokens += len(num_accepted) + sum(num_accepted)
             self.stats.num_requests += len(num_accepted)
 
+    def verified_within(self, k: int, path_ranks) -> None:
+        """A tree step verified `k` drafts per request; `path_ranks` [n, N -
+        1] the node ranks of each request's accepted path
+        (`LengthAcceptance.verified_within`): every shorter length learns
+        what its tree would have had accepted."""
+        self.acceptance.verified_within(k, path_ranks)
+
     def measured(self, k: int, batch_size: int, seconds: float) -> None:
         """A pure decode step of `batch_size` requests that verified and
         drafted `k` took `seconds`."""

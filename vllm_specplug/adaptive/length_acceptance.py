@@ -70,20 +70,39 @@ class LengthAcceptance:
             return
         self._expected = None
         self.num_steps += 1
-        n = len(num_accepted)
-        fade = self.fade ** n
-        stale = set(self.stale())
+        n, stale = len(num_accepted), set(self.stale())
         for length in (self.lengths if self.chains else (k,)):
             if length <= k:
-                stats = self.lengths[length]
-                if length in stale and stats.num_requests > RELEARN_REQUESTS:
-                    keep = RELEARN_REQUESTS / stats.num_requests
-                    stats.accepted, stats.stamp = stats.accepted * keep, stats.stamp * keep
-                    stats.num_requests = RELEARN_REQUESTS
-                    self.num_relearned += 1
-                stats.accepted = stats.accepted * fade + sum(min(a, length) for a in num_accepted)
-                stats.num_requests = stats.num_requests * fade + n
-                stats.stamp = stats.stamp * fade + self.num_steps * n
+                self._add(length, sum(min(a, length) for a in num_accepted), n, stale)
+
+    def verified_within(self, k: int, path_ranks) -> None:
+        """A tree step verified `k` drafts per request; `path_ranks` [n, N -
+        1] (numpy) the node ranks of each request's accepted path, `N` past
+        it (integration/v2/path_ranks.py). A path's ranks rise
+        (`score_ranks`), so its nodes of rank < l are what the tree of l
+        drafts, drafted from the same pool, would have had accepted: every
+        length below k learns from the same requests on the same step (as a
+        chain's shorter lengths do in `verified`), not only on the steps it
+        is tried."""
+        if self.chains or len(path_ranks) == 0:
+            return
+        self._expected = None
+        n, stale = len(path_ranks), set(self.stale())
+        for length in self.lengths:
+            if length < k:
+                self._add(length, int((path_ranks < length).sum()), n, stale)
+
+    def _add(self, length: int, accepted: int, n: int, stale: set[int]) -> None:
+        """`n` requests accepted `accepted` drafts in all at `length`."""
+        stats, fade = self.lengths[length], self.fade ** n
+        if length in stale and stats.num_requests > RELEARN_REQUESTS:
+            keep = RELEARN_REQUESTS / stats.num_requests
+            stats.accepted, stats.stamp = stats.accepted * keep, stats.stamp * keep
+            stats.num_requests = RELEARN_REQUESTS
+            self.num_relearned += 1
+        stats.accepted = stats.accepted * fade + accepted
+        stats.num_requests = stats.num_requests * fade + n
+        stats.stamp = stats.stamp * fade + self.num_steps * n
 
     def stale(self) -> list[int]:
         """Lengths whose mean is `STALE_BY` below a shorter length's whose

@@ -30,6 +30,9 @@ LOG_INTERVAL_S = 10.0
 # `BatchPolicyView`; `vllm-specplug bench` reads them through its worker
 # extension, since the scheduler runs in the engine core's process)
 BATCH_POLICY_ATTR = "specplug_batch_draft_length"
+# on a ModelRunnerOutput: (drafts per request, [n, N - 1] node ranks of the
+# accepted paths) of a tree step before it (integration/v2/path_ranks.py)
+PATH_RANKS_ATTR = "specplug_path_ranks"
 
 
 def capture_table(candidates: tuple[int, ...], max_num_seqs: int) -> list[tuple[int, int, int]]:
@@ -40,6 +43,13 @@ def capture_table(candidates: tuple[int, ...], max_num_seqs: int) -> list[tuple[
     lengths = sorted(candidates, reverse=True)[:max(1, max_num_seqs)]
     table = [(i + 1, i + 1, k) for i, k in enumerate(lengths[:-1])]
     return table + [(len(lengths), max(max_num_seqs, len(lengths)), lengths[-1])]
+
+
+def batch_draft_scheduled(vllm_config) -> bool:
+    """Whether the engine's scheduler is ours, one draft length per step."""
+    cls = vllm_config.scheduler_config.scheduler_cls
+    return cls is not None and issubclass(vllm_config.scheduler_config.get_scheduler_cls(),
+                                          BatchDraftSchedule)
 
 
 def table_lengths(table) -> tuple[int, ...]:
@@ -106,6 +116,9 @@ class BatchDraftSchedule:
         accepted = _accepted_counts(spec, model_runner_output) + [
             0 for req_id, n in num_scheduled.items() if n == 1 and not spec.get(req_id)]
         self.draft_length.verified(verified_k, accepted)
+        path_ranks = getattr(model_runner_output, PATH_RANKS_ATTR, None)
+        if path_ranks is not None:  # a tree step's paths: every smaller tree's acceptance
+            self.draft_length.verified_within(*path_ranks)
         pure_decode = scheduler_output.total_num_scheduled_tokens == num_reqs + sum(
             len(ids) for ids in spec.values())
         if seconds is not None:

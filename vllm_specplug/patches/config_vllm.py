@@ -136,11 +136,9 @@ def _tree_budget_placement(config) -> None:
 
 
 def _batch_draft_scheduled(config) -> bool:
-    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+    from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 
-    cls = config.scheduler_config.scheduler_cls
-    return cls is not None and issubclass(config.scheduler_config.get_scheduler_cls(),
-                                          BatchDraftSchedule)
+    return batch_draft_scheduled(config)
 
 
 def _cpu_thread_binding(config) -> None:

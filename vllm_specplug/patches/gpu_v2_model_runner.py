@@ -86,6 +86,7 @@ def _with_tree_parents(runner, drafts):
 
 
 def _sample_tokens(original):
+    from vllm_specplug.integration.batch_schedule import PATH_RANKS_ATTR
     from vllm_specplug.integration.scheduler import DRAFT_LENGTHS_ATTR
 
     def sample_tokens(self, grammar_output):
@@ -97,6 +98,10 @@ def _sample_tokens(original):
         runner_output = getattr(output, "model_runner_output", output)
         if lengths:
             setattr(runner_output, DRAFT_LENGTHS_ATTR, lengths)
+        take_ranks = getattr(speculator, "take_path_ranks", None)  # tree heads only
+        path_ranks = take_ranks() if take_ranks is not None else None
+        if path_ranks is not None:
+            setattr(runner_output, PATH_RANKS_ATTR, path_ranks)
         return output
 
     return sample_tokens

@@ -42,6 +42,10 @@ class DraftTree:
     packed_mask: torch.Tensor  # [B, N, ceil(N/32)] int32, bit j%32 of word j//32
     first_child_ids: torch.Tensor  # [B, N] int64, NO_NODE if a leaf
     next_sibling_ids: torch.Tensor  # [B, N] int64, NO_NODE if the last child
+    # [B, N] int64, each node's rank by path score among the kept nodes (root
+    # NO_NODE): EAGLE-2's tree of k + 1 nodes keeps those of rank < k, so a
+    # path's ranks rise. None: a tree drafted otherwise (`build_draft_tree` sets it)
+    score_ranks: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:

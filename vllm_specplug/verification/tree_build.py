@@ -158,7 +158,8 @@ def build_draft_tree_reference(candidates: DraftCandidates,
         parent_ids=parent_ids, cand_ids=torch.cat([column, selected], 1),
         depths=depths, positions=seq_lens[:, None] + depths, attn_mask=mask,
         packed_mask=pack_mask(mask), first_child_ids=first_child,
-        next_sibling_ids=next_sibling)
+        next_sibling_ids=next_sibling,
+        score_ranks=score_ranks(candidates.scores, torch.cat([column, selected], 1)))
 
 
 def _check_build_inputs(candidates: DraftCandidates, root_token_ids, seq_lens,
@@ -232,6 +233,29 @@ def build_draft_tree(candidates: DraftCandidates, root_token_ids: torch.Tensor,
 
     return build_draft_tree_triton(candidates, root_token_ids, seq_lens,
                                    num_draft_tokens)
+
+
+def score_ranks(scores: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
+    """[B, N] rank of each kept node by path score (root NO_NODE), ties to
+    the earlier candidate, as the selection's stable sort orders them: the
+    tree of k + 1 nodes drafted from the same pool keeps the nodes of rank
+    < k (EAGLE-2's selection of the best k). A child's score never exceeds
+    its parent's, and on a tie the parent is the earlier candidate, so ranks
+    rise along a path: the accepted path's nodes of rank < k are what the
+    smaller tree would have accepted (the batch policy learns every size
+    from one, adaptive/length_acceptance.py). N - 1 <= 63 kept nodes, so
+    the pairwise comparison is small.
+
+    Args:
+        scores: [B, C] the pool's path scores.
+        cand_ids: [B, N] the candidate of each node (root NO_NODE).
+    """
+    kept = cand_ids[:, 1:]
+    mine = scores.gather(1, kept)
+    before = (mine[:, :, None] > mine[:, None, :]) | (
+        (mine[:, :, None] == mine[:, None, :]) & (kept[:, :, None] < kept[:, None, :]))
+    ranks = before.sum(dim=1)  # [B, N - 1]: kept nodes placed before each
+    return torch.cat([torch.full_like(cand_ids[:, :1], NO_NODE), ranks], dim=1)
 
 
 def tree_from_parents(token_ids: torch.Tensor, parent_ids: torch.Tensor,

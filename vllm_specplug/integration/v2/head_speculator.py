@@ -41,7 +41,9 @@ from torch.profiler import record_function
 
 from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
+from vllm_specplug.integration.v2.path_ranks import PathRanks
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
 from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
@@ -95,6 +97,11 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         # only what its node's path allows (structured.py)
         self.structured = (StructuredRequests(vllm_config)
                            if self.drafter.options.grammar_drafts else None)
+        # trees under our batch policy: each step's accepted paths' node
+        # ranks go to the scheduler, which learns every smaller tree from them
+        self.path_ranks = (PathRanks(self.max_num_reqs, num_nodes, device)
+                           if self.tree_slots is not None
+                           and batch_draft_scheduled(vllm_config) else None)
 
     def _init_adaptive_verification(self, spec_config, device: torch.device) -> None:
         """vLLM's adaptive verification (`enable_adaptive_verification`, chains
@@ -214,6 +221,11 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if dummy_run or self.runtime is None:  # profiling, warm-up, DP padding
             return drafts
         started = time.perf_counter()
+        if self.path_ranks is not None and input_batch.num_draft_tokens > 0:
+            # before this step's trees replace the ranks of those just verified
+            self.guard.call("path_ranks", input_batch.req_ids, self.path_ranks.record_step,
+                            input_batch, self.tree_slots, effect="the batch policy learns "
+                            "this step's smaller tree sizes from their own steps only")
         if self.confidences is not None and not self.guard.disabled:
             self.guard.call("observe_verification", input_batch.req_ids,
                             self.confidences.observe, input_batch.idx_mapping, num_sampled,
@@ -244,6 +256,10 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         num_reqs = input_batch.num_reqs
         self.grammar_parents.record(input_batch.req_ids[:num_reqs], self.tree_slots.parents[
             input_batch.idx_mapping[:num_reqs]])
+
+    def take_path_ranks(self):
+        """(drafts per request, ranks) of a step before this one (PathRanks), or None."""
+        return self.path_ranks.take() if self.path_ranks is not None else None
 
     def take_tree_parents(self) -> dict[str, list[int]]:
         """{req_id: parents, root included} of the trees last drafted for a

@@ -28,6 +28,9 @@ class TreeSlots:
         self.depths = node.to(torch.int32).repeat(max_num_reqs, 1)  # [S, N] int32
         self.bits = pack_mask(chain[None]).repeat(max_num_reqs, 1, 1)  # [S, N, W] int32
         self.is_tree = torch.zeros(max_num_reqs, dtype=torch.int8, device=device)  # [S]
+        # each node's rank by path score (DraftTree.score_ranks; a chain's
+        # node i: i - 1): what the batch policy learns smaller trees from
+        self.ranks = (node - 1).repeat(max_num_reqs, 1)  # [S, N] int64
         # nodes of each slot's last tree, root included: verification reads none past it
         self.num_drafted = torch.full((max_num_reqs,), num_nodes, dtype=torch.int32,
                                       device=device)  # [S]
@@ -69,6 +72,17 @@ class TreeSlots:
         self.depths[:, :num_nodes].index_copy_(0, slots, tree.depths.to(torch.int32))
         self.bits[:, :num_nodes, :words].index_copy_(0, slots, tree.packed_mask)
         self.is_tree.index_fill_(0, slots, int(is_tree))
+        ranks = (tree.score_ranks if tree.score_ranks is not None
+                 else tree.depths - 1)  # a chain (chain_tree): its depth order
+        self.ranks[:, :num_nodes].index_copy_(0, slots, ranks)
+
+    def path_ranks(self, idx_mapping: torch.Tensor, num_reqs: int) -> torch.Tensor:
+        """[num_reqs, N - 1] the ranks of each batch row's accepted nodes past
+        the root, in path order, `num_nodes` past its path (after the tree
+        sampler wrote `accepted_nodes`, before this step's trees are stored)."""
+        accepted = self.accepted_nodes[:num_reqs, 1:]
+        ranks = self.ranks[idx_mapping[:num_reqs, None], accepted.clamp(min=0)]
+        return torch.where(accepted == NO_NODE, self.num_nodes, ranks)
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The attention layers' caches, in the CUDA backends' logical layout
@@ -90,3 +104,4 @@ class TreeSlots:
         self.depths.index_copy_(0, slots, node.to(torch.int32).expand(slots.shape[0], -1))
         self.is_tree.index_fill_(0, slots, 0)
         self.num_drafted.index_fill_(0, slots, self.num_nodes)
+        self.ranks.index_copy_(0, slots, (node - 1).expand(slots.shape[0], -1))

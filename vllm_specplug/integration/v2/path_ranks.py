@@ -51,7 +51,8 @@ class PathRanks:
         to the host behind the step's work; the rows `rows` verified
         `num_drafts` drafts each (the others: prefill, or fewer)."""
         i = self.turn
-        self.buffers[i][:ranks.shape[0]].copy_(ranks, non_blocking=self.events[i] is not None)
+        self.buffers[i][:ranks.shape[0]].copy_(ranks.to(torch.int32),
+                                               non_blocking=self.events[i] is not None)
         if self.events[i] is not None:
             self.events[i].record()
         self.held[i], self.turn = (num_drafts, rows), 1 - i

@@ -306,4 +306,5 @@ def chain_tree(token_ids: torch.Tensor, seq_lens: torch.Tensor) -> DraftTree:
                      depths=rows(node), positions=seq_lens[:, None] + node,
                      attn_mask=mask, packed_mask=pack_mask(mask[:1]).expand(batch, -1, -1),
                      first_child_ids=rows(following),
-                     next_sibling_ids=rows(torch.full_like(node, NO_NODE)))
+                     next_sibling_ids=rows(torch.full_like(node, NO_NODE)),
+                     score_ranks=rows(previous))  # node i ranks i - 1

@@ -72,8 +72,8 @@ class TreeSlots:
         self.depths[:, :num_nodes].index_copy_(0, slots, tree.depths.to(torch.int32))
         self.bits[:, :num_nodes, :words].index_copy_(0, slots, tree.packed_mask)
         self.is_tree.index_fill_(0, slots, int(is_tree))
-        ranks = (tree.score_ranks if tree.score_ranks is not None
-                 else tree.depths - 1)  # a chain (chain_tree): its depth order
+        # (a tree without ranks, from `tree_from_parents`: ranked by depth)
+        ranks = tree.score_ranks if tree.score_ranks is not None else tree.depths - 1
         self.ranks[:, :num_nodes].index_copy_(0, slots, ranks)
 
     def path_ranks(self, idx_mapping: torch.Tensor, num_reqs: int) -> torch.Tensor:

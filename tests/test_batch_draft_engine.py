@@ -100,6 +100,21 @@ def test_costly_steps_draft_nothing_and_stay_exact(batch_llm, prompts, expected)
     assert view["chosen"] == chosen and view["num_steps"] == policy.stats.num_steps, view
 
 
+def test_a_trees_paths_teach_the_policy_every_smaller_size(batch_llm, prompts, expected):
+    """Each tree step's accepted paths reach the policy (their nodes' ranks,
+    on the runner's output: `TreeStep.path_ranks`), and the lengths below
+    the one verified learn from them: on at least half of the steps the
+    longest tree ran, and the smaller size's estimate stays at most the
+    longest's."""
+    longest = _scheduler(batch_llm).draft_length.candidates[-1]
+    token_ids, _, policy = _phased(batch_llm, prompts, [(None, CHEAP)], (0, 4, longest))
+    assert_same_tokens(expected, token_ids, prompts)
+    chosen = policy.as_dict()["chosen"]
+    assert policy.current == longest and policy.stats.num_path_steps >= chosen[longest] // 2, (
+        policy.stats, chosen)
+    assert 1.0 < policy.expected_tokens(4) <= policy.expected_tokens(longest)
+
+
 def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, prompts, expected):
     """The longest draft from the first step, then the same prompts with
     NUM_COSTLY_STEPS steps at K = 0 first: exact, and the drafts after those

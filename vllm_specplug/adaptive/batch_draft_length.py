@@ -117,6 +117,7 @@ class BatchDraftStats:
     num_measured: int = 0  # steps whose time counted
     num_stalled: int = 0  # steps whose time was dropped as a stall (StepTimes.add)
     num_first_at_shape: int = 0  # steps not timed: first at their shape (the scheduler's)
+    num_path_steps: int = 0  # tree steps whose accepted paths taught the smaller sizes
     # every step's wall time between outputs, by kind (the scheduler's
     # `_observe`): pure decode steps that verified and drafted one length
     # after a step that did too (timed or not), those that changed length or
@@ -301,6 +302,7 @@ class BatchDraftLength:
         (`LengthAcceptance.verified_within`): every shorter length learns
         what its tree would have had accepted."""
         self.acceptance.verified_within(k, path_ranks)
+        self.stats.num_path_steps += 1
 
     def measured(self, k: int, batch_size: int, seconds: float) -> None:
         """A pure decode step of `batch_size` requests that verified and
@@ -339,6 +341,7 @@ class BatchDraftLength:
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
                 "num_relearned": self.acceptance.num_relearned,
+                "num_path_steps": s.num_path_steps,
                 **{f"{kind}_{unit}": getattr(s, f"{kind}_{unit}") for kind in STEP_KINDS
                    for unit in ("steps", "seconds")},
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},

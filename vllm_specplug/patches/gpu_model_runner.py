@@ -1,6 +1,6 @@
 """Patches of `vllm.v1.worker.gpu_model_runner.GPUModelRunner` (the CPU runner
 inherits them): `propose_draft_token_ids`, `_on_request_state_removed`,
-`_prepare_inputs` and `_setup_eagle3_aux_hidden_state_outputs`.
+`_prepare_inputs`, `sample_tokens` and `_setup_eagle3_aux_hidden_state_outputs`.
 
 Why: the `custom_class` route calls `drafter.propose(sampled, num_tokens,
 token_ids)` with no request ids, no finished/preempted requests and no hidden
@@ -89,6 +89,21 @@ def _take_draft_token_ids(original):
     return take_draft_token_ids
 
 
+def _sample_tokens(original):
+    from vllm_specplug.integration.batch_schedule import PATH_RANKS_ATTR
+
+    def sample_tokens(self, grammar_output):
+        output = original(self, grammar_output)
+        drafter = _ours(self)
+        take = getattr(drafter, "take_path_ranks", None)  # tree drafters only
+        path_ranks = take() if take is not None and output is not None else None
+        if path_ranks is not None:
+            setattr(getattr(output, "model_runner_output", output), PATH_RANKS_ATTR, path_ranks)
+        return output
+
+    return sample_tokens
+
+
 def _setup_aux_hidden_states(original):
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -123,6 +138,11 @@ def install() -> list[str]:
     # for its own eagle3; ours needs tree verification, aux states for
     # EAGLE-3 heads (an MTP layer reads the model output itself) and, on
     # CUDA, the persistent buffers of tree attention (before graph capture).
+    # our batch policy learns every smaller tree size from a tree step's
+    # accepted paths, which ride on the step's output to the scheduler
+    patch_registry.apply(GPUModelRunner, "sample_tokens",
+                         _sample_tokens(GPUModelRunner.sample_tokens),
+                         reason="accepted paths' node ranks to our batch policy")
     patch_registry.apply(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs",
                          _setup_aux_hidden_states(
                              GPUModelRunner._setup_eagle3_aux_hidden_state_outputs),

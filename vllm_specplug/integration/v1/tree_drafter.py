@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.adaptive.tree_budget import TreeBudget
+from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.first_rank import first_rank_share
 from vllm_specplug.integration.grammar_drafting import DraftGrammars
 from vllm_specplug.integration.head_drafter import HeadDrafter
@@ -79,6 +80,10 @@ class TreeEagleDrafter(V1DrafterHooks):
         # the drafter's own grammar per structured request: drafts ranked
         # among the tokens each node's path allows (grammar_drafting.py)
         self.grammars = DraftGrammars(vllm_config) if self.options.grammar_drafts else None
+        # under our batch policy: each step's accepted paths, which teach it
+        # every smaller tree size (`take_path_ranks`)
+        self.report_paths = batch_draft_scheduled(vllm_config)
+        self.path_ranks: tuple[int, np.ndarray] | None = None
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -164,6 +169,8 @@ class TreeEagleDrafter(V1DrafterHooks):
                 # which the other ranks wait in
                 self._budgeted(batch, sampled_token_ids, allowance)
             return drafts
+        if self.report_paths:
+            self.path_ranks = step.path_ranks(self.options.num_draft_tokens - 1)
         planned = None  # the tree budget's {req_id: nodes} (None: no budget)
         if self.adaptive is not None:
             self._record_verified(step)
@@ -376,6 +383,10 @@ class TreeEagleDrafter(V1DrafterHooks):
             nodes = token_ids[b, 1:1 + limit].tolist()
             drafts[row] = nodes
             self.trees[batch.req_ids[row]] = (nodes, parents)
+
+    def take_path_ranks(self) -> tuple[int, np.ndarray] | None:
+        ranks, self.path_ranks = self.path_ranks, None
+        return ranks
 
     def draft_tree_parents(self) -> dict[str, list[int]]:
         return {req_id: parents.tolist() for req_id, (_, parents) in self.trees.items()

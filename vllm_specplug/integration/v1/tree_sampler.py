@@ -162,7 +162,7 @@ def _to(tree, device):
     """The tree on `device` with one host-to-device copy per dtype (the
     [B, N] int64 fields go stacked), not one per field. (On the CPU too, so
     that the CPU tests run this path.)"""
-    fields = vars(tree)
+    fields = {n: v for n, v in vars(tree).items() if v is not None}  # score_ranks: unset here
     stacked = [n for n, v in fields.items() if v.dtype == torch.int64 and v.dim() == 2]
     moved = torch.stack([fields[n] for n in stacked]).to(device)
     for i, name in enumerate(stacked):

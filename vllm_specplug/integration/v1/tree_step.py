@@ -69,6 +69,23 @@ class TreeStep:
         return (np.arange(first, end, dtype=np.int64),
                 int(self.num_computed[row]) + np.arange(end - first, dtype=np.int64))
 
+    def path_ranks(self, width: int) -> tuple[int, np.ndarray] | None:
+        """For the batch policy (integration/batch_schedule.py): (drafts
+        verified per request, [n, width] the accepted paths' node ranks,
+        `width + 1` past each path) of the requests that verified the most
+        drafts, or None. On this runner a tree of k drafts is the drafted
+        tree's first k nodes (`TreeEagleDrafter._draft`), parents before
+        children, so a node ranks by its index: node i ranks i - 1."""
+        num_drafts = max((r.num_nodes - 1 for r in self.requests), default=0)
+        rows = [r for r in self.requests if r.num_nodes - 1 == num_drafts]
+        if num_drafts <= 0:
+            return None
+        ranks = np.full((len(rows), width), width + 1, dtype=np.int64)
+        for i, request in enumerate(rows):
+            path = self.accepted.get(request.req_id, [0])[1:]
+            ranks[i, :len(path)] = np.asarray(path, dtype=np.int64) - 1
+        return num_drafts, ranks
+
     def masked(self) -> list[TreeRequest]:
         """Requests whose attention differs from causal (not a chain)."""
         return [r for r in self.requests if not r.is_chain]

@@ -181,8 +181,9 @@ class StepTimes:
         """The mean of the bucket's last `WINDOW` step times at `batch_size`
         (the bucket's smallest by default; None under `MIN_SAMPLES`), less
         those `STALL_RATIO` times over or under their median (a graph
-        captured on first use, a stall; an interval that ended early). The mean, because tokens per second is tokens
-        over the steps' summed time: where a step's work varies (n-gram and
+        captured on first use, a stall; an interval that ended early), in the
+        host's speed when each was taken (`host`). The mean, because tokens
+        per second is tokens over the steps' summed time: where a step's work varies (n-gram and
         suffix draft for some requests only), a quantile misprices it. On
         SmolLM2 on CPU, suffix's steps at K=5 and batch 16 had a lower
         quartile of 90 ms and a mean of 138: read by the quartile, K=5 beat
@@ -293,7 +294,7 @@ class StepTimes:
         for other in buckets:
             mine, theirs = self.typical(k, other), self.typical(anchor, other)
             if mine is not None and theirs is not None:
-                return base * self.host * mine / theirs, math.hypot(self.noise(anchor, bucket),
-                                                        self.noise(k, other),
-                                                        self.noise(anchor, other))
+                error = math.hypot(self.noise(anchor, bucket), self.noise(k, other),
+                                   self.noise(anchor, other))
+                return base * self.host * mine / theirs, error
         return None

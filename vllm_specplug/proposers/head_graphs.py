@@ -189,8 +189,9 @@ def run_draft_pass(graphs: PassGraphs, draft_pass: Callable[..., DraftTree], poo
                           num_keys, *shape)
     if not ok:
         return draft_pass(slots, root_token_ids, root_positions, num_keys, *shape)
-    return DraftTree(**{f.name: getattr(tree, f.name)[:batch]
-                        for f in dataclasses.fields(DraftTree)})
+    fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(DraftTree)}
+    return DraftTree(**{name: None if value is None else value[:batch]
+                        for name, value in fields.items()})
 
 
 @dataclass

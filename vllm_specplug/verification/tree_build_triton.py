@@ -6,7 +6,7 @@ import torch
 from vllm_specplug.kernels.tree_build import build_draft_tree_kernel
 from vllm_specplug.verification.backend import next_power_of_2
 from vllm_specplug.verification.metadata import MASK_WORD_BITS, DraftCandidates, DraftTree
-from vllm_specplug.verification.tree_build import score_ranks
+from vllm_specplug.verification.tree_ranks import score_ranks
 
 BLOCK_J = 32
 

@@ -96,9 +96,12 @@ def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
     `take`, once, for the rows that verified the step's draft count."""
     from vllm_specplug.integration.v2.path_ranks import PathRanks
     from vllm_specplug.verification.metadata import NO_NODE
+    from vllm_specplug.verification.tree_ranks import score_ranks
 
-    *_, tree = random_tree(2, 4, 4, 16, 40, seed=3)
+    candidates, *_, tree = random_tree(2, 4, 4, 16, 40, seed=3)
+    tree.score_ranks = score_ranks(candidates.scores, tree.cand_ids)  # `HeadRuntime.rank_nodes`
     slots = TreeSlots(4, 16, "cpu")
+    slots.keep_ranks()
     slots.store(torch.tensor([2, 0]), tree, True)
     leaf = int(tree.depths[0].argmax())  # row 0 (slot 2) accepts the path to its deepest node
     path = [leaf]

@@ -38,6 +38,7 @@ from vllm_specplug.proposers.head_graphs import (PassGraphs, decode_ingest_layou
                                                   run_ingest_pass, run_step_pass)
 from vllm_specplug.verification.backend import Backend, to_device
 from vllm_specplug.verification.metadata import ROOT_PARENT, DraftTree
+from vllm_specplug.verification.tree_ranks import score_ranks
 from vllm_specplug.verification.tree_build import (build_draft_tree, chain_tree,
                                                    extend_draft_pool,
                                                    next_beam)
@@ -94,6 +95,9 @@ class HeadRuntime:
         # acceptance estimate (vLLM's adaptive verification) reads them
         # there, in the same graph. Set it before the first pass.
         self.draft_logits_hook: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        # trees carry their nodes' ranks by path score (DraftTree.score_ranks),
+        # for the batch policy on Model Runner V2; set before graphs are captured
+        self.rank_nodes = False
         # Called in a tree's drafting pass (eager) with each step's logits
         # before its top-k: (logits [B, V_draft] at step 0, [B, k, V_draft]
         # after; slots [B]; the candidates pooled so far, None at step 0;
@@ -405,8 +409,11 @@ class HeadRuntime:
             parent_out = out.gather(1, row[..., None].expand(-1, -1, out.shape[-1]))
             pick = row[:, :, None, None, None]
             path_kv = tuple(t.gather(1, pick.expand_as(t)) for t in path_kv)
-        return build_draft_tree(pooled, root_token_ids, root_positions, num_draft_tokens,
+        tree = build_draft_tree(pooled, root_token_ids, root_positions, num_draft_tokens,
                                 validate=False)
+        if self.rank_nodes:
+            tree.score_ranks = score_ranks(pooled.scores, tree.cand_ids)
+        return tree
 
     def _tree_logits(self, logits, slots, pooled=None, beam=None) -> torch.Tensor:
         if self.tree_logits_hook is None:

@@ -44,7 +44,8 @@ class DraftTree:
     next_sibling_ids: torch.Tensor  # [B, N] int64, NO_NODE if the last child
     # [B, N] int64, each node's rank by path score among the kept nodes (root
     # NO_NODE): EAGLE-2's tree of k + 1 nodes keeps those of rank < k, so a
-    # path's ranks rise. None: a tree drafted otherwise (`build_draft_tree` sets it)
+    # path's ranks rise. None unless the drafter was asked for them
+    # (`HeadRuntime.rank_nodes`, tree_ranks.py)
     score_ranks: torch.Tensor | None = None
 
     @property

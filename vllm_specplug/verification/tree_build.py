@@ -12,7 +12,6 @@ import torch
 from vllm_specplug.verification import checks
 from vllm_specplug.verification.backend import Backend, resolve_backend
 from vllm_specplug.verification.tree_masks import ancestor_mask
-from vllm_specplug.verification.tree_ranks import score_ranks
 from vllm_specplug.verification.metadata import (MASK_WORD_BITS, NO_NODE,
                                                  ROOT_PARENT, DraftCandidates,
                                                  DraftTree)
@@ -159,8 +158,7 @@ def build_draft_tree_reference(candidates: DraftCandidates,
         parent_ids=parent_ids, cand_ids=torch.cat([column, selected], 1),
         depths=depths, positions=seq_lens[:, None] + depths, attn_mask=mask,
         packed_mask=pack_mask(mask), first_child_ids=first_child,
-        next_sibling_ids=next_sibling,
-        score_ranks=score_ranks(candidates.scores, torch.cat([column, selected], 1)))
+        next_sibling_ids=next_sibling)
 
 
 def _check_build_inputs(candidates: DraftCandidates, root_token_ids, seq_lens,
@@ -284,5 +282,4 @@ def chain_tree(token_ids: torch.Tensor, seq_lens: torch.Tensor) -> DraftTree:
                      depths=rows(node), positions=seq_lens[:, None] + node,
                      attn_mask=mask, packed_mask=pack_mask(mask[:1]).expand(batch, -1, -1),
                      first_child_ids=rows(following),
-                     next_sibling_ids=rows(torch.full_like(node, NO_NODE)),
-                     score_ranks=rows(previous))  # node i ranks i - 1
+                     next_sibling_ids=rows(torch.full_like(node, NO_NODE)))

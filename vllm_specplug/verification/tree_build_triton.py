@@ -6,7 +6,6 @@ import torch
 from vllm_specplug.kernels.tree_build import build_draft_tree_kernel
 from vllm_specplug.verification.backend import next_power_of_2
 from vllm_specplug.verification.metadata import MASK_WORD_BITS, DraftCandidates, DraftTree
-from vllm_specplug.verification.tree_ranks import score_ranks
 
 BLOCK_J = 32
 
@@ -35,5 +34,4 @@ def build_draft_tree_triton(candidates: DraftCandidates, root_token_ids: torch.T
         tree.packed_mask, tree.first_child_ids, tree.next_sibling_ids,
         num_cands, n, C_PAD=next_power_of_2(num_cands), N_PAD=next_power_of_2(n),
         BLOCK_J=BLOCK_J, NUM_WORDS=num_words)
-    tree.score_ranks = score_ranks(candidates.scores, tree.cand_ids)  # torch: [B, N, N] compares
     return tree

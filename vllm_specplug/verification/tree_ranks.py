@@ -1,6 +1,7 @@
 """Each kept node's rank by path score in an EAGLE-2 draft tree (arXiv
 2406.16858): which nodes a smaller tree drafted from the same pool keeps.
-Set by both tree builders (tree_build.py, tree_build_triton.py)."""
+Taken by the head's drafting pass only where the batch policy reads them
+(`HeadRuntime.rank_nodes`): B x (N - 1)^2 comparisons a pass."""
 from __future__ import annotations
 
 import torch

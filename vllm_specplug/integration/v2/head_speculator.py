@@ -161,6 +161,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             self.runtime.draft_logits_hook = self.confidences.predict
         if self.tree_slots is None:
             return
+        if self.path_ranks is not None:  # before any graph of the head is captured
+            self.runtime.rank_nodes = True
+            self.tree_slots.keep_ranks()
         if not hasattr(model_state, "bind"):
             raise RuntimeError(f"{self.method} trees: the target runs under "
                                f"{type(model_state).__name__}, not vllm-specplug's tree model "

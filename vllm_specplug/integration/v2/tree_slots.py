@@ -29,8 +29,9 @@ class TreeSlots:
         self.bits = pack_mask(chain[None]).repeat(max_num_reqs, 1, 1)  # [S, N, W] int32
         self.is_tree = torch.zeros(max_num_reqs, dtype=torch.int8, device=device)  # [S]
         # each node's rank by path score (DraftTree.score_ranks; a chain's
-        # node i: i - 1): what the batch policy learns smaller trees from
-        self.ranks = (node - 1).repeat(max_num_reqs, 1)  # [S, N] int64
+        # node i: i - 1): what the batch policy learns smaller trees from;
+        # kept only once asked for (`keep_ranks`)
+        self.ranks: torch.Tensor | None = None  # [S, N] int64
         # nodes of each slot's last tree, root included: verification reads none past it
         self.num_drafted = torch.full((max_num_reqs,), num_nodes, dtype=torch.int32,
                                       device=device)  # [S]
@@ -72,9 +73,14 @@ class TreeSlots:
         self.depths[:, :num_nodes].index_copy_(0, slots, tree.depths.to(torch.int32))
         self.bits[:, :num_nodes, :words].index_copy_(0, slots, tree.packed_mask)
         self.is_tree.index_fill_(0, slots, int(is_tree))
-        # (a tree without ranks, from `tree_from_parents`: ranked by depth)
-        ranks = tree.score_ranks if tree.score_ranks is not None else tree.depths - 1
-        self.ranks[:, :num_nodes].index_copy_(0, slots, ranks)
+        if self.ranks is not None:  # (a chain's pass carries none: node i ranks i - 1)
+            ranks = tree.score_ranks if tree.score_ranks is not None else tree.depths - 1
+            self.ranks[:, :num_nodes].index_copy_(0, slots, ranks)
+
+    def keep_ranks(self) -> None:
+        """Keep each stored tree's node ranks from now on (`path_ranks`)."""
+        node = torch.arange(self.num_nodes, device=self.parents.device)
+        self.ranks = (node - 1).repeat(self.max_num_reqs, 1)
 
     def path_ranks(self, idx_mapping: torch.Tensor, num_reqs: int) -> torch.Tensor:
         """[num_reqs, N - 1] the ranks of each batch row's accepted nodes past
@@ -104,4 +110,5 @@ class TreeSlots:
         self.depths.index_copy_(0, slots, node.to(torch.int32).expand(slots.shape[0], -1))
         self.is_tree.index_fill_(0, slots, 0)
         self.num_drafted.index_fill_(0, slots, self.num_nodes)
-        self.ranks.index_copy_(0, slots, (node - 1).expand(slots.shape[0], -1))
+        if self.ranks is not None:
+            self.ranks.index_copy_(0, slots, (node - 1).expand(slots.shape[0], -1))

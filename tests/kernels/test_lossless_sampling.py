@@ -22,7 +22,7 @@ P_MIN = 1e-3  # reject "matches the target" below this p-value
 
 
 def repeat_tree(tree, times):
-    return type(tree)(**{k: v.expand(times, *v.shape[1:]).contiguous()
+    return type(tree)(**{k: None if v is None else v.expand(times, *v.shape[1:]).contiguous()
                          for k, v in vars(tree).items()})
 
 

@@ -427,3 +427,26 @@ def test_start_up_covers_the_steps_where_a_tables_draft_length_changes():
     config.scheduler_config.scheduler_cls = (
         "vllm_specplug.integration.batch_schedule.SpecplugBatchDraftTreeAsyncScheduler")
     assert table_of(config) is None
+
+
+def test_the_runners_output_carries_a_tree_heads_path_ranks():
+    """The V2 runner's `sample_tokens` patch puts a step's path ranks on the
+    runner output for the head's speculator, not only the model-free one's
+    draft lengths (on the H200 none reached the policy before: 0 path steps
+    of 40, docs/results/batch_draft_length_h200_run8)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from vllm_specplug.integration.batch_schedule import PATH_RANKS_ATTR
+    from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+    from vllm_specplug.integration.v2.path_ranks import PathRanks
+    from vllm_specplug.patches.gpu_v2_model_runner import _sample_tokens
+
+    speculator = object.__new__(SpecplugV2HeadSpeculator)  # what the patch reads of it
+    speculator.path_ranks = PathRanks(2, 4, torch.device("cpu"))
+    ranks = torch.tensor([[0, 1, 4], [4, 4, 4]])
+    for _ in range(2):  # a step's ranks come out at the next step
+        speculator.path_ranks.record(ranks, 3, np.array([0, 1]))
+    runner = SimpleNamespace(speculator=speculator)
+    output = _sample_tokens(lambda self, grammar_output: ModelRunnerOutput([], {}))(runner, None)
+    num_drafts, got = getattr(output, PATH_RANKS_ATTR)
+    assert num_drafts == 3 and got.tolist() == ranks.tolist()

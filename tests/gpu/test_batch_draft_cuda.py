@@ -71,3 +71,20 @@ def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, pro
     assert reference.num_drafts > 0 and resumed.num_drafts > 0
     assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (
         resumed.mean_acceptance_length, reference.mean_acceptance_length)
+
+
+def test_a_trees_paths_teach_the_policy_every_smaller_size(batch_llm, prompts,  # noqa: F811
+                                                          baseline):
+    """The V2 twin of the CPU engine's test: each tree step's accepted paths
+    reach the policy a step late (their nodes' ranks, copied behind the
+    step's work: integration/v2/path_ranks.py, from graphs captured with the
+    ranks), and the smaller size learns from them: exact, on at least half
+    of the steps the longest tree ran, and 4 drafts' estimate stays at most
+    the longest's."""
+    longest = _scheduler(batch_llm).draft_length.candidates[-1]
+    token_ids, _, policy = _phased(batch_llm, prompts, [(None, CHEAP)], (0, 4, longest))
+    _exact(baseline, token_ids)
+    chosen = policy.as_dict()["chosen"]
+    assert policy.current == longest and policy.stats.num_path_steps >= chosen[longest] // 2, (
+        policy.stats, chosen)
+    assert 1.0 < policy.expected_tokens(4) <= policy.expected_tokens(longest)

@@ -90,12 +90,18 @@ def _sample_tokens(original):
     from vllm_specplug.integration.scheduler import DRAFT_LENGTHS_ATTR
 
     def sample_tokens(self, grammar_output):
+        from vllm_specplug.integration.v2.speculator import V2SpeculatorHooks
+
         output = original(self, grammar_output)
-        speculator = _ours(self)
-        if speculator is None or output is None:
+        # either of ours: the model-free one reports its draft lengths, the
+        # head's trees their accepted paths' ranks (was: the model-free one
+        # only, so no tree's paths reached the batch policy on the GPU)
+        speculator = getattr(self, "speculator", None)
+        if not isinstance(speculator, V2SpeculatorHooks) or output is None:
             return output
-        lengths = speculator.take_draft_lengths()
         runner_output = getattr(output, "model_runner_output", output)
+        take_lengths = getattr(speculator, "take_draft_lengths", None)  # model-free
+        lengths = take_lengths() if take_lengths is not None else None
         if lengths:
             setattr(runner_output, DRAFT_LENGTHS_ATTR, lengths)
         take_ranks = getattr(speculator, "take_path_ranks", None)  # tree heads only

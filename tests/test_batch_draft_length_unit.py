@@ -688,3 +688,29 @@ def test_a_lengths_time_is_the_mean_of_its_steps_without_strays():
     for seconds in [0.09, 0.19] * 8 + [2.0, 0.001]:  # the last two: strays
         times.samples.setdefault((5, 5), deque(maxlen=32)).append((16, seconds))
     assert times.typical(5, 5, 16) == pytest.approx(0.14)
+
+
+def test_the_workers_copy_holds_the_step_times_sent_only_when_taken_again():
+    """Each step's counters cross to the workers' processes; the step times
+    (most of their size) come only when the policy took them again, every
+    STEP_MS_EVERY decode steps, and the workers' copy (`BatchPolicyView`)
+    keeps them in between: after any step it equals the policy's own."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.adaptive.batch_draft_length import STEP_MS_EVERY
+    from vllm_specplug.integration.batch_schedule import BATCH_POLICY_ATTR, BatchPolicyView
+
+    policy, view, sent = BatchDraftLength((0, 2, 4)), BatchPolicyView(), []
+    for step in range(3 * STEP_MS_EVERY):
+        k = policy.choose(8)
+        policy.verified(k, [min(k, 2)] * 8)
+        policy.measured(k, 8, 0.01 + 0.001 * k)
+        counters = policy.counters()
+        if "step_ms" in counters:
+            sent.append((counters["step_ms"], counters["step_windows"]))
+        view.observe_schedule(SimpleNamespace(**{BATCH_POLICY_ATTR: counters}))
+        whole = policy.as_dict()
+        assert {key: whole[key] for key in counters if not key.startswith("step_")} == {
+            key: view.batch_policy[key] for key in counters if not key.startswith("step_")}
+        assert (view.batch_policy["step_ms"], view.batch_policy["step_windows"]) == sent[-1]
+    assert 3 <= len(sent) <= 4 and sent[-1][0], sent

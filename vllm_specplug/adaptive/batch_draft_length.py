@@ -326,17 +326,21 @@ class BatchDraftLength:
 
     def counters(self) -> dict:
         """What it decided so far, cheap enough to read every step (the
-        scheduler hands it to the workers with each step: bench reads it
-        there): the length it runs, the steps each length was chosen for,
-        and the expected vs realised tokens per request summed; and as of
-        now (`SNAPSHOT_KEYS`) the tokens per request it expects of each
-        length and its typical step times, refreshed every
-        `STEP_MS_EVERY` decode steps (a quantile per length and bucket),
-        with what their windows hold (`StepTimes.windows`)."""
+        scheduler hands it to the workers with each step, which merge it
+        into their copy: `BatchPolicyView`; bench reads it there): the
+        length it runs, the steps each length was chosen for, the expected
+        vs realised tokens per request summed, and as of now
+        (`SNAPSHOT_KEYS`) the tokens per request it expects of each length;
+        its typical step times (a quantile per length and bucket) with what
+        their windows hold (`StepTimes.windows`) only when taken again,
+        every `STEP_MS_EVERY` decode steps: they are most of its size, and
+        every step's copy crosses to the workers' processes."""
         s = self.stats
+        times = {}
         if self._step_ms is None or self.num_decode_steps - self._step_ms_at >= STEP_MS_EVERY:
             self._step_ms, self._step_ms_at = self.step_ms(), self.num_decode_steps
             self._step_windows = self.times.windows()
+            times = {"step_ms": self._step_ms, "step_windows": self._step_windows}
         return {"current": self.current, "num_steps": s.num_steps,
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
@@ -349,8 +353,7 @@ class BatchDraftLength:
                 "num_requests": s.num_requests,
                 "expected_per_length": {k: round(self.expected_tokens(k), 3)
                                         for k in self.candidates},
-                "step_ms": self._step_ms, "step_windows": self._step_windows,
-                "host_speed": round(self.times.host, 3)}
+                "host_speed": round(self.times.host, 3), **times}
 
     def step_ms(self) -> dict[str, float]:
         """"K@batch" -> typical step time in ms at that batch size (its

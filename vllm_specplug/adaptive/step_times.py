@@ -87,6 +87,12 @@ def bucket_batch(bucket: int) -> int:
     return 2 ** (bucket - 1)
 
 
+def _batches_apart(window) -> bool:
+    """Whether two of the window's batch sizes differ by `MIN_BATCH_RATIO`."""
+    sizes = [b for b, _ in window]
+    return max(sizes) >= MIN_BATCH_RATIO * min(sizes)
+
+
 class StepTimes:
     """Seconds of recent decode steps per (length, batch bucket), each kept
     with its batch size."""
@@ -212,7 +218,10 @@ class StepTimes:
         `MIN_BATCH_RATIO` or more; None under `MIN_PAIRS` such pairs."""
         slopes = []
         for (_, b), window in self.samples.items():
-            if b != bucket or len(window) < 2:
+            # a window of one batch size has no pair (bucket 1 holds batch 1
+            # only; a full batch stays at one size): the fit cost 0.5 ms a
+            # refit on CPU, every `REFIT_EVERY` steps, for nothing
+            if b != bucket or len(window) < 2 or not _batches_apart(window):
                 continue
             x, y = np.log(np.array(window, dtype=np.float64).clip(1e-12)).T
             dx, dy = np.subtract.outer(x, x), np.subtract.outer(y, y)

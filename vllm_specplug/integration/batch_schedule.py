@@ -167,14 +167,16 @@ def _drafts_trees(spec) -> bool:
 
 class BatchPolicyView:
     """A drafter's or speculator's copy of the batch policy's counters, as of
-    the last step it was handed (None: no batch policy scheduled it)."""
+    the last step it was handed (None: no batch policy scheduled it); the
+    step times only come when the policy took them again
+    (`BatchDraftLength.counters`), so each step's counters are merged in."""
 
     batch_policy: dict | None = None
 
     def observe_schedule(self, scheduler_output) -> None:
         counters = getattr(scheduler_output, BATCH_POLICY_ATTR, None)
         if counters is not None:
-            self.batch_policy = counters
+            self.batch_policy = {**(self.batch_policy or {}), **counters}
 
 
 def _fmt(value: float | None) -> str:

@@ -75,6 +75,15 @@ FAR_EVERY = 4
 # length 3x dearer per token waits about 400 steps, of one as good as the
 # current one only `explore_every`
 EXPLORE_SHARE = 0.01
+# Where a tree's accepted paths teach every shorter size its acceptance
+# (`verified_within`), a try of a shorter size only refreshes its time: one
+# exploring turn in this many still tries them. On the H200 (batch 1, the
+# tiny model) the adaptive tree ran 15 nodes 85-91% of its steps and tried
+# others 9%, each try two changes of length whose first steps ran 0.8-1.3 ms
+# slow (docs/results/batch_draft_length_h200_run8)
+TIME_ONLY_EVERY = 4
+# the accepted paths teach the shorter sizes while they came this few steps ago
+PATHS_RECENT_STEPS = 4
 MAX_EXPLORE_CREDIT = 8.0
 # A move to a shorter length needs a gain beyond the margin of this many
 # standard errors of the two times: the policy weighs its lengths every step,
@@ -167,6 +176,7 @@ class BatchDraftLength:
         self.explore_credit = 0.0  # seconds explorations may still lose
         self.num_exploring_turns = 0
         self.num_decode_steps = 0
+        self.last_path_step = -PATHS_RECENT_STEPS - 1  # num_steps of the last `verified_within`
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
         self._step_ms: dict[str, float] | None = None  # counters' copy of step_ms()
@@ -235,7 +245,9 @@ class BatchDraftLength:
         stale (`LengthAcceptance.stale`: learnt on other requests), the
         current length's neighbours in turn (where the best length moves to
         as the batch changes, and cheap to try), and every `FAR_EVERY`-th
-        time first the length measured least recently."""
+        time first the length measured least recently. While a tree's paths
+        teach the shorter sizes their acceptance, those are tried for their
+        time on one turn in `TIME_ONLY_EVERY` only."""
         self.num_exploring_turns += 1
         i = self.candidates.index(self.current)
         near = [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
@@ -245,8 +257,14 @@ class BatchDraftLength:
         stale = [k for k in self.acceptance.stale() if k != self.current]
         if self.num_exploring_turns % FAR_EVERY == 0 or not near:
             far = min(others, key=lambda k: self.lengths[k].last_measured, default=None)
-            return stale + [k for k in [far] + near if k is not None]
-        return stale + near
+            preferred = stale + [k for k in [far] + near if k is not None]
+        else:
+            preferred = stale + near
+        if (self.stats.num_steps - self.last_path_step <= PATHS_RECENT_STEPS
+                and self.num_exploring_turns % TIME_ONLY_EVERY != 0):
+            # the paths teach the shorter sizes: on this turn, only longer ones
+            return [k for k in preferred if k > self.current]
+        return preferred
 
     def _affordable(self, preferred: list[int], batch_size: int,
                     estimates: dict) -> int | None:
@@ -303,6 +321,7 @@ class BatchDraftLength:
         what its tree would have had accepted."""
         self.acceptance.verified_within(k, path_ranks)
         self.stats.num_path_steps += 1
+        self.last_path_step = self.stats.num_steps
 
     def measured(self, k: int, batch_size: int, seconds: float) -> None:
         """A pure decode step of `batch_size` requests that verified and

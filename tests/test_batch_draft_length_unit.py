@@ -739,3 +739,28 @@ def test_sizes_the_paths_teach_are_tried_only_for_their_time_now_and_then():
 
     with_paths, without = steps_elsewhere(True), steps_elsewhere(False)
     assert 0 < with_paths <= 0.35 * without, (with_paths, without)
+
+
+def test_tries_are_rarer_where_a_change_of_length_costs_a_slower_step():
+    """A try changes length twice, and where the steps of a change run slower
+    than settled ones (CPU: 52 ms against 29 at batch 16), the exploration
+    credit pays for that too (`switch_penalty`): batch 16, 8 drafts about as
+    good as 15 (cheap to try by their rates alone), switch steps as dear as
+    decode steps or 2x: the steps spent at other lengths."""
+    def steps_elsewhere(switch_ratio: float) -> int:
+        policy = BatchDraftLength((0, 1, 2, 4, 8, 15), chains=False)
+        policy.times.pinned = (1e-3, 2e-5 / 16)
+        ranks = [0, 1, 2, 3, 4, 5, 14]
+        elsewhere, last = 0, None
+        for step in range(3000):
+            k = policy.choose(16)
+            policy.verified(k, [sum(r < k for r in ranks)] * 16)
+            seconds = policy.times.estimate(k, 16, k)[0]
+            policy.stepped("decode" if k == last else "switch",
+                           seconds * (1 if k == last else switch_ratio))
+            elsewhere, last = elsewhere + (step >= 500 and k != 15), k
+        assert policy.current == 15
+        return elsewhere
+
+    dear, even = steps_elsewhere(2.0), steps_elsewhere(1.0)
+    assert 0 < dear <= 0.5 * even, (dear, even)

@@ -95,6 +95,8 @@ SWITCH_Z = 2.0
 STEP_MS_EVERY = 64
 # counters that are a state as of now, not counts to difference
 SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows", "host_speed")
+# steps of each kind (decode, switch) before `switch_penalty` reads their means
+MIN_KIND_STEPS = 8
 # the kinds of step whose wall time `stepped` adds up (BatchDraftStats)
 STEP_KINDS = ("decode", "switch", "mixed")
 
@@ -275,19 +277,33 @@ class BatchDraftLength:
         length's rate. On SmolLM2 on CPU (batch 16 and 80) K=5 took over 2x
         the time of K=0 per token, and one try in 32 steps of it alone cost
         3-4%; seconds, not steps, because a batch-80 step costs many batch-1
-        steps."""
+        steps. A try also changes length twice (`switch_penalty`)."""
         seconds = estimates[self.current][0]
         current = batch_size * self.expected_tokens(self.current) / seconds
+        changes = 2 * seconds * self.switch_penalty()  # into k and back
         for k in preferred:
             rate = (None if estimates.get(k) is None
                     else batch_size * self.expected_tokens(k) / estimates[k][0])
             cost = (0.0 if rate is None
-                    else HOLD_STEPS * seconds * max(current / rate - 1.0, 0.0))
+                    else HOLD_STEPS * seconds * max(current / rate - 1.0, 0.0) + changes)
             if cost <= self.explore_credit:
                 self.explore_credit -= cost
                 self.stats.num_explored += 1
                 return k
         return None
+
+    def switch_penalty(self) -> float:
+        """How much longer a step that changes length (or is the first after
+        a change) runs than a settled decode step, relative to it (0 until
+        each kind has `MIN_KIND_STEPS` steps): a try pays it twice. On CPU
+        (batch 16) 52 ms against 29; on the H200 at batch 64 8.2 ms against
+        4.9, at batch 1 and 16 none (docs/results/batch_draft_length_cpu_run7,
+        batch_draft_length_h200_run8)."""
+        s = self.stats
+        if min(s.switch_steps, s.decode_steps) < MIN_KIND_STEPS:
+            return 0.0
+        ratio = (s.switch_seconds / s.switch_steps) / max(s.decode_seconds / s.decode_steps, 1e-9)
+        return max(ratio - 1.0, 0.0)
 
     def _hold(self, k: int, batch_size: int) -> int:
         """Try `k` for `HOLD_STEPS` steps: only the last both drafts and

@@ -75,16 +75,16 @@ FAR_EVERY = 4
 # length 3x dearer per token waits about 400 steps, of one as good as the
 # current one only `explore_every`
 EXPLORE_SHARE = 0.01
+MAX_EXPLORE_CREDIT = 8.0
 # Where a tree's accepted paths teach every shorter size its acceptance
 # (`verified_within`), a try of a shorter size only refreshes its time: one
 # exploring turn in this many still tries them. On the H200 (batch 1, the
 # tiny model) the adaptive tree ran 15 nodes 85-91% of its steps and tried
-# others 9%, each try two changes of length whose first steps ran 0.8-1.3 ms
-# slow (docs/results/batch_draft_length_h200_run8)
+# others on 9% of its steps, each try three steps at a size that gains fewer
+# tokens and two changes of length (docs/results/batch_draft_length_h200_run8)
 TIME_ONLY_EVERY = 4
 # the accepted paths teach the shorter sizes while they came this few steps ago
 PATHS_RECENT_STEPS = 4
-MAX_EXPLORE_CREDIT = 8.0
 # A move to a shorter length needs a gain beyond the margin of this many
 # standard errors of the two times: the policy weighs its lengths every step,
 # and one noisy time in twenty would otherwise move it (a longer length is

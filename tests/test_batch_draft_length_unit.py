@@ -764,3 +764,23 @@ def test_tries_are_rarer_where_a_change_of_length_costs_a_slower_step():
 
     dear, even = steps_elsewhere(2.0), steps_elsewhere(1.0)
     assert 0 < dear <= 0.5 * even, (dear, even)
+
+
+def test_the_8b_projection_keeps_the_policy_near_the_best_static_length():
+    """`benchmarks/project_batch_policy.py`: the batch policy against the
+    8B shape's measured H100 step costs and the tiny head's acceptance, a
+    steady batch of 1, 16 and 64 (docs/results/batch_policy_8b_projection):
+    within 3% of the best static candidate length at every batch size, for
+    the tree and the chain, in a short run."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import project_batch_policy as projection
+
+    rows = projection.project(projection.load_costs(projection.STEPS), steps=800)
+    assert {(r["method"], r["batch_size"]) for r in rows} == {
+        (m, b) for m in projection.METHODS for b in (1, 16, 64)}
+    for r in rows:
+        assert r["tokens_per_s"] >= 0.97 * r["best_static"], (r["method"], r["batch_size"],
+                                                               r["chosen"])

@@ -24,13 +24,10 @@ the policy, and what it chose (share of steps per length).
 """
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
-from project_tree_budget import METHODS, STEPS, SimulatedEngine, StepCosts, load_costs
+from project_tree_budget import METHODS, SimulatedEngine, StepCosts, cli
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
 
@@ -108,39 +105,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = list(METHODS)
-    figure, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.6))
-    for ax, method in zip(np.atleast_1d(axes), methods):
-        for r in (r for r in rows if r["method"] == method):
-            static = np.asarray(r["static_tokens_per_s"]) / r["none"]
-            ax.plot(range(len(static)), static, marker=".", label=f"batch {r['batch_size']}")
-            ax.axhline(r["tokens_per_s"] / r["none"], linestyle="--",
-                       color=ax.lines[-1].get_color())
-        ax.set(title=f"{method}: static lengths (dashed: the batch policy)",
-               xlabel="drafts per request", ylabel="x no speculation")
-        ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps-json", type=Path, default=STEPS)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    rows = project(load_costs(args.steps_json))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "projection.json").write_text(json.dumps(rows, indent=1))
-    text = table(rows)
-    (args.out / "projection.txt").write_text(text + "\n")
-    plot(rows, args.out / "projection.png")
-    print(text)
-    return 0
+    return cli(argv, __doc__, project, table, policy="the batch policy",
+               xlabel="drafts per request")
 
 
 if __name__ == "__main__":

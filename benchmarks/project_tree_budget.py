@@ -164,7 +164,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, policy: str = "the budget",
+         xlabel: str = "nodes kept") -> None:
+    """Per method, each batch size's static sizes over no speculation, and
+    the policy's rate dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -177,26 +180,32 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot(range(len(static)), static, marker=".", label=f"batch {r['batch_size']}")
             ax.axhline(r["tokens_per_s"] / r["none"], linestyle="--",
                        color=ax.lines[-1].get_color())
-        ax.set(title=f"{method}: static sizes (dashed: the budget)", xlabel="nodes kept",
+        ax.set(title=f"{method}: static sizes (dashed: {policy})", xlabel=xlabel,
                ylabel="x no speculation")
         ax.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(argv: list[str] | None, doc: str, project_rows, table_text, **plot_labels) -> int:
+    """A projection script's command line: `--steps-json`, `--out`; writes
+    projection.json / .txt / .png and prints the table."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--steps-json", type=Path, default=STEPS)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    rows = project(load_costs(args.steps_json))
+    rows = project_rows(load_costs(args.steps_json))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "projection.json").write_text(json.dumps(rows, indent=1))
-    text = table(rows)
+    text = table_text(rows)
     (args.out / "projection.txt").write_text(text + "\n")
-    plot(rows, args.out / "projection.png")
+    plot(rows, args.out / "projection.png", **plot_labels)
     print(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, __doc__, project, table)
 
 
 if __name__ == "__main__":

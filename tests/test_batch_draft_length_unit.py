@@ -777,8 +777,9 @@ def test_the_8b_projection_keeps_the_policy_near_the_best_static_length():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import project_batch_policy as projection
+    from project_tree_budget import STEPS, load_costs
 
-    rows = projection.project(projection.load_costs(projection.STEPS), steps=800)
+    rows = projection.project(load_costs(STEPS), steps=800)
     assert {(r["method"], r["batch_size"]) for r in rows} == {
         (m, b) for m in projection.METHODS for b in (1, 16, 64)}
     for r in rows:

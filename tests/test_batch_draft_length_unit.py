@@ -785,3 +785,38 @@ def test_the_8b_projection_keeps_the_policy_near_the_best_static_length():
     for r in rows:
         assert r["tokens_per_s"] >= 0.97 * r["best_static"], (r["method"], r["batch_size"],
                                                                r["chosen"])
+
+
+def test_a_time_above_a_bigger_batchs_is_read_at_that_one():
+    """The H200's run9: the adaptive tree's first steps at batch 1 (15 and 8
+    nodes, timed first) ran 3x slower than the same steps later, and batch
+    1 then ran 4 nodes on 98% of its steps, 0.76x of the static tree. Here:
+    batch 1 on a host 3x slower until 15 and 8 are timed, then a batch of 3
+    (which times 15 nodes again, at more requests), then batch 1 again,
+    where 15 nodes is best by about 25%. A step with more requests is never
+    faster, so 15's old time at batch 1 is read at batch 3's: 15 nodes on
+    at least 85% of the last 300 steps (read as taken: 4 nodes on all but
+    the tries)."""
+    from vllm_specplug.adaptive.step_times import StepTimes, batch_bucket
+
+    shape = dict(rates=[0.92] * 15, fixed=3e-3, per_token=1e-6, per_draft=1e-4)
+    for seed in range(4):
+        engine, policy = _ChainEngine(**shape, seed=seed, speed=3.0), BatchDraftLength(
+            draft_length_candidates(15))
+        history = [15, 15]
+        while len(policy.times.samples.get((8, batch_bucket(1)), ())) < 3:
+            _step(engine, policy, 1, history)
+        engine.speed = 1.0
+        _run(engine, 1, 100, policy)  # the other lengths timed at batch 1, at full speed
+        _run(engine, 16, 200, policy)
+        before = policy.lengths[15].num_chosen
+        _run(engine, 1, 300, policy)
+        share = (policy.lengths[15].num_chosen - before) / 300
+        assert share >= 0.85, (share, policy.as_dict())
+    times = StepTimes()  # the cap itself: only ever lower, and only from above
+    for _ in range(3):
+        times.add(15, 1, 0.014)
+        times.add(15, 2, 0.005)
+        times.add(15, 4, 0.006)
+    assert times.estimate(15, 1, 15) == (pytest.approx(0.005), times.noise(15, 2))
+    assert times.estimate(15, 4, 15)[0] == pytest.approx(0.006)

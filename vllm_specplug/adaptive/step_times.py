@@ -115,6 +115,7 @@ class StepTimes:
         self.pinned: tuple[float, float] | None = None
         # the host's speed now against the samples kept (kept as seconds / host)
         self.host = 1.0
+        self.max_bucket = 0  # the biggest bucket with samples (`ceiling`)
 
     def add(self, k: int, batch_size: int, seconds: float, follow_host: bool = False) -> bool:
         """Keep a step's time, relative to the host's speed (`host`, which a
@@ -129,6 +130,7 @@ class StepTimes:
             self._follow_host(key, batch_size, seconds)
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(
             (int(batch_size), seconds / self.host))
+        self.max_bucket = max(self.max_bucket, key[1])
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
         if self.fit_age[key[1]] >= REFIT_EVERY or key[1] not in self.fits:
             self._refit(key[1])
@@ -266,6 +268,37 @@ class StepTimes:
         relative.sort()
         return relative[(3 * len(relative)) // 4] - relative[len(relative) // 4]
 
+    def _capped(self, k: int, bucket: int, batch_size: int) -> tuple[float, float] | None:
+        """(seconds, relative standard error) of `k` at `batch_size` in
+        its bucket: its typical time, or a bigger bucket's lower one
+        (`ceiling`); None while it has too few samples here."""
+        own = self.typical(k, bucket, batch_size)
+        if own is None:
+            return None
+        ceiling = self.ceiling(k, bucket)
+        if ceiling is not None and ceiling[0] < own:
+            return ceiling
+        return own, self.noise(k, bucket)
+
+    def ceiling(self, k: int, bucket: int) -> tuple[float, float] | None:
+        """(seconds, relative standard error) of `k`'s lowest typical time in
+        a bigger bucket, read at that bucket's smallest batch size (more
+        requests than any step of `bucket`); None if none has one. More
+        requests never make a step faster, so a time in `bucket` above it
+        was taken in a slow spell and not taken again since: on the H200 the
+        adaptive tree's first steps (batch 1, 15 and 8 nodes) ran 14 ms, 15
+        nodes later 4.7 ms at batch 2-3, and read as taken, batch 1 ran 4
+        nodes on 98% of its steps (docs/results/batch_draft_length_h200_run9).
+        The host's speed (`host`) does not mend that: it follows the length
+        the policy runs, and the slow spell had passed before its times."""
+        best = None
+        for above in range(bucket + 1, self.max_bucket + 1):
+            if (k, above) in self.samples:
+                time = self.typical(k, above)
+                if time is not None and (best is None or time < best[0]):
+                    best = (time, self.noise(k, above))
+        return best
+
     def windows(self) -> dict[str, dict]:
         """"K@batch" (as `step_ms`) -> the raw window: its samples, mean
         batch size, and mean, median and lower quartile in ms (the policy
@@ -284,19 +317,21 @@ class StepTimes:
 
     def estimate(self, k: int, batch_size: int, anchor: int) -> tuple[float, float] | None:
         """(seconds, relative standard error) of a step at `k` with
-        `batch_size` requests: measured in its bucket, or the `anchor`
+        `batch_size` requests: measured in its bucket (or a bigger bucket's
+        lower time, `ceiling`), or the `anchor`
         length's time there times their ratio in the nearest bucket where
         both were measured, `MAX_TRANSFER_BUCKETS` at most away (the three
         errors combined); None otherwise (the policy then measures it)."""
         if self.pinned is not None:
             return self.pinned[0] + self.pinned[1] * batch_size * (k + 1), 0.0
         bucket = batch_bucket(batch_size)
-        own = self.typical(k, bucket, batch_size)
+        own = self._capped(k, bucket, batch_size)
         if own is not None or k == anchor:
-            return None if own is None else (own * self.host, self.noise(k, bucket))
-        base = self.typical(anchor, bucket, batch_size)
+            return None if own is None else (own[0] * self.host, own[1])
+        base = self._capped(anchor, bucket, batch_size)
         if base is None:
             return None
+        base = base[0]
         buckets = sorted({b for (length, b) in self.samples
                           if length == k and abs(b - bucket) <= MAX_TRANSFER_BUCKETS},
                          key=lambda b: abs(b - bucket))

@@ -132,6 +132,48 @@ def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
     assert keeper.take() is None  # taken once
 
 
+class _Event:
+    """A CUDA event's `record` / `query`, and no `synchronize`: a read that
+    waited for the GPU would fail here."""
+    def __init__(self):
+        self.done = False
+
+    def record(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_path_ranks_are_read_when_their_copy_has_finished_never_waiting():
+    """Under async scheduling the host launches a step while the GPU still
+    runs the one before: `take` hands out the oldest record not yet read
+    once its event says its copy finished, and returns None (no wait)
+    while it has not; records past `NUM_BUFFERS` unread are dropped,
+    counted."""
+    from vllm_specplug.integration.v2.path_ranks import NUM_BUFFERS, PathRanks
+
+    keeper = PathRanks(2, 4, torch.device("cpu"))
+    keeper.events = [_Event() for _ in keeper.events]
+    rows = np.array([0, 1])
+    for step in range(2):
+        keeper.record(torch.full((2, 3), step), 3, rows)
+    assert keeper.take() is None  # the first copy has not finished: no wait
+    keeper.events[0].done = True
+    num_drafts, got = keeper.take()
+    assert num_drafts == 3 and got.tolist() == [[0] * 3] * 2
+    keeper.events[1].done = True
+    assert keeper.take() is None  # the last record waits for a later step
+    keeper.record(torch.full((2, 3), 2), 3, rows)
+    assert keeper.take()[1].tolist() == [[1] * 3] * 2
+    for step in range(3, 3 + NUM_BUFFERS):
+        keeper.record(torch.full((2, 3), step), 3, rows)
+    assert keeper.num_dropped == 1  # record 2 was overwritten unread
+    for event in keeper.events:
+        event.done = True
+    assert keeper.take()[1].tolist() == [[3] * 3] * 2  # the oldest kept comes first
+
+
 def _first(tree):
     """The tree of the first request alone."""
     import dataclasses

@@ -9,10 +9,15 @@ have had accepted, for the same requests on the same step, where the policy
 otherwise learnt a size only on the rare steps it tried it, on other
 requests (docs/results/batch_draft_length_h200_run7).
 
-Model Runner V2 runs the step after this one before the host needs these,
-so each step's ranks are copied into pinned memory behind its own work and
-read one step later, when that copy has long finished: two buffers, each
-with its event.
+Each step's ranks are copied into pinned memory behind its own work and
+read at a later step, once that copy has finished, never waiting for it: a
+ring of `NUM_BUFFERS`, each with its event. (Read one step later with a
+wait on its event, as this did first, the host waited for the GPU once a
+step: under async scheduling it launches a step while the GPU still runs
+the one before. On the H200, batch 1 to 64, the adaptive tree ran its 15
+nodes on 97-100% of its steps at 0.65-0.88x of the static tree's tokens/s,
+where one without the paths had run even with it;
+docs/results/batch_draft_length_h200_run9.)
 """
 from __future__ import annotations
 
@@ -20,16 +25,24 @@ import numpy as np
 import torch
 
 
+# steps whose ranks may wait to be read: the host runs at most a step or two
+# ahead of the GPU; past that, the oldest are dropped (the policy learns from
+# the steps it reads)
+NUM_BUFFERS = 4
+
+
 class PathRanks:
     def __init__(self, max_num_reqs: int, num_nodes: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
         self.buffers = [torch.empty(max_num_reqs, num_nodes - 1, dtype=torch.int32,
-                                    pin_memory=pinned) for _ in range(2)]  # [S, N - 1]
-        self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        # what each buffer holds, if anything: (drafts verified per request,
-        # the rows that verified that many)
-        self.held: list[tuple[int, np.ndarray] | None] = [None, None]
-        self.turn = 0  # the buffer the next `record` writes
+                                    pin_memory=pinned)
+                        for _ in range(NUM_BUFFERS)]  # [S, N - 1]
+        self.events = [torch.cuda.Event() if pinned else None for _ in range(NUM_BUFFERS)]
+        # what each buffer holds, if anything: (record number, drafts verified
+        # per request, the rows that verified that many)
+        self.held: list[tuple[int, int, np.ndarray] | None] = [None] * NUM_BUFFERS
+        self.num_recorded = 0  # the next record's number; it writes buffer % NUM_BUFFERS
+        self.num_dropped = 0  # records overwritten before they were read
 
     def record_step(self, input_batch, tree_slots) -> None:
         """The paths the tree sampler just accepted (`TreeSlots.path_ranks`),
@@ -50,22 +63,26 @@ class PathRanks:
         """This step's [B, N - 1] path ranks (`TreeSlots.path_ranks`), copied
         to the host behind the step's work; the rows `rows` verified
         `num_drafts` drafts each (the others: prefill, or fewer)."""
-        i = self.turn
+        i = self.num_recorded % NUM_BUFFERS
+        self.num_dropped += self.held[i] is not None
         self.buffers[i][:ranks.shape[0]].copy_(ranks.to(torch.int32),
                                                non_blocking=self.events[i] is not None)
         if self.events[i] is not None:
             self.events[i].record()
-        self.held[i], self.turn = (num_drafts, rows), 1 - i
+        self.held[i] = (self.num_recorded, num_drafts, rows)
+        self.num_recorded += 1
 
     def take(self) -> tuple[int, np.ndarray] | None:
         """(drafts verified per request, [n, N - 1] the ranks of those rows,
-        `num_nodes` past each path) as recorded the step before the last
-        `record`, or None; each is taken once."""
-        i = self.turn  # the older of the two
-        if self.held[i] is None:
+        `num_nodes` past each path) of the oldest record not yet read, if
+        it is older than the last one and its copy has finished (else None:
+        read at a later call); each is taken once."""
+        held = [h for h in self.held if h is not None and h[0] < self.num_recorded - 1]
+        if not held:
             return None
-        num_drafts, rows = self.held[i]
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # done a step ago: does not wait
+        number, num_drafts, rows = min(held, key=lambda h: h[0])
+        i = number % NUM_BUFFERS
+        if self.events[i] is not None and not self.events[i].query():
+            return None  # the GPU is still behind it: never wait here
         self.held[i] = None
         return num_drafts, self.buffers[i].numpy()[rows]

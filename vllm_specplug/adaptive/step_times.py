@@ -116,6 +116,7 @@ class StepTimes:
         # the host's speed now against the samples kept (kept as seconds / host)
         self.host = 1.0
         self.max_bucket = 0  # the biggest bucket with samples (`ceiling`)
+        self.ceilings: dict[tuple[int, int], tuple[float, int] | None] = {}
 
     def add(self, k: int, batch_size: int, seconds: float, follow_host: bool = False) -> bool:
         """Keep a step's time, relative to the host's speed (`host`, which a
@@ -131,6 +132,8 @@ class StepTimes:
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(
             (int(batch_size), seconds / self.host))
         self.max_bucket = max(self.max_bucket, key[1])
+        for below in [c for c in self.ceilings if c[0] == k and c[1] < key[1]]:
+            del self.ceilings[below]  # read this length's time here
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
         if self.fit_age[key[1]] >= REFIT_EVERY or key[1] not in self.fits:
             self._refit(key[1])
@@ -160,6 +163,7 @@ class StepTimes:
         self.fits[bucket], self.fit_age[bucket] = self._theil_sen(bucket), 0
         self.exponents.clear()
         self.typicals.clear()
+        self.ceilings.clear()
         self.spreads.pop(bucket, None)
 
     def reference(self, k: int, bucket: int) -> float | None:
@@ -291,13 +295,16 @@ class StepTimes:
         nodes on 98% of its steps (docs/results/batch_draft_length_h200_run9).
         The host's speed (`host`) does not mend that: it follows the length
         the policy runs, and the slow spell had passed before its times."""
-        best = None
-        for above in range(bucket + 1, self.max_bucket + 1):
-            if (k, above) in self.samples:
-                time = self.typical(k, above)
-                if time is not None and (best is None or time < best[0]):
-                    best = (time, self.noise(k, above))
-        return best
+        if (k, bucket) not in self.ceilings:  # (seconds, its bucket), kept until k's
+            best = None  # times above `bucket` move (`add`) or every time does (`_refit`)
+            for above in range(bucket + 1, self.max_bucket + 1):
+                if (k, above) in self.samples:
+                    time = self.typical(k, above)
+                    if time is not None and (best is None or time < best[0]):
+                        best = (time, above)
+            self.ceilings[(k, bucket)] = best
+        best = self.ceilings[(k, bucket)]
+        return None if best is None else (best[0], self.noise(k, best[1]))
 
     def windows(self) -> dict[str, dict]:
         """"K@batch" (as `step_ms`) -> the raw window: its samples, mean

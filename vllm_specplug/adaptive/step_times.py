@@ -117,6 +117,9 @@ class StepTimes:
         self.host = 1.0
         self.max_bucket = 0  # the biggest bucket with samples (`ceiling`)
         self.ceilings: dict[tuple[int, int], tuple[float, int] | None] = {}
+        # (K, batch size) -> `_capped`, asked for every length every step:
+        # kept until that length's times or every length's spread moves
+        self.capped: dict[tuple[int, int], tuple[float, float] | None] = {}
 
     def add(self, k: int, batch_size: int, seconds: float, follow_host: bool = False) -> bool:
         """Keep a step's time, relative to the host's speed (`host`, which a
@@ -142,8 +145,11 @@ class StepTimes:
         for cached in [c for c in cache if c[0] == k]:
             del cache[cached]
         self.medians.pop(key, None)
+        for cached in [c for c in self.capped if c[0] == k]:
+            del self.capped[cached]
         if len(self.samples[key]) <= MIN_SAMPLES:  # a length joins the pooled spread
             self.spreads.pop(key[1], None)
+            self.capped.clear()  # every length's noise in the bucket moved
         return True
 
     def _follow_host(self, key: tuple[int, int], batch_size: int, seconds: float) -> None:
@@ -159,11 +165,15 @@ class StepTimes:
     def _refit(self, bucket: int) -> None:
         """Take the bucket's exponent and spread again (every `REFIT_EVERY`
         samples: each weighs every sample of the bucket, and one more sample
-        moves neither much)."""
-        self.fits[bucket], self.fit_age[bucket] = self._theil_sen(bucket), 0
-        self.exponents.clear()
-        self.typicals.clear()
-        self.ceilings.clear()
+        moves neither much). The times scaled by the exponent are taken
+        again only if it moved (a bucket of one batch size has none)."""
+        fit = self._theil_sen(bucket)
+        if bucket not in self.fits or fit != self.fits[bucket]:
+            self.exponents.clear()
+            self.typicals.clear()
+            self.ceilings.clear()
+        self.fits[bucket], self.fit_age[bucket] = fit, 0
+        self.capped.clear()
         self.spreads.pop(bucket, None)
 
     def reference(self, k: int, bucket: int) -> float | None:
@@ -276,13 +286,12 @@ class StepTimes:
         """(seconds, relative standard error) of `k` at `batch_size` in
         its bucket: its typical time, or a bigger bucket's lower one
         (`ceiling`); None while it has too few samples here."""
-        own = self.typical(k, bucket, batch_size)
-        if own is None:
-            return None
-        ceiling = self.ceiling(k, bucket)
-        if ceiling is not None and ceiling[0] < own:
-            return ceiling
-        return own, self.noise(k, bucket)
+        if (k, batch_size) not in self.capped:
+            own, ceiling = self.typical(k, bucket, batch_size), self.ceiling(k, bucket)
+            self.capped[(k, batch_size)] = (
+                None if own is None else ceiling if ceiling is not None and ceiling[0] < own
+                else (own, self.noise(k, bucket)))
+        return self.capped[(k, batch_size)]
 
     def ceiling(self, k: int, bucket: int) -> tuple[float, float] | None:
         """(seconds, relative standard error) of `k`'s lowest typical time in

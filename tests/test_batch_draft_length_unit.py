@@ -328,6 +328,11 @@ def test_every_steps_time_is_added_to_its_kind():
     assert counters["mixed_seconds"] == pytest.approx(0.5)
     # of the settled decode steps the first at its shape is not timed either
     assert (counters["num_measured"], counters["num_first_at_shape"]) == (2, 1)
+    # the scheduler's own time in the policy (issue 26: host work per step)
+    observed = counters["host_seconds"]
+    assert 0 < observed < 0.28
+    assert scheduler.draft_length[8] in (0, 4)  # vLLM's lookup is timed too
+    assert scheduler.draft_length.counters()["host_seconds"] > observed
 
 
 def test_the_first_step_after_the_engine_idled_is_not_timed():

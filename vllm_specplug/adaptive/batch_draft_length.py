@@ -57,6 +57,7 @@ choose K per step from acceptance alone, without the step's cost.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from vllm_specplug.adaptive.length_acceptance import LengthAcceptance
@@ -145,6 +146,9 @@ class BatchDraftStats:
     expected_tokens: float = 0.0
     realised_tokens: float = 0.0
     num_requests: int = 0
+    # the scheduler's wall time in the policy: its lookups (`__getitem__`),
+    # what it observes of each output, its counters (issue 26: host work per step)
+    host_seconds: float = 0.0
 
 
 class BatchDraftLength:
@@ -186,7 +190,10 @@ class BatchDraftLength:
         self._step_windows: dict[str, dict] = {}  # counters' copy of times.windows()
 
     def __getitem__(self, batch_size: int) -> int:
-        return self.choose(int(batch_size))
+        started = time.perf_counter()
+        k = self.choose(int(batch_size))
+        self.stats.host_seconds += time.perf_counter() - started
+        return k
 
     def choose(self, batch_size: int) -> int:
         self.stats.num_steps += 1
@@ -388,7 +395,8 @@ class BatchDraftLength:
                 "num_requests": s.num_requests,
                 "expected_per_length": {k: round(self.expected_tokens(k), 3)
                                         for k in self.candidates},
-                "host_speed": round(self.times.host, 3), **times}
+                "host_speed": round(self.times.host, 3), "host_seconds": s.host_seconds,
+                **times}
 
     def step_ms(self) -> dict[str, float]:
         """"K@batch" -> typical step time in ms at that batch size (its

@@ -78,7 +78,9 @@ class BatchDraftSchedule:
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
+        started = time.perf_counter()
         setattr(output, BATCH_POLICY_ATTR, self.draft_length.counters())
+        self.draft_length.stats.host_seconds += time.perf_counter() - started
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -101,6 +103,7 @@ class BatchDraftSchedule:
         verified and drafted the same K after a step that did too (settled:
         the first step at a new length is slower, batch_draft_length.py),
         whoever drafted."""
+        started = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         num_scheduled = scheduler_output.num_scheduled_tokens
         num_reqs = len(num_scheduled)
@@ -130,6 +133,7 @@ class BatchDraftSchedule:
             else:
                 self.draft_length.measured(verified_k, num_reqs, seconds)
         self._maybe_log()
+        self.draft_length.stats.host_seconds += time.perf_counter() - started
 
     def _first_at_shape(self, k: int, scheduler_output) -> bool:
         """Whether this is the first step at its (K, padded batch): the head

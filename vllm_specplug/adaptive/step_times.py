@@ -77,6 +77,12 @@ def _clipped_mean(times: list[float]) -> float:
     return sum(kept) / len(kept)
 
 
+def _drop(cache: dict, stale) -> None:
+    """Forget the entries of `cache` whose key is `stale`."""
+    for key in [key for key in cache if stale(key)]:
+        del cache[key]
+
+
 def batch_bucket(batch_size: int) -> int:
     """1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (powers of two)."""
     return max(int(batch_size), 1).bit_length()
@@ -135,18 +141,14 @@ class StepTimes:
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(
             (int(batch_size), seconds / self.host))
         self.max_bucket = max(self.max_bucket, key[1])
-        for below in [c for c in self.ceilings if c[0] == k and c[1] < key[1]]:
-            del self.ceilings[below]  # read this length's time here
+        _drop(self.ceilings, lambda c: c[0] == k and c[1] < key[1])  # they read k's time here
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
         if self.fit_age[key[1]] >= REFIT_EVERY or key[1] not in self.fits:
             self._refit(key[1])
         # only this length's typical times moved (a refit clears them all)
-        cache = self.typicals.get(key[1], {})
-        for cached in [c for c in cache if c[0] == k]:
-            del cache[cached]
+        _drop(self.typicals.get(key[1], {}), lambda c: c[0] == k)
         self.medians.pop(key, None)
-        for cached in [c for c in self.capped if c[0] == k]:
-            del self.capped[cached]
+        _drop(self.capped, lambda c: c[0] == k)
         if len(self.samples[key]) <= MIN_SAMPLES:  # a length joins the pooled spread
             self.spreads.pop(key[1], None)
             self.capped.clear()  # every length's noise in the bucket moved

@@ -403,8 +403,15 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
                        on_step=on_step, enforce_eager=True, max_model_len=1024)
     assert steps == [([1, 0], 0), ([1, 1], 0), ([2, 1], 0), ([2, 2], 0)]
     _check_phases([dataclasses.asdict(row) for row in rows])
-    assert "Where the host time goes" in format_host_profiles(rows)
-    assert "execute_model" in format_host_profiles(rows)
+    report = format_host_profiles(rows)
+    assert "Where the host time goes" in report
+    # the report shows each row's costliest functions (that the runner's step
+    # methods are among them in the profile: _check_phases; in the first 12
+    # shown they were not always: wrappers of equal cumulative time come first)
+    for row in rows:
+        for ranking in ("own", "cumulative"):
+            first = row.phases["host_profiled"]["host_profile"][ranking][0]["function"]
+            assert first[-68:] in report, (ranking, first)
     assert "forward" in format_phases_table(rows)
     none, ours = rows
     assert len(ours.ratios) == 2 and ours.num_mismatches == 0

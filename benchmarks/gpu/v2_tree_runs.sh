@@ -32,7 +32,9 @@
 #            and tree 16 static and adaptive; BATCHK=lean: the same without our chain;
 #            BATCHK=free: vLLM ngram, ours ngram static, default and one length per
 #            step; BATCHK=tree: our tree 16 static and adaptive alone;
-#            BATCHK=pin: the same plus vLLM's table at 15 drafts and our policy pinned there; SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
+#            BATCHK=pin: the same plus vLLM's table at 15 drafts and our policy pinned there;
+#            BATCHK=shapes: vLLM eagle3 K=5 and 7 beside our tree 16 and two 32-node shapes
+#            (SIZES=1: issue 26's batch-1 goal is our best tree over vLLM's best K); SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
 #            takes over 40 minutes; REPEATS, default 3: the engines start once, so a
 #            repeat costs only its phases, a few seconds)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
@@ -106,6 +108,15 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
   # tree: our tree's two rows alone (a run that fits what is left of a lease)
   [ "$1" = tree ] && printf '%s\n' --spec "ours-tree16={$tree}" \
     --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
+  # shapes: which tree shape is best at batch 1 (issue 26's 1.2x goal is for our best
+  # tree over vLLM's best K): vLLM eagle3 K=5 and 7, our tree 16 and two of 32 nodes
+  local head="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"draft_temperature\": 0.25"
+  [ "$1" = shapes ] && printf '%s\n' \
+    --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+    --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
+    --spec "ours-tree16={$tree}" \
+    --spec "ours-tree32-deep={$head, \"topk\": 4, \"num_steps\": 6, \"num_draft_tokens\": 32}" \
+    --spec "ours-tree32-wide={$head, \"topk\": 8, \"num_steps\": 5, \"num_draft_tokens\": 32}" && return 0
   # pin: where the adaptive tree's time goes beside the static one: vLLM's dynamic
   # table at one size (15 drafts at every batch), and our policy over that one size
   local one='"num_speculative_tokens_per_batch_size": [[1, 1024, 15]]'

@@ -122,7 +122,7 @@ def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
                             is_prefilling_np=np.array([False, False, True]),
                             idx_mapping=torch.tensor([2, 0, 1]))
     slots.store(torch.tensor([2]), _first(tree), True)
-    keeper = PathRanks(4, 16, torch.device("cpu"))
+    keeper = PathRanks(4, 16, torch.device("cpu"), record_every=1)
     keeper.record_step(batch, slots)
     assert keeper.take() is None  # the step's own ranks wait for the next step
     keeper.record_step(batch, slots)
@@ -130,6 +130,10 @@ def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
     assert num_drafts == 15 and got.shape == (2, 15)  # the prefill row left out
     assert got[0].tolist() == ranks[0].tolist()
     assert keeper.take() is None  # taken once
+    sampled = PathRanks(4, 16, torch.device("cpu"), record_every=3)  # one step in 3
+    for _ in range(7):
+        sampled.record_step(batch, slots)
+    assert sampled.num_recorded == 3  # steps 1, 4 and 7
 
 
 class _Event:

@@ -115,7 +115,7 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
     --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
     --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
     --spec "ours-tree16={$tree}" \
-    --spec "ours-tree32-deep={$head, \"topk\": 4, \"num_steps\": 6, \"num_draft_tokens\": 32}" \
+    --spec "ours-tree32-deep={$head, \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32}" \
     --spec "ours-tree32-wide={$head, \"topk\": 8, \"num_steps\": 5, \"num_draft_tokens\": 32}" && return 0
   # pin: where the adaptive tree's time goes beside the static one: vLLM's dynamic
   # table at one size (15 drafts at every batch), and our policy over that one size

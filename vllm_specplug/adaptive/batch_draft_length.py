@@ -84,8 +84,18 @@ MAX_EXPLORE_CREDIT = 8.0
 # others on 9% of its steps, each try three steps at a size that gains fewer
 # tokens and two changes of length (docs/results/batch_draft_length_h200_run8)
 TIME_ONLY_EVERY = 4
-# the accepted paths teach the shorter sizes while they came this few steps ago
-PATHS_RECENT_STEPS = 4
+# the accepted paths teach the shorter sizes while they came this few steps
+# ago (Model Runner V2 records one tree step's paths in 4, read a step or two
+# later: integration/v2/path_ranks.py)
+PATHS_RECENT_STEPS = 12
+# It weighs its lengths on one step in this many; the others keep the length. Each
+# weighing prices every length (most of its host time: 50-110 us a step on
+# this CPU); a step of a small model on the H200 takes 3-6 ms, all of them
+# host-bound under async scheduling
+# (docs/results/batch_draft_length_h200_run10)
+DECIDE_EVERY = 4
+# ... and on a step whose batch moved more than this share from that one's
+REWEIGH_BATCH_SHARE = 0.25
 # A move to a shorter length needs a gain beyond the margin of this many
 # standard errors of the two times: the policy weighs its lengths every step,
 # and one noisy time in twenty would otherwise move it (a longer length is
@@ -181,6 +191,8 @@ class BatchDraftLength:
         self.explore_left = 0  # steps it still holds it
         self.explore_credit = 0.0  # seconds explorations may still lose
         self.num_exploring_turns = 0
+        self.weighed_batch: int | None = None  # where it last weighed them all (None: next step)
+        self.num_unweighed = 0  # steps it kept the length since, without weighing
         self.num_decode_steps = 0
         self.last_path_step = -PATHS_RECENT_STEPS - 1  # num_steps of the last `verified_within`
         self.stats = BatchDraftStats()
@@ -200,11 +212,15 @@ class BatchDraftLength:
         if self.explore_left > 0:
             self.explore_left -= 1
             return self.exploring
+        if self.stats.num_steps % DECIDE_EVERY and self._near_weighed(batch_size):
+            self.num_unweighed += 1
+            return self._keep()
+        steps, self.num_unweighed, self.weighed_batch = 1 + self.num_unweighed, 0, None
         estimates = {k: self.times.estimate(k, batch_size, self.current)
                      for k in self.candidates}
         if estimates[self.current] is not None:
             step = estimates[self.current][0]
-            self.explore_credit = min(self.explore_credit + EXPLORE_SHARE * step,
+            self.explore_credit = min(self.explore_credit + EXPLORE_SHARE * step * steps,
                                       MAX_EXPLORE_CREDIT * step)
             unknown = [k for k in self.candidates if estimates[k] is None
                        and self.tries.get((k, batch_bucket(batch_size)), 0) < 4 * MIN_SAMPLES]
@@ -215,7 +231,18 @@ class BatchDraftLength:
                 if k is not None:
                     return self._hold(k, batch_size)
             self._switch(batch_size, {k: e for k, e in estimates.items() if e is not None})
+            self.weighed_batch = batch_size  # all measured here: weigh again in DECIDE_EVERY
         # else: the current length is being measured in this bucket first
+        return self._keep()
+
+    def _near_weighed(self, batch_size: int) -> bool:
+        """Whether the batch is within `REWEIGH_BATCH_SHARE` of the one it
+        last weighed the lengths at (a batch drifts by a request or two)."""
+        last = self.weighed_batch
+        return last is not None and abs(batch_size - last) <= REWEIGH_BATCH_SHARE * last
+
+    def _keep(self) -> int:
+        """This step runs the current length."""
         self.lengths[self.current].num_chosen += 1
         self.last_expected[self.current] = self.expected_tokens(self.current)
         return self.current

@@ -29,10 +29,19 @@ import torch
 # ahead of the GPU; past that, the oldest are dropped (the policy learns from
 # the steps it reads)
 NUM_BUFFERS = 4
+# one tree step in this many records its paths: a record costs the step about
+# eight launches and its host work, where the policy needs a sample of the
+# paths only (each step's holds every request's). On the H200 (tiny model,
+# batch 16) the adaptive tree pinned at 15 nodes, recording every step, ran
+# 6.3k tok/s where vLLM's table at 15 drafts ran 9.0k: 60 launches a step
+# against 52, 0.55 ms more host time a step
+# (docs/results/batch_draft_length_h200_run10)
+RECORD_EVERY = 4
 
 
 class PathRanks:
-    def __init__(self, max_num_reqs: int, num_nodes: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, num_nodes: int, device: torch.device,
+                 record_every: int = RECORD_EVERY) -> None:
         pinned = device.type == "cuda"
         self.buffers = [torch.empty(max_num_reqs, num_nodes - 1, dtype=torch.int32,
                                     pin_memory=pinned)
@@ -43,11 +52,15 @@ class PathRanks:
         self.held: list[tuple[int, int, np.ndarray] | None] = [None] * NUM_BUFFERS
         self.num_recorded = 0  # the next record's number; it writes buffer % NUM_BUFFERS
         self.num_dropped = 0  # records overwritten before they were read
+        self.record_every, self.num_tree_steps = record_every, 0
 
     def record_step(self, input_batch, tree_slots) -> None:
         """The paths the tree sampler just accepted (`TreeSlots.path_ranks`),
         for the rows that verified the step's draft count (not prefill rows,
-        nor rows scheduled fewer drafts)."""
+        nor rows scheduled fewer drafts), on one step in `record_every`."""
+        self.num_tree_steps += 1
+        if (self.num_tree_steps - 1) % self.record_every:
+            return
         num_reqs = input_batch.num_reqs
         scheduled = input_batch.num_scheduled_tokens[:num_reqs]
         decoding = ~input_batch.is_prefilling_np[:num_reqs]

@@ -702,7 +702,7 @@ def test_the_workers_copy_holds_the_step_times_sent_only_when_taken_again():
     keeps them in between: after any step it equals the policy's own."""
     from types import SimpleNamespace
 
-    from vllm_specplug.adaptive.batch_draft_length import STEP_MS_EVERY
+    from vllm_specplug.adaptive.batch_draft_stats import STEP_MS_EVERY
     from vllm_specplug.integration.batch_schedule import BATCH_POLICY_ATTR, BatchPolicyView
 
     policy, view, sent = BatchDraftLength((0, 2, 4)), BatchPolicyView(), []

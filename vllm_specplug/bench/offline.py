@@ -167,7 +167,7 @@ def batch_policy_delta(total: dict | None, before: dict | None, after: dict | No
     """`total` plus the batch policy's counts between `before` and `after`
     (`BatchDraftLength.counters`); its state (`SNAPSHOT_KEYS`: the length it
     runs, expected tokens per length, step times) as of `after`."""
-    from vllm_specplug.adaptive.batch_draft_length import SNAPSHOT_KEYS
+    from vllm_specplug.adaptive.batch_draft_stats import SNAPSHOT_KEYS
 
     if after is None:
         return total

@@ -9,7 +9,7 @@ from functools import reduce
 from operator import add
 from pathlib import Path
 
-from vllm_specplug.adaptive.batch_draft_length import STEP_KINDS
+from vllm_specplug.adaptive.batch_draft_stats import STEP_KINDS
 from vllm_specplug.metrics import SpecDecodeCounts
 
 

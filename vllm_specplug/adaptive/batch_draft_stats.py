@@ -1,0 +1,53 @@
+"""What the batch draft-length policy (batch_draft_length.py) counts and
+reports: per-length bookkeeping, its step counters, and the keys `bench`
+reads of them (bench/offline.py, bench/report.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# `counters` (read every step) takes the step times again after this many
+# decode steps: a quantile per length and bucket is too dear for every step
+STEP_MS_EVERY = 64
+# counters that are a state as of now, not counts to difference
+SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows", "host_speed")
+# steps of each kind (decode, switch) before `switch_penalty` reads their means
+MIN_KIND_STEPS = 8
+# the kinds of step whose wall time `stepped` adds up (BatchDraftStats)
+STEP_KINDS = ("decode", "switch", "mixed")
+
+
+@dataclass
+class LengthStats:
+    """What is known about one candidate K besides its step times and
+    acceptance (`LengthAcceptance`)."""
+    last_measured: int = -1  # decode step at which its time was last observed
+    num_chosen: int = 0  # steps it was chosen for (not explored)
+
+
+@dataclass
+class BatchDraftStats:
+    num_steps: int = 0  # steps scheduled with a decision
+    num_explored: int = 0
+    num_measured: int = 0  # steps whose time counted
+    num_stalled: int = 0  # steps whose time was dropped as a stall (StepTimes.add)
+    num_first_at_shape: int = 0  # steps not timed: first at their shape (the scheduler's)
+    num_path_steps: int = 0  # tree steps whose accepted paths taught the smaller sizes
+    # every step's wall time between outputs, by kind (the scheduler's
+    # `_observe`): pure decode steps that verified and drafted one length
+    # after a step that did too (timed or not), those that changed length or
+    # were the first after a change, and steps with prefill
+    # tokens; a phase's time beyond their sum is spent idle or starting
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    switch_steps: int = 0
+    switch_seconds: float = 0.0
+    mixed_steps: int = 0
+    mixed_seconds: float = 0.0
+    # expected vs realised tokens per request of the steps verified at the
+    # length it exploits
+    expected_tokens: float = 0.0
+    realised_tokens: float = 0.0
+    num_requests: int = 0
+    # the scheduler's wall time in the policy: its lookups (`__getitem__`),
+    # what it observes of each output, its counters (issue 26: host work per step)
+    host_seconds: float = 0.0

@@ -825,3 +825,23 @@ def test_a_time_above_a_bigger_batchs_is_read_at_that_one():
         times.add(15, 4, 0.006)
     assert times.estimate(15, 1, 15) == (pytest.approx(0.005), times.noise(15, 2))
     assert times.estimate(15, 4, 15)[0] == pytest.approx(0.006)
+
+
+def test_a_steps_acceptance_is_read_from_a_sample_of_its_requests():
+    """The scheduler reads a step's acceptance from its first
+    `MAX_OBSERVED_REQUESTS` decoding requests (about 2 us each, per step, on
+    the H200's host: docs/results/batch_draft_length_h200_run10), the mix of
+    requests with and without drafts as the scheduler ordered them."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.batch_schedule import MAX_OBSERVED_REQUESTS, _accepted_counts
+
+    req_ids = [f"r{i}" for i in range(64)]
+    spec = {r: [7] * 4 for r in req_ids[::2]}  # every other request drafted, accepting 2
+    num_scheduled = {r: 5 if r in spec else 1 for r in req_ids}
+    runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[[1, 2, 3] if r in spec else [1] for r in req_ids])
+    counts = _accepted_counts(spec, num_scheduled, runner)
+    assert counts == [2, 0] * (MAX_OBSERVED_REQUESTS // 2)
+    prefill = {**num_scheduled, "r1": 30}  # a prefill is no decode: left out
+    assert _accepted_counts(spec, prefill, runner)[:3] == [2, 2, 0]

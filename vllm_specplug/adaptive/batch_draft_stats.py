@@ -44,7 +44,8 @@ class BatchDraftStats:
     mixed_steps: int = 0
     mixed_seconds: float = 0.0
     # expected vs realised tokens per request of the steps verified at the
-    # length it exploits
+    # length it exploits (the requests the scheduler observes: at most
+    # `MAX_OBSERVED_REQUESTS` a step, integration/batch_schedule.py)
     expected_tokens: float = 0.0
     realised_tokens: float = 0.0
     num_requests: int = 0

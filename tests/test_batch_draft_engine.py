@@ -113,6 +113,31 @@ def test_a_trees_paths_teach_the_policy_every_smaller_size(batch_llm, prompts, e
     assert policy.current == longest and policy.stats.num_path_steps >= chosen[longest] // 2, (
         policy.stats, chosen)
     assert 1.0 < policy.expected_tokens(4) <= policy.expected_tokens(longest)
+    _assert_the_stat_logger_reads(batch_llm, policy)
+
+
+def _assert_the_stat_logger_reads(llm, policy: BatchDraftLength) -> None:
+    """What a server's `/metrics` shows of the policy (integration/stat_logger.py:
+    `vllm serve` loads it, this offline engine does not, so it is made here on
+    the engine's config): the sums the scheduler wrote to its channel at its
+    last step (integration/policy_channel.py), exactly."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from vllm_specplug.integration.stat_logger import SpecplugStatLogger
+
+    config = llm.llm_engine.vllm_config
+    SpecplugStatLogger(config, 0).record(SchedulerStats(), None)
+    labels = {"model_name": config.model_config.served_model_name, "engine": "0"}
+    stats = policy.stats
+    assert stats.num_requests > 0 and stats.realised_tokens >= stats.num_requests
+    read = {name: REGISTRY.get_sample_value(name, labels) for name in (
+        "specplug:expected_tokens_total", "specplug:realised_tokens_total",
+        "specplug:observed_requests_total", "specplug:batch_draft_length")}
+    assert read == {"specplug:expected_tokens_total": stats.expected_tokens,
+                    "specplug:realised_tokens_total": stats.realised_tokens,
+                    "specplug:observed_requests_total": stats.num_requests,
+                    "specplug:batch_draft_length": policy.current}, read
 
 
 def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, prompts, expected):

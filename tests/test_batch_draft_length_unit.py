@@ -268,7 +268,8 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _channel=None,
+                                _shapes_seen=set(),
                                 _drafted_before=None)
 
     def step(num_reqs: int) -> None:
@@ -299,7 +300,8 @@ def test_every_steps_time_is_added_to_its_kind():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _channel=None,
+                                _shapes_seen=set(),
                                 _drafted_before=None, _maybe_log=lambda: None)
     scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
         scheduler, k, out)
@@ -374,7 +376,8 @@ def test_steps_where_some_requests_drafted_nothing_are_timed_and_counted():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _shapes_seen=set(),
+    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _channel=None,
+                                _shapes_seen=set(),
                                 _drafted_before=None, _maybe_log=lambda: None)
     scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
         scheduler, k, out)
@@ -574,7 +577,8 @@ def test_a_tree_steps_accepted_paths_teach_every_smaller_size():
     acceptance = LengthAcceptance((0, 2, 4, 8), chains=False)
     assert acceptance.expected(2) == 3.0 and acceptance.expected(4) == 5.0  # never verified
     scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 2, 4, 8), chains=False),
-                                _shapes_seen=set(), _drafted_before=8, _drafted_two_before=8,
+                                _shapes_seen=set(), _channel=None, _drafted_before=8,
+                                _drafted_two_before=8,
                                 _maybe_log=lambda: None, _first_at_shape=lambda k, out: True)
     spec = {"a": [7] * 8, "b": [7] * 8}
     output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
@@ -845,3 +849,41 @@ def test_a_steps_acceptance_is_read_from_a_sample_of_its_requests():
     assert counts == [2, 0] * (MAX_OBSERVED_REQUESTS // 2)
     prefill = {**num_scheduled, "r1": 30}  # a prefill is no decode: left out
     assert _accepted_counts(spec, prefill, runner)[:3] == [2, 2, 0]
+
+
+def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_path):
+    """The scheduler's channel to the server's stat logger
+    (integration/policy_channel.py): the last values written, read whole;
+    the logger adds what came since its last read, and a sum that went down
+    (the engine's policy replaced) from zero again."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.policy_channel import PolicyChannelWriter, read_policy_channel
+    from vllm_specplug.integration.stat_logger import SpecplugStatLogger
+
+    path = tmp_path / "channel"
+    assert read_policy_channel(path) is None  # no engine writes there
+    writer = PolicyChannelWriter(path)
+    stats = SimpleNamespace(num_steps=7, expected_tokens=12.5, realised_tokens=14.0,
+                            num_requests=5)
+    writer.write(stats, 15)
+    assert read_policy_channel(path) == {"num_steps": 7, "current": 15, "expected_tokens": 12.5,
+                                         "realised_tokens": 14.0, "num_requests": 5}
+    stat_logger = object.__new__(SpecplugStatLogger)  # its channel reading alone
+    added = {}
+    stat_logger.policy_sums = {field: SimpleNamespace(inc=lambda x, f=field: added.setdefault(
+        f, []).append(x)) for field in ("expected_tokens", "realised_tokens", "num_requests")}
+    stat_logger.policy_length = SimpleNamespace(
+        set=lambda x: added.setdefault("length", []).append(x))
+    stat_logger.channel, stat_logger.last_sums = path, dict.fromkeys(stat_logger.policy_sums, 0.0)
+    stat_logger._read_policy()
+    writer.write(SimpleNamespace(num_steps=9, expected_tokens=20.0, realised_tokens=21.0,
+                                 num_requests=8), 15)
+    stat_logger._read_policy()
+    writer.write(SimpleNamespace(num_steps=1, expected_tokens=3.0, realised_tokens=4.0,
+                                 num_requests=1), 8)  # a new policy
+    stat_logger._read_policy()
+    assert added["expected_tokens"] == [12.5, 7.5, 3.0]
+    assert added["num_requests"] == [5, 3, 1] and added["length"] == [15, 15, 8]
+    writer.close()
+    assert not path.exists() and read_policy_channel(path) is None

@@ -20,6 +20,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
+from vllm_specplug.integration.policy_channel import PolicyChannelWriter, channel_path
 from vllm_specplug.integration.scheduler import TreeGrammarScheduler
 from vllm_specplug.proposers.head_graphs import padded_batch
 
@@ -81,6 +82,13 @@ class BatchDraftSchedule:
         self._shapes_seen: set[tuple[int, int]] = set()
         self._drafted_before: int | None = None  # the last step's K (its drafts verify next)
         self._drafted_two_before: int | None = None  # the K of the step before that
+        self._channel = _open_channel(self.vllm_config)  # to the server's /metrics
+
+    def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        super().shutdown()
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
@@ -138,6 +146,8 @@ class BatchDraftSchedule:
             else:
                 self.draft_length.measured(verified_k, num_reqs, seconds)
         self._maybe_log()
+        if self._channel is not None:
+            self._channel.write(self.draft_length.stats, self.draft_length.current)
         self.draft_length.stats.host_seconds += time.perf_counter() - started
 
     def _first_at_shape(self, k: int, scheduler_output) -> bool:
@@ -163,6 +173,19 @@ class BatchDraftSchedule:
                     d["chosen"], d["num_explored"], d["num_steps"],
                     _fmt(d["expected_tokens_per_request"]),
                     _fmt(d["realised_tokens_per_request"]))
+
+
+def _open_channel(vllm_config) -> PolicyChannelWriter | None:
+    """The policy's channel to the server's stat logger; None (and a
+    warning: the metrics lack it, the engine runs on) where its file cannot
+    be written."""
+    path = channel_path(vllm_config, vllm_config.parallel_config.data_parallel_rank)
+    try:
+        return PolicyChannelWriter(path)
+    except OSError as error:
+        logger.warning("vllm-specplug: the batch policy's expected tokens will not reach "
+                       "/metrics: cannot write %s (%s)", path, error)
+        return None
 
 
 def _drafts_trees(spec) -> bool:

@@ -90,19 +90,22 @@ TIME_ONLY_EVERY = 4
 # ago (Model Runner V2 records one tree step's paths in 4, read a step or two
 # later: integration/v2/path_ranks.py)
 PATHS_RECENT_STEPS = 12
-# It weighs its lengths on one step in this many; the others keep the length. Each
-# weighing prices every length (most of its host time: 50-110 us a step on
-# this CPU); a step of a small model on the H200 takes 3-6 ms, all of them
-# host-bound under async scheduling
-# (docs/results/batch_draft_length_h200_run10)
+# It weighs its lengths on one step in this many (and on every step while a
+# length is still being measured in its bucket); the others keep the length.
+# A weighing prices every length, most of its host time (50-110 us on this
+# CPU), where a step of a small model on the H200 takes 3-6 ms, host-bound
+# under async scheduling (docs/results/batch_draft_length_h200_run10)
 DECIDE_EVERY = 4
-# ... and on a step whose batch moved more than this share from that one's
+# ... and on a step whose batch moved more than this share from the last one
+# it weighed at (a batch that drains or fills moves to other lengths)
 REWEIGH_BATCH_SHARE = 0.25
 # A move to a shorter length needs a gain beyond the margin of this many
-# standard errors of the two times: the policy weighs its lengths every step,
-# and one noisy time in twenty would otherwise move it (a longer length is
+# standard errors of the two times: the policy weighs its lengths every few
+# steps, and one noisy time in twenty would otherwise move it (a longer length is
 # never worse by the tokens it adds, so its risk is only its time).
 SWITCH_Z = 2.0
+
+
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:
     """0, 1, 2, 4, 8, ... below `max_k`, and `max_k`: few lengths (each is a
     FULL-graph family to capture and a choice to keep measured), spaced so

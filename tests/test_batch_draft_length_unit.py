@@ -887,3 +887,25 @@ def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_pa
     assert added["num_requests"] == [5, 3, 1] and added["length"] == [15, 15, 8]
     writer.close()
     assert not path.exists() and read_policy_channel(path) is None
+
+
+def test_lengths_are_weighed_every_few_steps_and_when_the_batch_moves():
+    """Pricing every length is most of the policy's host time (on the H200 its
+    engine pinned to one size ran 0.86x of vLLM's table at that size:
+    docs/results/batch_draft_length_h200_run10): it weighs them on one step
+    in `DECIDE_EVERY`, and at once where the batch moved by more than
+    `REWEIGH_BATCH_SHARE` since, keeping the length in between."""
+    from vllm_specplug.adaptive.batch_draft_length import DECIDE_EVERY
+
+    policy = BatchDraftLength((0, 4), explore_every=10_000)
+    policy.times.pinned = (1e-3, 1e-6)  # every length priced: nothing to measure
+    weighed = []
+    estimate = policy.times.estimate
+    policy.times.estimate = lambda k, b, anchor: weighed.append(b) or estimate(k, b, anchor)
+    for _ in range(8 * DECIDE_EVERY):
+        policy.choose(16)
+    assert len(weighed) == 2 * (1 + 8)  # two lengths priced: the first step, then one in 4
+    weighed.clear()
+    policy.choose(14)  # a request or two fewer: kept
+    policy.choose(8)  # half the batch: weighed at once
+    assert weighed == [8, 8] and policy.current == 4

@@ -858,24 +858,26 @@ def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_pa
     (the engine's policy replaced) from zero again."""
     from types import SimpleNamespace
 
-    from vllm_specplug.integration.policy_channel import PolicyChannelWriter, read_policy_channel
+    from vllm_specplug.integration.policy_channel import PolicyChannelReader, PolicyChannelWriter
     from vllm_specplug.integration.stat_logger import SpecplugStatLogger
 
     path = tmp_path / "channel"
-    assert read_policy_channel(path) is None  # no engine writes there
+    assert PolicyChannelReader(path).read() is None  # no engine writes there
     writer = PolicyChannelWriter(path)
     stats = SimpleNamespace(num_steps=7, expected_tokens=12.5, realised_tokens=14.0,
                             num_requests=5)
     writer.write(stats, 15)
-    assert read_policy_channel(path) == {"num_steps": 7, "current": 15, "expected_tokens": 12.5,
-                                         "realised_tokens": 14.0, "num_requests": 5}
+    assert PolicyChannelReader(path).read() == {
+        "num_steps": 7, "current": 15, "expected_tokens": 12.5, "realised_tokens": 14.0,
+        "num_requests": 5}
     stat_logger = object.__new__(SpecplugStatLogger)  # its channel reading alone
     added = {}
     stat_logger.policy_sums = {field: SimpleNamespace(inc=lambda x, f=field: added.setdefault(
         f, []).append(x)) for field in ("expected_tokens", "realised_tokens", "num_requests")}
     stat_logger.policy_length = SimpleNamespace(
         set=lambda x: added.setdefault("length", []).append(x))
-    stat_logger.channel, stat_logger.last_sums = path, dict.fromkeys(stat_logger.policy_sums, 0.0)
+    stat_logger.channel = PolicyChannelReader(path)
+    stat_logger.last_sums = dict.fromkeys(stat_logger.policy_sums, 0.0)
     stat_logger._read_policy()
     writer.write(SimpleNamespace(num_steps=9, expected_tokens=20.0, realised_tokens=21.0,
                                  num_requests=8), 15)
@@ -886,7 +888,7 @@ def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_pa
     assert added["expected_tokens"] == [12.5, 7.5, 3.0]
     assert added["num_requests"] == [5, 3, 1] and added["length"] == [15, 15, 8]
     writer.close()
-    assert not path.exists() and read_policy_channel(path) is None
+    assert not path.exists() and PolicyChannelReader(path).read() is None
 
 
 def test_lengths_are_weighed_every_few_steps_and_when_the_batch_moves():

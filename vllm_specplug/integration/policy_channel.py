@@ -7,8 +7,8 @@ expected tokens per request the policy priced its choice with, beside
 those realised, have no way there. The scheduler writes its sums to a
 small memory-mapped file instead, named by the engine's `instance_id`
 (the front end's config, sent to the engine core) and its data-parallel
-rank, on every step it observes; the stat logger reads it when vLLM hands
-it a step's stats (integration/stat_logger.py). Each value is one aligned
+rank, on every step it observes; the stat logger maps it and reads it when
+vLLM hands it a step's stats (integration/stat_logger.py). Each value is one aligned
 float64 (written whole); a reader may see one step's sums beside the step
 before's, never a torn number.
 """
@@ -57,13 +57,22 @@ class PolicyChannelWriter:
         self.path.unlink(missing_ok=True)
 
 
-def read_policy_channel(path: Path) -> dict[str, float] | None:
-    """The last values written at `path` ({field: value}); None when no
-    engine writes there (not our batch policy, or not started yet)."""
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    if len(raw) != 8 * len(FIELDS):
-        return None
-    return dict(zip(FIELDS, np.frombuffer(raw, dtype=np.float64).tolist()))
+class PolicyChannelReader:
+    """The stat logger's side: the file mapped once it exists (vLLM hands the
+    logger every step's stats: no open and read per step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.values: np.ndarray | None = None  # [len(FIELDS)] float64, once mapped
+
+    def read(self) -> dict[str, float] | None:
+        """The last values written ({field: value}); None while no engine
+        writes there (not our batch policy, or not started yet)."""
+        if self.values is None:
+            try:
+                with open(self.path, "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 8 * len(FIELDS), access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # absent, or not yet its full size
+                return None
+            self.values = np.frombuffer(mapped, dtype=np.float64)
+        return dict(zip(FIELDS, self.values.tolist()))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from vllm_specplug.integration.policy_channel import channel_path, read_policy_channel
+from vllm_specplug.integration.policy_channel import PolicyChannelReader, channel_path
 
 DRAFT_BUCKETS = (0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 8.5, 16.5, 32.5, 64.5)
 TOKEN_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
@@ -71,7 +71,7 @@ class SpecplugStatLogger(StatLoggerBase):
             NAMES[2], "Steps with running requests that verified no draft token.",
             names).labels(**labels)
         self._policy_metrics(labels)
-        self.channel = channel_path(vllm_config, engine_index)
+        self.channel = PolicyChannelReader(channel_path(vllm_config, engine_index))
         self.last_sums = dict.fromkeys(POLICY_SUMS, 0.0)
 
     def _policy_metrics(self, labels: dict) -> None:
@@ -100,7 +100,7 @@ class SpecplugStatLogger(StatLoggerBase):
     def _read_policy(self) -> None:
         """The batch policy's sums since the last read (a sum that went down:
         the engine's policy was replaced, counted from zero again)."""
-        values = read_policy_channel(self.channel)
+        values = self.channel.read()
         if values is None:
             return
         self.policy_length.set(values["current"])

@@ -431,6 +431,29 @@ def test_bench_sums_the_policys_counts_over_repeats_and_reports_them():
     assert "0:50% 4:50%" in table and "trying" not in table and "2.00/1.80" in table, table
 
 
+def test_bench_reports_the_heads_graphs_captured_in_service_per_row():
+    """`bench offline` sums the head's captures in service over a row's
+    repeats (each stalled a step) and lists the rows that had any counter."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.offline import captures_delta
+    from vllm_specplug.bench.report import format_captures_table
+
+    def read(n, seconds, held):
+        return {"num_captures": n, "capture_seconds": seconds, "num_graphs": held}
+
+    total = captures_delta(None, read(4, 1.0, 40), read(6, 1.5, 42))
+    total = captures_delta(total, read(6, 1.5, 42), read(9, 1.75, 45))
+    assert total == read(5, 0.75, 45)
+    assert captures_delta(total, None, read(9, 1.75, 45)) is total
+    rows = [SimpleNamespace(name="ours-tree16-adaptive", batch_size=1, error=None,
+                            graph_captures=total),
+            SimpleNamespace(name="vllm-eagle3", batch_size=1, error=None, graph_captures=None)]
+    table = format_captures_table(rows)
+    assert "ours-tree16-adaptive" in table and "vllm-eagle3" not in table
+    assert table.splitlines()[-1].split()[-3:] == ["5", "0.75", "45"], table
+
+
 def test_after_a_large_batch_chose_short_a_latency_bound_batch_returns_to_the_longest():
     """The H200 run (docs/results/batch_draft_length_h200_run4): the batch-256
     phase left the policy on a short tree, with acceptance as low as there;

@@ -549,3 +549,40 @@ def test_fused_projections_share_the_heads_memory():
         layer.qkv_weight.untyped_storage().data_ptr()
     for name, p in head.named_parameters():  # every value kept
         assert torch.equal(p, want[name]), name
+
+
+def test_graphs_replayed_lately_are_kept_and_captures_in_service_are_counted(monkeypatch,
+                                                                             caplog):
+    """Past `MAX_GRAPHS` the graph replayed least recently goes, not the one
+    captured first (start-up's step graphs are the oldest and the most used:
+    dropped first, each would stall a step again, 10-960 ms on the H200,
+    docs/results/batch_draft_length_h200_run11). A capture after start-up's
+    is counted and logged: the first `SERVICE_LOG_FIRST`, then one in
+    `SERVICE_LOG_EVERY`."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.proposers import head_graphs
+    from vllm_specplug.proposers.head_graphs import PassGraphs, _Captured
+
+    captured = []
+
+    def capture_graph(self, key, run_pass, inputs, constants, own_inputs):
+        captured.append(key)  # no CUDA here: a graph whose replay does nothing
+        return _Captured(SimpleNamespace(replay=lambda: None), list(inputs), key)
+
+    monkeypatch.setattr(PassGraphs, "_capture_graph", capture_graph)
+    monkeypatch.setattr(head_graphs, "MAX_GRAPHS", 3)
+    graphs, x = PassGraphs(), [torch.zeros(1)]
+    for key in ("a", "b", "c", "a", "d", "a", "b"):
+        assert graphs.run(0, (key,), None, x) == (True, (key,))
+    # b went for d (a had been replayed since), then c for b
+    assert captured == [("a",), ("b",), ("c",), ("d",), ("b",)]
+    assert list(graphs.graphs) == [("d",), ("a",), ("b",)]
+    assert graphs.service_captures()["num_captures"] == 0  # start-up's
+    graphs.in_service = True
+    for i in range(2 * head_graphs.SERVICE_LOG_EVERY):
+        graphs.run(0, ("step", i), None, x)
+    stats = graphs.service_captures()
+    assert stats["num_captures"] == 2 * head_graphs.SERVICE_LOG_EVERY and stats["num_graphs"] == 3
+    logged = [r for r in caplog.records if "in service" in r.getMessage()]
+    assert len(logged) == head_graphs.SERVICE_LOG_FIRST + 2

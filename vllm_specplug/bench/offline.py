@@ -77,6 +77,9 @@ class OfflineRow:
     # the batch draft length's counts over this row's repeats (None: off;
     # integration/batch_schedule.py)
     batch_policy: dict | None = None
+    # the head's graphs captured in service over this row's repeats, each a
+    # stalled step (None: the method has no captured head passes)
+    graph_captures: dict | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # baseline rows: per request, per token, log p(top-1) - log p(top-2)
     top2_gaps: list[list[float]] = field(default_factory=list, repr=False)
@@ -140,7 +143,10 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     registry: without them an older engine's repeats would go uncounted)."""
     before, adaptive_before = read_engine_counts(llm, collectors), _adaptive_stats(llm)
     policy_before = _worker_call(llm, "specplug_batch_policy")
+    captures_before = _worker_call(llm, "specplug_graph_captures")
     token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params)
+    row.graph_captures = captures_delta(row.graph_captures, captures_before,
+                                        _worker_call(llm, "specplug_graph_captures"))
     row.counts = row.counts + (read_engine_counts(llm, collectors) - before)
     row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))
     row.batch_policy = batch_policy_delta(row.batch_policy, policy_before,
@@ -160,6 +166,19 @@ def _worker_call(llm, method: str):
         return llm.collective_rpc(method)[0]
     except Exception:  # noqa: BLE001 - a user's worker extension has no such call
         return None
+
+
+def captures_delta(total: dict | None, before: dict | None, after: dict | None
+                   ) -> dict | None:
+    """`total` plus the captures between `before` and `after`
+    (`PassGraphs.service_captures`), and the graphs held as of `after`."""
+    if after is None or before is None:
+        return total
+    total = dict(total or {"num_captures": 0, "capture_seconds": 0.0})
+    for key in ("num_captures", "capture_seconds"):
+        total[key] += after[key] - before[key]
+    total["num_graphs"] = after["num_graphs"]
+    return total
 
 
 def batch_policy_delta(total: dict | None, before: dict | None, after: dict | None

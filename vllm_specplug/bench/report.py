@@ -92,7 +92,8 @@ def format_offline_table(rows) -> str:
                      f"{row.counts.num_drafts:>8}"
                      f"{_exact_text(row.num_mismatches, row.num_near_ties):>8}  "
                      f"{_engine_text(row):<{e}}{per_pos}")
-    tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows)) if t]
+    tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows),
+                          format_captures_table(rows)) if t]
     return "\n".join(lines + [line for t in tables for line in ("", t)])
 
 
@@ -150,6 +151,20 @@ def _policy_cells(row) -> str:
     host = f"{1e6 * p.get('host_seconds', float('nan')) / steps:.0f}"
     return (f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}{seconds:>24}{host:>16}"
             f"  {chosen}")
+
+
+def format_captures_table(rows) -> str:
+    """The head's graphs captured during the timed repeats, per row: each
+    capture stalled its step (start-up captures what service is expected to
+    meet, integration/v2/step_warmup.py)."""
+    return _decision_table(
+        rows, "graph_captures", "head graphs captured in service",
+        f"{'captures':>10}{'seconds':>9}{'graphs held':>13}", _captures_cells)
+
+
+def _captures_cells(row) -> str:
+    c = row.graph_captures
+    return f"{c['num_captures']:>10}{c['capture_seconds']:>9.2f}{c['num_graphs']:>13}"
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",

@@ -20,6 +20,12 @@ class WorkerInfo:
         ran (integration/batch_schedule.BatchPolicyView); None when off."""
         return getattr(_speculator(self), "batch_policy", None)
 
+    def specplug_graph_captures(self) -> dict | None:
+        """The head's CUDA graphs captured in service, after start-up's
+        (proposers/head_graphs.PassGraphs.service_captures); None without."""
+        graphs = getattr(getattr(_speculator(self), "runtime", None), "graphs", None)
+        return graphs.service_captures() if graphs is not None else None
+
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
 

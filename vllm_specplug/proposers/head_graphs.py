@@ -28,7 +28,9 @@ to 64, and 22 with the ingest, docs/results/v2_chain_speed_h200).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,11 +44,16 @@ logger = logging.getLogger("vllm_specplug.head_graphs")
 
 BATCH_STEP = 8  # capture sizes above 4 requests: multiples of this
 MIN_KEYS = 64  # smallest keys-read bucket
-# oldest graphs are dropped past this: start-up captures every padded batch
-# size (35 up to 256 requests) for each draft length a step may run (6 for
-# a 16-node tree with `"adaptive": true`: 210), and service adds transitions
+# the least recently replayed graphs are dropped past this: start-up
+# captures every padded batch size (35 up to 256 requests) for each draft
+# length a step may run (6 for a 16-node tree with `"adaptive": true`: 210),
+# and service adds transitions
 MAX_GRAPHS = 512
 MAX_GRAPHED_ROWS = 16  # positions per request up to which an ingest replays a graph
+# captures in service (after start-up's) logged one by one; past these, one
+# line in SERVICE_LOG_EVERY
+SERVICE_LOG_FIRST = 4
+SERVICE_LOG_EVERY = 16
 
 
 STEP_KIND = "step"  # PassGraphs' kind of a whole decode step (run_step_pass)
@@ -100,15 +107,26 @@ class PassGraphs:
     """
 
     def __init__(self, positions_bound_keys: bool = False) -> None:
-        self.graphs: dict[tuple, _Captured] = {}
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.version = None  # the cache pool's tensors the graphs read
         self.memory_pool = None
         self.disabled: set[str] = set()  # kinds whose capture failed: they run eagerly
         self.positions_bound_keys = positions_bound_keys
+        # set once start-up's captures are done (integration/v2/step_warmup.py):
+        # a capture after that stalls a step in service
+        self.in_service = False
+        self.num_service_captures = 0
+        self.service_capture_seconds = 0.0
 
     def key_range(self, num_keys: int, capacity: int) -> int:
         """The key range a pass reading `num_keys` runs (and is keyed) at."""
         return capacity if self.positions_bound_keys else keys_bucket(num_keys, capacity)
+
+    def service_captures(self) -> dict:
+        """Captures since start-up's (each stalled a step in service): how
+        many, their seconds, and the graphs held now."""
+        return {"num_captures": self.num_service_captures,
+                "capture_seconds": self.service_capture_seconds, "num_graphs": len(self.graphs)}
 
     def keys(self, kind: str) -> list[tuple]:
         return [k for k in self.graphs if k[0] == kind]
@@ -133,7 +151,9 @@ class PassGraphs:
             self.memory_pool = None
             self.version = version
         captured = self.graphs.get(key)
-        if captured is None:
+        if captured is not None:
+            self.graphs.move_to_end(key)  # the least recently replayed go first
+        else:
             captured = self._capture(key, run_pass, inputs, constants, own_inputs)
             if captured is None:
                 return False, None
@@ -144,6 +164,30 @@ class PassGraphs:
         return True, captured.outputs
 
     def _capture(self, key, run_pass, inputs, constants, own_inputs) -> _Captured | None:
+        started = time.perf_counter()
+        captured = self._capture_graph(key, run_pass, inputs, constants, own_inputs)
+        if captured is None:
+            return None
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = captured
+        if self.in_service:
+            self._service_capture(key, time.perf_counter() - started)
+        return captured
+
+    def _service_capture(self, key: tuple, seconds: float) -> None:
+        """A capture in service: a step stalled on it (as vLLM warns of a
+        Triton kernel compiled during inference)."""
+        self.num_service_captures += 1
+        self.service_capture_seconds += seconds
+        n = self.num_service_captures
+        if n <= SERVICE_LOG_FIRST or n % SERVICE_LOG_EVERY == 0:
+            logger.warning("vllm-specplug: captured the head's %s pass %s in service (%.0f ms; "
+                           "%d such captures, %.1f s in all): start-up capture does not cover "
+                           "this shape", key[0], key[1:], 1e3 * seconds, n,
+                           self.service_capture_seconds)
+
+    def _capture_graph(self, key, run_pass, inputs, constants, own_inputs) -> _Captured | None:
         static = list(inputs) if own_inputs else [t.clone() for t in inputs]
         try:
             if self.memory_pool is None:
@@ -168,11 +212,8 @@ class PassGraphs:
             self.graphs.clear()
             self.memory_pool = None
             return None
-        if len(self.graphs) >= MAX_GRAPHS:
-            self.graphs.pop(next(iter(self.graphs)))
-        self.graphs[key] = captured = _Captured(graph, static, outputs)
         logger.debug("vllm-specplug: captured the head's pass %s", key)
-        return captured
+        return _Captured(graph, static, outputs)
 
 
 def run_draft_pass(graphs: PassGraphs, draft_pass: Callable[..., DraftTree], pool,

@@ -196,6 +196,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if ok:
             logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "
                         "%.1f s", self.method, count, time.perf_counter() - started)
+        self.runtime.graphs.in_service = True  # a capture from now on stalls a step
 
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:

@@ -13,7 +13,9 @@ SNAPSHOT_KEYS = ("current", "expected_per_length", "step_ms", "step_windows", "h
 # steps of each kind (decode, switch) before `switch_penalty` reads their means
 MIN_KIND_STEPS = 8
 # the kinds of step whose wall time `stepped` adds up (BatchDraftStats)
-STEP_KINDS = ("decode", "switch", "mixed")
+# ("first": from the schedule that ended an idle engine to its first output:
+# the step that starts a batch of new requests, with their prefill)
+STEP_KINDS = ("decode", "switch", "mixed", "first")
 
 
 @dataclass
@@ -35,14 +37,17 @@ class BatchDraftStats:
     # every step's wall time between outputs, by kind (the scheduler's
     # `_observe`): pure decode steps that verified and drafted one length
     # after a step that did too (timed or not), those that changed length or
-    # were the first after a change, and steps with prefill
-    # tokens; a phase's time beyond their sum is spent idle or starting
+    # were the first after a change, steps with prefill tokens, and the
+    # first step after the engine idled (from its schedule to its output); a
+    # phase's time beyond their sum is spent idle
     decode_steps: int = 0
     decode_seconds: float = 0.0
     switch_steps: int = 0
     switch_seconds: float = 0.0
     mixed_steps: int = 0
     mixed_seconds: float = 0.0
+    first_steps: int = 0
+    first_seconds: float = 0.0
     # expected vs realised tokens per request of the steps verified at the
     # length it exploits (the requests the scheduler observes: at most
     # `MAX_OBSERVED_REQUESTS` a step, integration/batch_schedule.py)

@@ -131,11 +131,12 @@ def format_batch_policy_table(rows) -> str:
     share of steps each length was chosen for ("trying": steps that held
     another length to measure it), the explorations, the tokens per
     request it expected against those it got, the seconds its steps took
-    (pure decode at one length / changing length / with prefill tokens), and
+    (pure decode at one length / changing length / with prefill tokens / the
+    first after the engine idled, from its schedule), and
     the scheduler's own time in the policy per step."""
     return _decision_table(
         rows, "batch_policy", "batch draft length", f"{'steps':>7}{'explored':>10}"
-        f"{'tokens/request expected/realised':>34}{'s decode/switch/mixed':>24}"
+        f"{'tokens/request expected/realised':>34}{'s decode/switch/mixed/first':>30}"
         f"{'policy us/step':>16}  chosen K: share of steps", _policy_cells)
 
 
@@ -149,7 +150,7 @@ def _policy_cells(row) -> str:
     tokens = f"{p['expected_tokens'] / requests:.2f}/{p['realised_tokens'] / requests:.2f}"
     seconds = "/".join(f"{p.get(kind + '_seconds', float('nan')):.2f}" for kind in STEP_KINDS)
     host = f"{1e6 * p.get('host_seconds', float('nan')) / steps:.0f}"
-    return (f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}{seconds:>24}{host:>16}"
+    return (f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}{seconds:>30}{host:>16}"
             f"  {chosen}")
 
 

@@ -78,6 +78,7 @@ class BatchDraftSchedule:
                                              chains=not _drafts_trees(spec))
         self.dynamic_sd_lookup = self.draft_length
         self._last_output_at: float | None = None
+        self._busy_since: float | None = None  # the schedule that ended an idle spell
         self._last_log = time.monotonic()
         self._shapes_seen: set[tuple[int, int]] = set()
         self._drafted_before: int | None = None  # the last step's K (its drafts verify next)
@@ -91,8 +92,12 @@ class BatchDraftSchedule:
         super().shutdown()
 
     def schedule(self, *args, **kwargs):
+        called = time.perf_counter()
         output = super().schedule(*args, **kwargs)
         started = time.perf_counter()
+        if (self._last_output_at is None and self._busy_since is None
+                and output.total_num_scheduled_tokens > 0):
+            self._busy_since = called
         setattr(output, BATCH_POLICY_ATTR, self.draft_length.counters())
         self.draft_length.stats.host_seconds += time.perf_counter() - started
         return output
@@ -100,6 +105,11 @@ class BatchDraftSchedule:
     def update_from_output(self, scheduler_output, model_runner_output):
         now = time.perf_counter()
         seconds = None if self._last_output_at is None else now - self._last_output_at
+        if seconds is None and self._busy_since is not None:
+            # the first output after idling: its schedule, the requests' first
+            # (prefill) step, and whatever a batch's start costs besides
+            self.draft_length.stepped("first", now - self._busy_since)
+            self._busy_since = None
         self._last_output_at = now
         self._observe(scheduler_output, model_runner_output, seconds)
         outputs = super().update_from_output(scheduler_output, model_runner_output)

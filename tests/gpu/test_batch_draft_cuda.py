@@ -91,3 +91,20 @@ def test_a_trees_paths_teach_the_policy_every_smaller_size(batch_llm, prompts,  
     assert policy.current == longest and policy.stats.num_path_steps >= recorded // 2, (
         policy.stats, chosen)
     assert 1.0 < policy.expected_tokens(4) <= policy.expected_tokens(longest)
+
+
+def test_the_same_requests_again_capture_no_graph_of_the_head(batch_llm, prompts,  # noqa: F811
+                                                              baseline):
+    """A run's graphs of the head are captured at start-up or on their first
+    use: the same requests again, at the same length (the policy pinned to
+    one), capture none (each capture stalls its step, 8-960 ms on the H200). There the
+    adaptive tree's `generate` calls each ran 18-27 ms over the static
+    tree's, and a profile showed a drafting pass captured on every prefill
+    step (docs/results/batch_draft_length_h200_run11)."""
+    pinned = (_scheduler(batch_llm).draft_length.candidates[-1],)  # no tries: one path
+    _phased(batch_llm, prompts, [(None, CHEAP)], pinned)
+    before = batch_llm.collective_rpc("specplug_graph_captures")[0]
+    token_ids, _, policy = _phased(batch_llm, prompts, [(None, CHEAP)], pinned)
+    after = batch_llm.collective_rpc("specplug_graph_captures")[0]
+    _exact(baseline, token_ids)
+    assert after["num_captures"] == before["num_captures"], (before, after, policy.as_dict())

@@ -23,8 +23,7 @@ class WorkerInfo:
     def specplug_graph_captures(self) -> dict | None:
         """The head's CUDA graphs captured in service, after start-up's
         (proposers/head_graphs.PassGraphs.service_captures); None without."""
-        graphs = getattr(getattr(_speculator(self), "runtime", None), "graphs", None)
-        return graphs.service_captures() if graphs is not None else None
+        return graph_captures(self)
 
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
@@ -49,6 +48,12 @@ def runner_state(worker) -> dict:
             "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
             "cudagraph_capture_sizes":
                 list(config.compilation_config.cudagraph_capture_sizes or [])}
+
+
+def graph_captures(worker) -> dict | None:
+    """`PassGraphs.service_captures` of the worker's head, None without one."""
+    graphs = getattr(getattr(_speculator(worker), "runtime", None), "graphs", None)
+    return graphs.service_captures() if graphs is not None else None
 
 
 def adaptive_controller(worker):

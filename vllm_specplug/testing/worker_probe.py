@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vllm_specplug.bench.worker_info import runner_state
+from vllm_specplug.bench.worker_info import graph_captures, runner_state
 
 PROBE_QUALNAME = "vllm_specplug.testing.worker_probe.SpecplugProbe"
 
@@ -36,6 +36,10 @@ class SpecplugProbe:
         Runner V2 speculator (None for any other)."""
         stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
         return None if stats is None else stats.as_dict()
+
+    def specplug_graph_captures(self) -> dict | None:
+        """The head's graphs captured in service (`PassGraphs.service_captures`)."""
+        return graph_captures(self)
 
     def specplug_adaptive_verification_state(self) -> dict:
         """vLLM's adaptive verification as the runner runs it: whether it

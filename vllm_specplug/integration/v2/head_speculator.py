@@ -60,6 +60,10 @@ logger = logging.getLogger("vllm_specplug.tree_drafter")
 # SmolLM2's head at 64 x 2048; an 8B-shaped head's 4 KB a position at 256 x
 # 8192 would be 8.6 GB, so it starts at what 4% holds and grows from there)
 HEAD_POOL_MEMORY_SHARE = 0.04
+# request ids of the steps Model Runner V2 runs to warm its kernels up after
+# capturing its graphs (vllm/v1/worker/gpu/warmup.py): the head's captures
+# there are still start-up's, not stalls in service
+WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
 
 
 class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
@@ -196,7 +200,6 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if ok:
             logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "
                         "%.1f s", self.method, count, time.perf_counter() - started)
-        self.runtime.graphs.in_service = True  # a capture from now on stalls a step
 
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:
@@ -225,6 +228,10 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if dummy_run or self.runtime is None:  # profiling, warm-up, DP padding
             return drafts
         started = time.perf_counter()
+        graphs = self.runtime.graphs
+        if graphs is not None and not graphs.in_service and num_reqs \
+                and not input_batch.req_ids[0].startswith(WARMUP_REQ_PREFIXES):
+            graphs.in_service = True  # a capture from now on stalls a step
         if self.path_ranks is not None and input_batch.num_draft_tokens > 0:
             # before this step's trees replace the ranks of those just verified
             self.guard.call("path_ranks", input_batch.req_ids, self.path_ranks.record_step,

@@ -28,9 +28,9 @@ to 64, and 22 with the ingest, docs/results/v2_chain_speed_h200).
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -112,8 +112,9 @@ class PassGraphs:
         self.memory_pool = None
         self.disabled: set[str] = set()  # kinds whose capture failed: they run eagerly
         self.positions_bound_keys = positions_bound_keys
-        # set once start-up's captures are done (integration/v2/step_warmup.py):
-        # a capture after that stalls a step in service
+        # set by the V2 head speculator at the first step of service (after
+        # start-up's captures and vLLM's kernel warm-up): a capture after
+        # that stalls a step
         self.in_service = False
         self.num_service_captures = 0
         self.service_capture_seconds = 0.0

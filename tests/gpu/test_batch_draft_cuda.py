@@ -99,8 +99,8 @@ def test_the_same_requests_again_capture_no_graph_of_the_head(batch_llm, prompts
     use: the same requests again, at the same length (the policy pinned to
     one), capture none (each capture stalls its step, 8-960 ms on the H200). There the
     adaptive tree's `generate` calls each ran 18-27 ms over the static
-    tree's, and a profile showed a drafting pass captured on every prefill
-    step (docs/results/batch_draft_length_h200_run11)."""
+    tree's, and the pinned policy's fifth pass over the same prompts still
+    captured two graphs (docs/results/batch_draft_length_h200_run11)."""
     pinned = (_scheduler(batch_llm).draft_length.candidates[-1],)  # no tries: one path
     _phased(batch_llm, prompts, [(None, CHEAP)], pinned)
     before = batch_llm.collective_rpc("specplug_graph_captures")[0]

@@ -923,8 +923,16 @@ def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_pa
     stat_logger._read_policy()
     assert added["expected_tokens"] == [12.5, 7.5, 3.0]
     assert added["num_requests"] == [5, 3, 1] and added["length"] == [15, 15, 8]
-    writer.close()
+    # an engine after it (the file put in place again): the logger maps the new one
+    replaced = PolicyChannelWriter(path)
+    replaced.write(SimpleNamespace(num_steps=2, expected_tokens=1.5, realised_tokens=2.0,
+                                   num_requests=1), 4)
+    assert stat_logger.channel.read()["current"] == 4
+    writer.close()  # the engine before leaves the new engine's file in place
+    assert stat_logger.channel.read()["current"] == 4
+    replaced.close()
     assert not path.exists() and PolicyChannelReader(path).read() is None
+    assert stat_logger.channel.read() is None  # the mapped file went with it
 
 
 def test_lengths_are_weighed_every_few_steps_and_when_the_batch_moves():

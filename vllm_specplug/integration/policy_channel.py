@@ -39,10 +39,16 @@ class PolicyChannelWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with open(path, "wb") as f:
+        # a whole new file put in place: one left by an engine before (the
+        # policy replaced, or a crash) may be mapped by the stat logger, which
+        # a file truncated in place would fault; it remaps the new one
+        staged = path.with_name(f"{path.name}.{os.getpid()}.new")
+        with open(staged, "wb") as f:
             f.write(b"\0" * (8 * len(FIELDS)))
-        with open(path, "r+b") as f:
+        with open(staged, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 8 * len(FIELDS))
+            self._inode = os.fstat(f.fileno()).st_ino
+        os.replace(staged, path)
         self.values = np.frombuffer(self._map, dtype=np.float64)  # [len(FIELDS)]
 
     def write(self, stats, current: int) -> None:
@@ -54,25 +60,38 @@ class PolicyChannelWriter:
     def close(self) -> None:
         del self.values
         self._map.close()
-        self.path.unlink(missing_ok=True)
+        try:  # only its own file: a writer after it may have put its own there
+            if os.stat(self.path).st_ino == self._inode:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 class PolicyChannelReader:
     """The stat logger's side: the file mapped once it exists (vLLM hands the
-    logger every step's stats: no open and read per step)."""
+    logger every step's stats: no open and read per step), and mapped again
+    when a new writer put another in its place."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._file = None  # the mapped file, kept open to see it replaced
         self.values: np.ndarray | None = None  # [len(FIELDS)] float64, once mapped
 
     def read(self) -> dict[str, float] | None:
         """The last values written ({field: value}); None while no engine
         writes there (not our batch policy, or not started yet)."""
+        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+            self._file.close()  # unlinked or replaced: the writer's file is another
+            self._file = self.values = None
         if self.values is None:
             try:
-                with open(self.path, "rb") as f:
-                    mapped = mmap.mmap(f.fileno(), 8 * len(FIELDS), access=mmap.ACCESS_READ)
-            except (OSError, ValueError):  # absent, or not yet its full size
+                f = open(self.path, "rb")
+            except OSError:  # absent
                 return None
-            self.values = np.frombuffer(mapped, dtype=np.float64)
+            try:
+                mapped = mmap.mmap(f.fileno(), 8 * len(FIELDS), access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # not yet its full size
+                f.close()
+                return None
+            self._file, self.values = f, np.frombuffer(mapped, dtype=np.float64)
         return dict(zip(FIELDS, self.values.tolist()))

@@ -123,6 +123,7 @@ def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
                             idx_mapping=torch.tensor([2, 0, 1]))
     slots.store(torch.tensor([2]), _first(tree), True)
     keeper = PathRanks(4, 16, torch.device("cpu"), record_every=1)
+    assert keeper.due()
     keeper.record_step(batch, slots)
     assert keeper.take() is None  # the step's own ranks wait for the next step
     keeper.record_step(batch, slots)
@@ -132,8 +133,12 @@ def test_accepted_paths_node_ranks_reach_the_host_a_step_late():
     assert keeper.take() is None  # taken once
     sampled = PathRanks(4, 16, torch.device("cpu"), record_every=3)  # one step in 3
     for _ in range(7):
-        sampled.record_step(batch, slots)
+        if sampled.due():
+            sampled.record_step(batch, slots)
     assert sampled.num_recorded == 3  # steps 1, 4 and 7
+    settled = PathRanks(4, 16, torch.device("cpu"), record_every=3)  # the policy settled
+    assert [settled.due(sample_every=2) for _ in range(7)] == [
+        True, False, False, False, False, False, True]
 
 
 class _Event:

@@ -36,7 +36,8 @@
 #            BATCHK=shapes: vLLM eagle3 K=5 and 7 beside our tree 16 and two 32-node shapes
 #            (SIZES=1: issue 26's batch-1 goal is our best tree over vLLM's best K); SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
 #            takes over 40 minutes; REPEATS, default 3: the engines start once, so a
-#            repeat costs only its phases, a few seconds)
+#            repeat costs only its phases, a few seconds; JIT_VERBOSE=1: vLLM logs every
+#            kernel compiled after its warm-up, `jit_monitor_verbose`)
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -159,7 +160,7 @@ run() {
         --limit-prompts 1=6 --limit-prompts 4=16 --limit-prompts 16=48 --limit-prompts 64=128 \
         --limit-prompts 128=256 --limit-prompts 256=320 --repeats "${REPEATS:-3}" --max-tokens "${MAX_TOKENS:-96}" \
         --dtype float32 ${PHASES---phases} \
-        --engine-args '{"max_num_seqs": 256, "compilation_config": {"max_cudagraph_capture_size": 1100}}' \
+        --engine-args "{${JIT_VERBOSE:+\"jit_monitor_verbose\": true, }\"max_num_seqs\": 256, \"compilation_config\": {\"max_cudagraph_capture_size\": 1100}}" \
         --out "$RESULTS/${RUN_NAME:-tiny-batchk-${BATCHK:-heads}}" ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'

@@ -99,6 +99,16 @@ DECIDE_EVERY = 4
 # ... and on a step whose batch moved more than this share from the last one
 # it weighed at (a batch that drains or fills moves to other lengths)
 REWEIGH_BATCH_SHARE = 0.25
+# Once its weighings kept one length `SETTLE_WEIGHINGS` times in a row, the
+# policy is settled: it weighs its lengths, reads a step's acceptance and
+# time, and has a tree's paths recorded `SETTLED_FACTOR` times less often
+# (`sample_every`), until a weighing moves it or a length is being measured
+# (a batch that moves is weighed at once, as before). On the H200 (tiny model,
+# batch 1, host-bound) the adaptive tree ran 15 nodes on all its steps, 0.32 ms
+# a step over the static tree's 2.77: the policy's 151 us a step and the
+# paths' recording (docs/results/batch_draft_length_h200_run12)
+SETTLE_WEIGHINGS = 8
+SETTLED_FACTOR = 8
 # A move to a shorter length needs a gain beyond the margin of this many
 # standard errors of the two times: the policy weighs its lengths every few
 # steps, and one noisy time in twenty would otherwise move it (a longer length is
@@ -151,6 +161,9 @@ class BatchDraftLength:
         self.weighed_batch: int | None = None  # where it last weighed them all (None: next step)
         self.num_unweighed = 0  # steps it kept the length since, without weighing
         self.num_decode_steps = 0
+        self.num_kept_weighings = 0  # weighings in a row that kept the length (settled)
+        self.num_outputs = 0  # step outputs seen (`samples`)
+        self._counters: dict | None = None  # `step_counters`' copy
         self.last_path_step = -PATHS_RECENT_STEPS - 1  # num_steps of the last `verified_within`
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
@@ -169,7 +182,10 @@ class BatchDraftLength:
         if self.explore_left > 0:
             self.explore_left -= 1
             return self.exploring
-        if self.stats.num_steps % DECIDE_EVERY and self._near_weighed(batch_size):
+        near = self._near_weighed(batch_size)
+        if not near and self.weighed_batch is not None:
+            self.num_kept_weighings = 0  # the batch moved: weighed at the unsettled pace again
+        if self.stats.num_steps % (DECIDE_EVERY * self.sample_every) and near:
             self.num_unweighed += 1
             return self._keep()
         steps, self.num_unweighed, self.weighed_batch = 1 + self.num_unweighed, 0, None
@@ -182,15 +198,39 @@ class BatchDraftLength:
             unknown = [k for k in self.candidates if estimates[k] is None
                        and self.tries.get((k, batch_bucket(batch_size)), 0) < 4 * MIN_SAMPLES]
             if unknown:
+                self.num_kept_weighings = 0
                 return self._hold(unknown[-1], batch_size)
             if self.stats.num_steps % self.explore_every == 0:
                 k = self._affordable(self._next_to_explore(), batch_size, estimates)
                 if k is not None:
+                    # what the try finds is weighed within two weighings at
+                    # the unsettled pace
+                    self.num_kept_weighings = min(self.num_kept_weighings,
+                                                  SETTLE_WEIGHINGS - 2)
                     return self._hold(k, batch_size)
+            before = self.current
             self._switch(batch_size, {k: e for k, e in estimates.items() if e is not None})
+            self.num_kept_weighings = (self.num_kept_weighings + 1 if self.current == before
+                                       else 0)
             self.weighed_batch = batch_size  # all measured here: weigh again in DECIDE_EVERY
-        # else: the current length is being measured in this bucket first
+        else:  # the current length is being measured in this bucket first
+            self.num_kept_weighings = 0
         return self._keep()
+
+    @property
+    def sample_every(self) -> int:
+        """1, or `SETTLED_FACTOR` once settled (`SETTLE_WEIGHINGS`)."""
+        return SETTLED_FACTOR if self.num_kept_weighings >= SETTLE_WEIGHINGS else 1
+
+    def samples(self, verified_k: int, drafted_k: int) -> bool:
+        """Whether the scheduler reads this step output's acceptance and time:
+        every step until settled, and every step that verified or drafted
+        another length than the current one (a try, a change); else one in
+        `sample_every`."""
+        self.num_outputs += 1
+        every = self.sample_every
+        return (every == 1 or verified_k != self.current or drafted_k != self.current
+                or self.num_outputs % every == 0)
 
     def _near_weighed(self, batch_size: int) -> bool:
         """Whether the batch is within `REWEIGH_BATCH_SHARE` of the one it
@@ -253,7 +293,8 @@ class BatchDraftLength:
             preferred = stale + [k for k in [far] + near if k is not None]
         else:
             preferred = stale + near
-        if (self.stats.num_steps - self.last_path_step <= PATHS_RECENT_STEPS
+        recent = PATHS_RECENT_STEPS * self.sample_every  # paths recorded that much rarer
+        if (self.stats.num_steps - self.last_path_step <= recent
                 and self.num_exploring_turns % TIME_ONLY_EVERY != 0):
             # the paths teach the shorter sizes: on this turn, only longer ones
             return [k for k in preferred if k > self.current]
@@ -349,6 +390,14 @@ class BatchDraftLength:
         before it, whether or not its time counts for a length."""
         setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
         setattr(self.stats, f"{kind}_seconds", getattr(self.stats, f"{kind}_seconds") + seconds)
+
+    def step_counters(self) -> dict:
+        """`counters`, taken again on one step in `sample_every` (as the
+        step outputs are read) and handed out as they were in between."""
+        if (self._counters is None or self.sample_every == 1
+                or self.stats.num_steps % self.sample_every == 0):
+            self._counters = self.counters()
+        return self._counters
 
     def counters(self) -> dict:
         """What it decided so far, cheap enough to read every step (the

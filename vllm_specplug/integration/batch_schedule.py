@@ -31,6 +31,9 @@ LOG_INTERVAL_S = 10.0
 # `BatchPolicyView`; `vllm-specplug bench` reads them through its worker
 # extension, since the scheduler runs in the engine core's process)
 BATCH_POLICY_ATTR = "specplug_batch_draft_length"
+# on each SchedulerOutput: `BatchDraftLength.sample_every` (1, or more once
+# the policy settled), by which a tree head records its paths that much rarer
+SAMPLE_EVERY_ATTR = "specplug_sample_every"
 # on a ModelRunnerOutput: (drafts per request, [n, N - 1] node ranks of the
 # accepted paths) of a tree step before it (integration/v2/path_ranks.py)
 PATH_RANKS_ATTR = "specplug_path_ranks"
@@ -98,7 +101,8 @@ class BatchDraftSchedule:
         if (self._last_output_at is None and self._busy_since is None
                 and output.total_num_scheduled_tokens > 0):
             self._busy_since = called
-        setattr(output, BATCH_POLICY_ATTR, self.draft_length.counters())
+        setattr(output, BATCH_POLICY_ATTR, self.draft_length.step_counters())
+        setattr(output, SAMPLE_EVERY_ATTR, self.draft_length.sample_every)
         self.draft_length.stats.host_seconds += time.perf_counter() - started
         return output
 
@@ -126,7 +130,9 @@ class BatchDraftSchedule:
         drafts. Its time counts for K when it was a pure decode step that
         verified and drafted the same K after a step that did too (settled:
         the first step at a new length is slower, batch_draft_length.py),
-        whoever drafted."""
+        whoever drafted. Once the policy settled, only one step in its
+        `sample_every` is read so (`BatchDraftLength.samples`); every step's
+        kind and time, and the tree paths that arrive, are kept."""
         started = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -140,8 +146,10 @@ class BatchDraftSchedule:
                                                         default=0)
         settled = self._drafted_two_before == verified_k == drafted_k
         self._drafted_two_before, self._drafted_before = verified_k, drafted_k
-        accepted = _accepted_counts(spec, num_scheduled, model_runner_output)
-        self.draft_length.verified(verified_k, accepted)
+        sampled = self.draft_length.samples(verified_k, drafted_k)
+        if sampled:
+            self.draft_length.verified(verified_k, _accepted_counts(spec, num_scheduled,
+                                                                    model_runner_output))
         path_ranks = getattr(model_runner_output, PATH_RANKS_ATTR, None)
         if path_ranks is not None:  # a tree step's paths: every smaller tree's acceptance
             self.draft_length.verified_within(*path_ranks)
@@ -150,14 +158,15 @@ class BatchDraftSchedule:
         if seconds is not None:
             self.draft_length.stepped(("mixed" if not pure_decode else "decode"
                                        if settled else "switch"), seconds)
-        if seconds is not None and pure_decode and settled:
-            if self._first_at_shape(verified_k, scheduler_output):
-                self.draft_length.stats.num_first_at_shape += 1
-            else:
-                self.draft_length.measured(verified_k, num_reqs, seconds)
-        self._maybe_log()
-        if self._channel is not None:
-            self._channel.write(self.draft_length.stats, self.draft_length.current)
+        if sampled:
+            if seconds is not None and pure_decode and settled:
+                if self._first_at_shape(verified_k, scheduler_output):
+                    self.draft_length.stats.num_first_at_shape += 1
+                else:
+                    self.draft_length.measured(verified_k, num_reqs, seconds)
+            self._maybe_log()
+            if self._channel is not None:
+                self._channel.write(self.draft_length.stats, self.draft_length.current)
         self.draft_length.stats.host_seconds += time.perf_counter() - started
 
     def _first_at_shape(self, k: int, scheduler_output) -> bool:
@@ -214,11 +223,15 @@ class BatchPolicyView:
     (`BatchDraftLength.counters`), so each step's counters are merged in."""
 
     batch_policy: dict | None = None
+    sample_every = 1  # the policy's `sample_every` as of the last step
+    _merged: dict | None = None  # the counters merged last (handed out again until taken)
 
     def observe_schedule(self, scheduler_output) -> None:
         counters = getattr(scheduler_output, BATCH_POLICY_ATTR, None)
-        if counters is not None:
+        if counters is not None and counters is not self._merged:
+            self._merged = counters
             self.batch_policy = {**(self.batch_policy or {}), **counters}
+        self.sample_every = getattr(scheduler_output, SAMPLE_EVERY_ATTR, 1)
 
 
 def _fmt(value: float | None) -> str:

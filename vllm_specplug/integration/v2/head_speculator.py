@@ -232,7 +232,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if graphs is not None and not graphs.in_service and num_reqs \
                 and not input_batch.req_ids[0].startswith(WARMUP_REQ_PREFIXES):
             graphs.in_service = True  # a capture from now on stalls a step
-        if self.path_ranks is not None and input_batch.num_draft_tokens > 0:
+        if self.path_ranks is not None and input_batch.num_draft_tokens > 0 \
+                and self.path_ranks.due(self.sample_every):
             # before this step's trees replace the ranks of those just verified
             self.guard.call("path_ranks", input_batch.req_ids, self.path_ranks.record_step,
                             input_batch, self.tree_slots, effect="the batch policy learns "

@@ -54,13 +54,18 @@ class PathRanks:
         self.num_dropped = 0  # records overwritten before they were read
         self.record_every, self.num_tree_steps = record_every, 0
 
+    def due(self, sample_every: int = 1) -> bool:
+        """Counts a tree step: whether it is one in `record_every` times the
+        batch policy's `sample_every` (settled, it reads its steps that much
+        rarer), to `record_step` (asked first: a step that records nothing
+        costs no call)."""
+        self.num_tree_steps += 1
+        return (self.num_tree_steps - 1) % (self.record_every * sample_every) == 0
+
     def record_step(self, input_batch, tree_slots) -> None:
         """The paths the tree sampler just accepted (`TreeSlots.path_ranks`),
         for the rows that verified the step's draft count (not prefill rows,
-        nor rows scheduled fewer drafts), on one step in `record_every`."""
-        self.num_tree_steps += 1
-        if (self.num_tree_steps - 1) % self.record_every:
-            return
+        nor rows scheduled fewer drafts), on a step that was `due`."""
         num_reqs = input_batch.num_reqs
         scheduled = input_batch.num_scheduled_tokens[:num_reqs]
         decoding = ~input_batch.is_prefilling_np[:num_reqs]

@@ -962,13 +962,13 @@ def test_a_settled_policy_reads_one_step_in_sample_every():
     nodes on all its steps at 0.32 ms a step over the static tree's 2.77:
     the policy's reading of every step and the paths recorded
     (docs/results/batch_draft_length_h200_run12). Once its weighings kept
-    the length `SETTLE_WEIGHINGS` times, the scheduler reads one step in
+    the length `SETTLE_STEPS` steps, the scheduler reads one step in
     `SETTLED_FACTOR` (acceptance and time; a try's steps whole), hands the
     workers the same counters in between, and the policy still runs within
-    3% of the best static length; a batch that moves unsettles it at once."""
+    3% of the best static length; a weighing that moves it unsettles it."""
     from types import SimpleNamespace
 
-    from vllm_specplug.adaptive.batch_draft_length import SETTLED_FACTOR
+    from vllm_specplug.adaptive.batch_draft_length import DECIDE_EVERY, SETTLED_FACTOR
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
     policy = BatchDraftLength((0, 1, 2, 4, 8, 15), chains=False)
@@ -976,8 +976,7 @@ def test_a_settled_policy_reads_one_step_in_sample_every():
                                 _drafted_before=None, _maybe_log=lambda: None)
     scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
         scheduler, k, out)
-    idle = dict(rates=[0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6] + [0.5] * 7, fixed=3.4e-3,
-                per_token=1e-7, per_draft=4e-5)
+    idle = dict(rates=[0.95] * 15, fixed=3.4e-3, per_token=1e-7, per_draft=4e-5)  # 15 best
     engine, history = _ChainEngine(**idle), [0, 0]
 
     def run(num_steps: int, num_reqs: int = 1) -> float:
@@ -1003,14 +1002,18 @@ def test_a_settled_policy_reads_one_step_in_sample_every():
         return counters, tokens / elapsed
 
     run(600)
-    assert policy.sample_every == SETTLED_FACTOR, policy.as_dict()
+    engine = _ChainEngine(**idle, seed=1)  # the static lengths' draws below
+    assert policy.current == 15 and policy.sample_every == SETTLED_FACTOR, policy.as_dict()
     read_before, steps_before = policy.acceptance.num_steps, policy.stats.num_steps
     counters, rate = run(400)
     assert policy.step_counters() is counters or policy.stats.num_steps % SETTLED_FACTOR == 0
     read = policy.acceptance.num_steps - read_before
     assert read <= 2 * 400 // SETTLED_FACTOR, (read, policy.as_dict())  # tries read whole
-    best = max(_run(_ChainEngine(**idle), 1, 400, lambda b, k=k: k) for k in policy.candidates)
+    best = max(_run(_ChainEngine(**idle, seed=1), 1, 400, lambda b, k=k: k)
+               for k in policy.candidates)
     assert rate >= 0.97 * best, (rate, best, policy.as_dict())
     assert policy.stats.num_steps - steps_before == 400
-    policy[8]  # the batch moved
-    assert policy.sample_every == 1
+    policy.verified(15, [0] * 2000)  # its drafts stopped being accepted
+    for _ in range(DECIDE_EVERY):  # the next weighing moves it, unsettled
+        policy[1]
+    assert policy.current < 15 and policy.sample_every == 1, policy.as_dict()

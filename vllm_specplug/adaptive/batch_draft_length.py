@@ -99,15 +99,16 @@ DECIDE_EVERY = 4
 # ... and on a step whose batch moved more than this share from the last one
 # it weighed at (a batch that drains or fills moves to other lengths)
 REWEIGH_BATCH_SHARE = 0.25
-# Once its weighings kept one length `SETTLE_WEIGHINGS` times in a row, the
-# policy is settled: it weighs its lengths, reads a step's acceptance and
-# time, and has a tree's paths recorded `SETTLED_FACTOR` times less often
-# (`sample_every`), until a weighing moves it or a length is being measured
-# (a batch that moves is weighed at once, as before). On the H200 (tiny model,
-# batch 1, host-bound) the adaptive tree ran 15 nodes on all its steps, 0.32 ms
-# a step over the static tree's 2.77: the policy's 151 us a step and the
-# paths' recording (docs/results/batch_draft_length_h200_run12)
-SETTLE_WEIGHINGS = 8
+# Once its weighings kept one length for `SETTLE_STEPS` steps, every length
+# measured where the batch is, the policy is settled: the scheduler reads a
+# step's acceptance and time, and a tree head records its paths,
+# `SETTLED_FACTOR` times less often (`sample_every`; a try's steps are read
+# whole), until a weighing moves it or a length is being measured. It still
+# weighs on one step in `DECIDE_EVERY` and when the batch moves. On the H200
+# (tiny model, batch 1, host-bound) the adaptive tree ran 15 nodes on all its
+# steps, 0.32 ms a step over the static tree's 2.77: the policy's 151 us a
+# step and the paths' recording (docs/results/batch_draft_length_h200_run12)
+SETTLE_STEPS = 64
 SETTLED_FACTOR = 8
 # A move to a shorter length needs a gain beyond the margin of this many
 # standard errors of the two times: the policy weighs its lengths every few
@@ -161,7 +162,7 @@ class BatchDraftLength:
         self.weighed_batch: int | None = None  # where it last weighed them all (None: next step)
         self.num_unweighed = 0  # steps it kept the length since, without weighing
         self.num_decode_steps = 0
-        self.num_kept_weighings = 0  # weighings in a row that kept the length (settled)
+        self.num_kept_steps = 0  # steps its weighings kept the length since it last moved
         self.num_outputs = 0  # step outputs seen (`samples`)
         self._counters: dict | None = None  # `step_counters`' copy
         self.last_path_step = -PATHS_RECENT_STEPS - 1  # num_steps of the last `verified_within`
@@ -182,10 +183,7 @@ class BatchDraftLength:
         if self.explore_left > 0:
             self.explore_left -= 1
             return self.exploring
-        near = self._near_weighed(batch_size)
-        if not near and self.weighed_batch is not None:
-            self.num_kept_weighings = 0  # the batch moved: weighed at the unsettled pace again
-        if self.stats.num_steps % (DECIDE_EVERY * self.sample_every) and near:
+        if self.stats.num_steps % DECIDE_EVERY and self._near_weighed(batch_size):
             self.num_unweighed += 1
             return self._keep()
         steps, self.num_unweighed, self.weighed_batch = 1 + self.num_unweighed, 0, None
@@ -198,29 +196,24 @@ class BatchDraftLength:
             unknown = [k for k in self.candidates if estimates[k] is None
                        and self.tries.get((k, batch_bucket(batch_size)), 0) < 4 * MIN_SAMPLES]
             if unknown:
-                self.num_kept_weighings = 0
+                self.num_kept_steps = 0
                 return self._hold(unknown[-1], batch_size)
             if self.stats.num_steps % self.explore_every == 0:
                 k = self._affordable(self._next_to_explore(), batch_size, estimates)
                 if k is not None:
-                    # what the try finds is weighed within two weighings at
-                    # the unsettled pace
-                    self.num_kept_weighings = min(self.num_kept_weighings,
-                                                  SETTLE_WEIGHINGS - 2)
                     return self._hold(k, batch_size)
             before = self.current
             self._switch(batch_size, {k: e for k, e in estimates.items() if e is not None})
-            self.num_kept_weighings = (self.num_kept_weighings + 1 if self.current == before
-                                       else 0)
+            self.num_kept_steps = self.num_kept_steps + steps if self.current == before else 0
             self.weighed_batch = batch_size  # all measured here: weigh again in DECIDE_EVERY
         else:  # the current length is being measured in this bucket first
-            self.num_kept_weighings = 0
+            self.num_kept_steps = 0
         return self._keep()
 
     @property
     def sample_every(self) -> int:
-        """1, or `SETTLED_FACTOR` once settled (`SETTLE_WEIGHINGS`)."""
-        return SETTLED_FACTOR if self.num_kept_weighings >= SETTLE_WEIGHINGS else 1
+        """1, or `SETTLED_FACTOR` once settled (`SETTLE_STEPS`)."""
+        return SETTLED_FACTOR if self.num_kept_steps >= SETTLE_STEPS else 1
 
     def samples(self, verified_k: int, drafted_k: int) -> bool:
         """Whether the scheduler reads this step output's acceptance and time:

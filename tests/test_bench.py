@@ -429,3 +429,31 @@ def test_ramp_stages_double_up_and_halve_down():
     assert ramp_stages(4, 4) == [4]
     with pytest.raises(ValueError, match="--ramp 8 2"):
         ramp_stages(8, 2)
+
+
+def test_bench_ratios_are_taken_within_each_repeat(tmp_path, capsys):
+    """`bench ratios`: a row over another in the same repeat (a repeat that ran
+    slow for every row cancels), over several the fastest of them per
+    repeat; a missing reference or a file that is not a result is named."""
+    from vllm_specplug.bench.ratios import repeat_ratios
+
+    rows = [{"name": "none", "batch_size": 1, "tokens_per_second": [100.0, 50.0, 100.0]},
+            {"name": "theirs-a", "batch_size": 1, "tokens_per_second": [200.0, 100.0, 150.0]},
+            {"name": "theirs-b", "batch_size": 1, "tokens_per_second": [150.0, 110.0, 300.0]},
+            {"name": "ours", "batch_size": 1, "tokens_per_second": [300.0, 110.0, 330.0]},
+            {"name": "failed", "batch_size": 1, "tokens_per_second": []}]
+    assert repeat_ratios(rows, "ours", ["theirs-a"], 1) == [1.5, 1.1, 2.2]
+    assert repeat_ratios(rows, "ours", ["theirs-a", "theirs-b"], 1) == [1.5, 1.0, 1.1]
+    assert repeat_ratios(rows, "failed", ["none"], 1) is None
+    assert repeat_ratios(rows, "ours", ["none"], 16) is None
+    path = tmp_path / "offline.json"
+    path.write_text(json.dumps({"settings": {}, "rows": rows}))
+    assert main(["bench", "ratios", str(path), "--over", "theirs-a", "--over", "theirs-b",
+                 "--row", "ours"]) == 0
+    out = capsys.readouterr().out
+    assert "1.10 [1.00-1.50]" in out and "per repeat: 1.50 1.00 1.10" in out
+    assert main(["bench", "ratios", str(path), "--over", "vllm"]) == 2
+    assert "--over vllm: no such row" in capsys.readouterr().err
+    path.write_text("[1, 2]")
+    assert main(["bench", "ratios", str(path), "--over", "none"]) == 2
+    assert "not a `bench offline` result JSON" in capsys.readouterr().err

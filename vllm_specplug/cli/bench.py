@@ -100,6 +100,15 @@ def add_parser(sub) -> None:
     online.add_argument("--repeats", type=int, default=3, help="--ramp: passes of the ramp")
     _common(online)
     online.set_defaults(func=run_online_command)
+    ratios = modes.add_parser("ratios", help="per-repeat ratios between rows of an "
+                              "offline result: median [range] of row over row")
+    ratios.add_argument("json", help="offline.json of `bench offline --out DIR`")
+    ratios.add_argument("--over", action="append", required=True, metavar="NAME",
+                        help="the reference row (repeat for several: the fastest of "
+                        "them in each repeat)")
+    ratios.add_argument("--row", action="append", default=None, metavar="NAME",
+                        help="rows to report (default: every other row)")
+    ratios.set_defaults(func=run_ratios_command)
 
 
 def _raw_formatter():
@@ -333,6 +342,17 @@ def _servers(urls: list[str], model_name: str | None):
         names.add(name)
         servers.append(connect(name, url, model_name))
     return servers
+
+
+def run_ratios_command(args) -> int:
+    from vllm_specplug.bench.ratios import load_rows, ratio_table
+
+    try:
+        print(ratio_table(load_rows(args.json), args.over, args.row))
+    except ValueError as error:
+        print(f"vllm-specplug bench ratios: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_online_command(args) -> int:

@@ -457,3 +457,42 @@ def test_bench_ratios_are_taken_within_each_repeat(tmp_path, capsys):
     path.write_text("[1, 2]")
     assert main(["bench", "ratios", str(path), "--over", "none"]) == 2
     assert "not a `bench offline` result JSON" in capsys.readouterr().err
+
+
+def test_timed_gpu_servers_run_with_graphs_and_start_one_at_a_time(monkeypatch, tmp_path):
+    """benchmarks/gpu/ramp_servers.py's servers: no `--enforce-eager` (a timed
+    run wants vLLM's graphs), and each healthy before the next starts (on one
+    GPU vLLM's memory profiling fails while another engine starts)."""
+    from vllm_specplug.testing import server
+
+    events = []
+
+    class Process:
+        returncode = 0
+
+        def __init__(self, command, **kwargs):
+            self.name = "ours" if "--speculative-config" in command else "none"
+            events.append(("start", self.name, "--enforce-eager" in command))
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            events.append(("stop", self.name))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(server.subprocess, "Popen", Process)
+    monkeypatch.setattr(server, "_wait_healthy", lambda process, base, log, seconds=0:
+                        events.append(("healthy", process.name, seconds)))
+    specs = {"none": None, "ours": {"method": "specplug_ngram"}}
+    with server.serving("model", specs, tmp_path, eager=False, one_at_a_time=True,
+                        startup_seconds=600) as urls:
+        assert list(urls) == ["none", "ours"]
+    assert events[:4] == [("start", "none", False), ("healthy", "none", 600),
+                          ("start", "ours", False), ("healthy", "ours", 600)]
+    events.clear()
+    with server.serving("model", specs, tmp_path):  # tests: eager, all started at once
+        pass
+    assert events[:2] == [("start", "none", True), ("start", "ours", True)]

@@ -162,10 +162,14 @@ def test_bench_online_against_both_servers(servers, tmp_path):
 
 
 def test_bench_online_ramp_interleaves_servers_and_reports_the_spread(servers, tmp_path):
-    """`--ramp 1 2`: stages 1, 2, 1 per pass, servers in turn per repeat,
-    every output equal to the first server's (greedy)."""
+    """`--ramp 1 2`: stages 1, 2, 1 per pass, servers in turn per repeat
+    after one unmeasured pass per server (its drafts not in any row), every
+    output equal to the first server's (greedy)."""
+    from vllm_specplug.bench.online import connect, read_counts
     from vllm_specplug.cli.main import main
 
+    ours = connect("ours", servers["ours"])
+    before = read_counts(ours).num_drafts
     out = tmp_path / "ramp"
     code = main(["bench", "online", "--url", f"none={servers['none']}",
                  "--url", f"ours={servers['ours']}", "--prompts", "held-out",
@@ -181,6 +185,9 @@ def test_bench_online_ramp_interleaves_servers_and_reports_the_spread(servers, t
         assert row["load"] == "ramp 1-2-1" and row["num_completed"] == 4
         assert row["num_failed"] == 0 and row["num_mismatches"] == 0
     assert all(r["counts"]["num_drafts"] > 0 for r in rows if r["name"] == "ours")
+    assert data["settings"]["warmup_passes"] == 1
+    measured = sum(r["counts"]["num_drafts"] for r in rows if r["name"] == "ours")
+    assert read_counts(ours).num_drafts - before > measured  # the warm-up pass drafted too
     summary = (out / "ramp.txt").read_text()
     assert "tok/s median [range]" in summary and "ours" in summary
 

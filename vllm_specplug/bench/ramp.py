@@ -68,12 +68,23 @@ def _stage_prompts(prompts: list[BenchPrompt], stages: list[int],
 
 def run_ramps(servers: list[Server], prompts: list[BenchPrompt], stages: list[int],
               requests_per_client: int, repeats: int, max_tokens: int,
-              temperature: float = 0.0, timeout: float = 600) -> list[OnlineRow]:
-    """`repeats` passes, servers interleaved within each; one row per
-    (server, repeat), compared with the first server's of the same repeat."""
+              temperature: float = 0.0, timeout: float = 600,
+              warmup_passes: int = 1) -> list[OnlineRow]:
+    """`warmup_passes` unmeasured passes per server (a server compiles
+    kernels and captures graphs the first time a shape comes: on the H200
+    vLLM's engines and ours compiled Triton kernels on their first requests,
+    docs/results/batch_draft_length_h200_run12), then `repeats` passes,
+    servers interleaved within each; one row per (server, repeat), compared
+    with the first server's of the same repeat."""
     per_pass = sum(stages) * requests_per_client
     rows = []
-    with tqdm(total=repeats * len(servers) * per_pass, desc="bench ramp", unit="req") as progress:
+    total = (warmup_passes + repeats) * len(servers) * per_pass
+    with tqdm(total=total, desc="bench ramp", unit="req") as progress:
+        for server in servers:
+            for _ in range(warmup_passes):
+                progress.set_postfix_str(f"{server.name} warm-up")
+                run_ramp(server, prompts, stages, requests_per_client, max_tokens,
+                         temperature, timeout, progress)
         for repeat in range(repeats):
             for server in servers:
                 progress.set_postfix_str(f"{server.name} repeat {repeat + 1}")

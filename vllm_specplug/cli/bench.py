@@ -98,6 +98,9 @@ def add_parser(sub) -> None:
     online.add_argument("--requests-per-client", type=int, default=2,
                         help="--ramp: requests per client at each stage")
     online.add_argument("--repeats", type=int, default=3, help="--ramp: passes of the ramp")
+    online.add_argument("--warmup-passes", type=int, default=1,
+                        help="--ramp: unmeasured passes per server first (kernels compiled "
+                        "and graphs captured on first use; 0: none)")
     _common(online)
     online.set_defaults(func=run_online_command)
     ratios = modes.add_parser("ratios", help="per-repeat ratios between rows of an "
@@ -390,10 +393,12 @@ def _run_ramp(args, servers, prompts, settings: dict) -> int:
         stages = ramp_stages(*args.ramp)
     except ValueError as error:
         return _fail(error)
+    if args.warmup_passes < 0:
+        return _fail(ValueError(f"--warmup-passes must be >= 0, got {args.warmup_passes}"))
     rows = run_ramps(servers, prompts, stages, args.requests_per_client, args.repeats,
-                     args.max_tokens, args.temperature, args.timeout)
+                     args.max_tokens, args.temperature, args.timeout, args.warmup_passes)
     settings.update(ramp=stages, requests_per_client=args.requests_per_client,
-                    repeats=args.repeats)
+                    repeats=args.repeats, warmup_passes=args.warmup_passes)
     print(f"\nramp {stages}, {args.requests_per_client} requests per client a stage, "
           f"{args.max_tokens} max new tokens, temperature {args.temperature}; "
           "latency percentiles in ms")

@@ -34,7 +34,11 @@ def _move_path(plane, table, root, accepted_node_ptr, num, offs, in_row, BLOCK_S
         tl.store(plane + dst[:, None] * ROW + offs[None, :], rows, mask=tile)
 
 
-@triton.jit
+# `N` moves with the draft length, so it is not specialized on:
+# Triton compiles a variant per value class (1, a multiple of 16, other)
+# on first use, which a served engine met in its first requests
+# (docs/results/batch_draft_length_h200_run12)
+@triton.jit(do_not_specialize=["N"])
 def compact_kv_cache_kernel(cache_ptr, block_table_ptr, seq_len_ptr,
                             accepted_node_ptr, num_accepted_ptr, plane_stride,
                             max_blocks, N, BLOCK_SIZE, ROW, BLOCK: tl.constexpr,
@@ -47,7 +51,8 @@ def compact_kv_cache_kernel(cache_ptr, block_table_ptr, seq_len_ptr,
                BLOCK_SIZE, ROW, GROUP)
 
 
-@triton.jit
+# as compact_kv_cache_kernel: `N` not specialized on
+@triton.jit(do_not_specialize=["N"])
 def compact_kv_layers_kernel(cache_ptr, layer_offset_ptr, block_table_ptr, seq_len_ptr,
                              query_start_ptr, accepted_node_ptr, num_accepted_ptr,
                              max_blocks, N, BLOCK_SIZE, ROW, BLOCK: tl.constexpr,

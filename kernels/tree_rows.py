@@ -23,7 +23,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# `num_reqs` moves with the batch, so it is not specialized on:
+# Triton compiles a variant per value class (1, a multiple of 16, other)
+# on first use, which a served engine met in its first requests
+# (docs/results/batch_draft_length_h200_run12)
+@triton.jit(do_not_specialize=["num_reqs"])
 def prepare_tree_rows_kernel(positions_ptr, query_start_ptr, cu_num_logits_ptr,
                              idx_mapping_ptr, slot_is_tree_ptr, slot_depths_ptr,
                              slot_bits_ptr, first_token_ptr, seq_lens_ptr, num_nodes_ptr,
@@ -54,7 +58,12 @@ def prepare_tree_rows_kernel(positions_ptr, query_start_ptr, cu_num_logits_ptr,
         tl.store(num_nodes_ptr + row, 0)
 
 
-@triton.jit
+# `num_requests` moves with the batch and `N` with the draft length, so
+# neither is specialized on:
+# Triton compiles a variant per value class (1, a multiple of 16, other)
+# on first use, which a served engine met in its first requests
+# (docs/results/batch_draft_length_h200_run12)
+@triton.jit(do_not_specialize=["num_requests", "N"])
 def verified_rows_kernel(batch_rows_ptr, query_start_ptr, seq_lens_ptr, num_rejected_ptr,
                          cu_num_logits_ptr, idx_mapping_ptr, accepted_node_ptr,
                          input_ids_ptr, last_sampled_ptr, token_rows_ptr, positions_ptr,

@@ -44,7 +44,11 @@ def verify_tree_greedy_kernel(token_ptr, parent_ptr, target_argmax_ptr,
     tl.store(num_accepted_ptr + b, num.to(tl.int64))
 
 
-@triton.jit
+# `N` moves with the draft length, so it is not specialized on:
+# Triton compiles a variant per value class (1, a multiple of 16, other)
+# on first use, which a served engine met in its first requests
+# (docs/results/batch_draft_length_h200_run12)
+@triton.jit(do_not_specialize=["N"])
 def verify_tree_greedy_rows_kernel(target_argmax_ptr, input_ids_ptr, logits_indices_ptr,
                                    cu_num_logits_ptr, parent_ptr, idx_mapping_ptr,
                                    slot_num_nodes_ptr, out_token_ptr, num_accepted_ptr,

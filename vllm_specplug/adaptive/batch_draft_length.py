@@ -221,9 +221,8 @@ class BatchDraftLength:
         another length than the current one (a try, a change); else one in
         `sample_every`."""
         self.num_outputs += 1
-        every = self.sample_every
-        return (every == 1 or verified_k != self.current or drafted_k != self.current
-                or self.num_outputs % every == 0)
+        return (verified_k != self.current or drafted_k != self.current
+                or self.num_outputs % self.sample_every == 0)
 
     def _near_weighed(self, batch_size: int) -> bool:
         """Whether the batch is within `REWEIGH_BATCH_SHARE` of the one it
@@ -387,8 +386,7 @@ class BatchDraftLength:
     def step_counters(self) -> dict:
         """`counters`, taken again on one step in `sample_every` (as the
         step outputs are read) and handed out as they were in between."""
-        if (self._counters is None or self.sample_every == 1
-                or self.stats.num_steps % self.sample_every == 0):
+        if self._counters is None or self.stats.num_steps % self.sample_every == 0:
             self._counters = self.counters()
         return self._counters
 

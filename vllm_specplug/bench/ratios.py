@@ -10,8 +10,9 @@ static configuration, or vLLM's best length, in that repeat).
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
+
+from vllm_specplug.bench.report import spread
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -57,10 +58,6 @@ def ratio_table(rows: list[dict], over: list[str], names: list[str] | None = Non
         for size in sizes:
             ratios = repeat_ratios(rows, name, over, size)
             if ratios:
-                lines.append(f"{name:28}{size:>6}  {_spread(ratios)}   per repeat: "
+                lines.append(f"{name:28}{size:>6}  {spread(ratios, '.2f')}   per repeat: "
                              + " ".join(f"{r:.2f}" for r in ratios))
     return "\n".join(lines)
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"

@@ -260,12 +260,13 @@ def format_ramp_summary(rows) -> str:
         mine = [r for r in rows if r.name == name]
         speed = [r.tokens_per_second for r in mine]
         ratio = [r.speedup for r in mine if not math.isnan(r.speedup)]
-        lines.append(f"{name:<14}{len(mine):>8}{_spread(speed, '.1f'):>28}"
-                     f"{_spread(ratio, '.2f'):>26}")
+        lines.append(f"{name:<14}{len(mine):>8}{spread(speed, '.1f'):>28}"
+                     f"{spread(ratio, '.2f'):>26}")
     return "\n".join(lines)
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
+    """'median [min-max]' of `values` in `fmt`."""
     if not values:
         return "-"
     ordered = sorted(values)

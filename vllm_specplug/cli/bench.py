@@ -353,8 +353,7 @@ def run_ratios_command(args) -> int:
     try:
         print(ratio_table(load_rows(args.json), args.over, args.row))
     except ValueError as error:
-        print(f"vllm-specplug bench ratios: {error}", file=sys.stderr)
-        return 2
+        return _fail(error)
     return 0
 
 

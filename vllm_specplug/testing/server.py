@@ -54,7 +54,7 @@ def vllm_command() -> list[str]:
 def _command(model_dir, port: int, spec: dict | None, extra_args: list[str],
              eager: bool = True) -> list[str]:
     command = [*vllm_command(), "serve", str(model_dir), "--port", str(port),
-               "--host", "127.0.0.1", "--dtype", "float32", *(["--enforce-eager"] * eager),
+               "--host", "127.0.0.1", "--dtype", "float32", *(["--enforce-eager"] if eager else []),
                "--max-model-len", "1024", "--served-model-name", SERVED_MODEL_NAME,
                *extra_args]
     return command + (["--speculative-config", json.dumps(spec)] if spec else [])

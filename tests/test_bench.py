@@ -456,7 +456,26 @@ def test_bench_ratios_are_taken_within_each_repeat(tmp_path, capsys):
     assert "--over vllm: no such row" in capsys.readouterr().err
     path.write_text("[1, 2]")
     assert main(["bench", "ratios", str(path), "--over", "none"]) == 2
-    assert "not a `bench offline` result JSON" in capsys.readouterr().err
+    assert "not a `bench offline` or `bench online` result JSON" in capsys.readouterr().err
+
+
+def test_bench_ratios_read_online_rows_one_per_repeat(tmp_path, capsys):
+    """`bench online` writes a row per server, load and repeat: `bench
+    ratios` folds them by load (a ramp's name or the concurrency), the
+    repeats in order, and gives a load with a failed repeat no ratio."""
+    def row(name, repeat, seconds, load=None, concurrency=256, failed=0):
+        return {"name": name, "repeat": repeat, "seconds": seconds, "load": load,
+                "concurrency": concurrency, "num_output_tokens": 600, "num_failed": failed}
+
+    rows = [row("none", 1, 6.0, "ramp 1-256-1"), row("none", 0, 3.0, "ramp 1-256-1"),
+            row("ours", 0, 2.0, "ramp 1-256-1"), row("ours", 1, 2.0, "ramp 1-256-1"),
+            row("none", 0, 4.0, concurrency=8), row("ours", 0, 5.0, concurrency=8, failed=1)]
+    path = tmp_path / "ramp.json"
+    path.write_text(json.dumps({"settings": {}, "rows": rows}))
+    assert main(["bench", "ratios", str(path), "--over", "none"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("ramp 1-256-1" in line and "per repeat: 1.50 3.00" in line for line in lines)
+    assert not any(line.startswith("ours") and " 8 " in line for line in lines)
 
 
 def test_timed_gpu_servers_run_with_graphs_and_start_one_at_a_time(monkeypatch, tmp_path):
@@ -496,3 +515,22 @@ def test_timed_gpu_servers_run_with_graphs_and_start_one_at_a_time(monkeypatch, 
     with server.serving("model", specs, tmp_path):  # tests: eager, all started at once
         pass
     assert events[:2] == [("start", "none", True), ("start", "ours", True)]
+
+
+def test_online_rows_keep_which_requests_differ_from_the_first_server():
+    """`bench online`'s exactness: a row over the first server's row of the
+    same load and repeat, with the requests that differ and where (to tell
+    the target's own batch-shape near-ties, the same requests in every row,
+    from a drafter's fault), a few at most."""
+    from vllm_specplug.bench.online import MAX_MISMATCHES_KEPT, OnlineRow, compare_to_first
+
+    texts = [f"answer {i}" for i in range(20)]
+    first = OnlineRow("none", 8, 20, num_completed=20, seconds=2.0, num_output_tokens=100,
+                      texts=texts)
+    ours = OnlineRow("ours", 8, 20, num_completed=20, seconds=1.0, num_output_tokens=100,
+                     texts=[t.replace("1", "7") for t in texts])
+    compare_to_first([first, ours], "none", greedy=True)
+    assert ours.speedup == 2.0 and first.num_mismatches == 0 and first.mismatches == []
+    assert ours.num_mismatches == 11  # "answer 1" and 10-19
+    assert len(ours.mismatches) == MAX_MISMATCHES_KEPT
+    assert ours.mismatches[0].startswith("request 1 : first differs at token 7")

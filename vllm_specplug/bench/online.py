@@ -39,6 +39,9 @@ class Server:
     model: str        # served model name
 
 
+MAX_MISMATCHES_KEPT = 8  # per row in the JSON: enough to see which requests differ
+
+
 @dataclass
 class RequestTiming:
     text: str = ""
@@ -62,6 +65,7 @@ class OnlineRow:
     counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     speedup: float = math.nan          # tokens/s over the first server's
     num_mismatches: int | None = None  # greedy texts differing from the first server's
+    mismatches: list[str] = field(default_factory=list)  # the first few, request by request
     texts: list[str] = field(default_factory=list, repr=False)
     load: str = "steady"  # or the ramp's stages (bench/ramp.py)
     repeat: int = 0
@@ -219,5 +223,8 @@ def compare_to_first(rows: list[OnlineRow], first: str, greedy: bool) -> None:
             row.speedup = row.tokens_per_second / ref.tokens_per_second
         if greedy and row.num_failed == 0 and ref.num_failed == 0:
             # Text, not ids: streamed chunks carry text. Compared per character.
-            row.num_mismatches = len(token_mismatches(
-                [list(t) for t in ref.texts], [list(t) for t in row.texts]))
+            found = token_mismatches([list(t) for t in ref.texts], [list(t) for t in row.texts])
+            row.num_mismatches = len(found)
+            # Which requests and where, to tell the target's own batch-shape
+            # near-ties (the same requests in every row) from a drafter's fault.
+            row.mismatches = found[:MAX_MISMATCHES_KEPT]

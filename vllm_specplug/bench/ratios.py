@@ -1,4 +1,5 @@
-"""Per-repeat ratios between rows of a `bench offline` result (its JSON).
+"""Per-repeat ratios between rows of a `bench offline` or `bench online`
+result (its JSON).
 
 On a noisy host a whole repeat runs fast or slow (the H200 here moved 3x
 within one engine), and every row of an interleaved repeat shares it: one
@@ -16,15 +17,39 @@ from vllm_specplug.bench.report import spread
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    """The rows of a `bench offline` JSON (`offline.json`), with a clear
-    error naming the file when it is not one."""
+    """The rows of a `bench offline` JSON (`offline.json`: a row per batch
+    size, its repeats in a list) or of a `bench online` one (`online.json`,
+    `ramp.json`: a row per repeat, folded here into the offline shape, the
+    load or concurrency as its `batch_size`), with a clear error naming the
+    file when it is neither."""
     try:
         data = json.loads(Path(path).read_text())
         rows = data["rows"]
+        if rows and "batch_size" not in rows[0]:
+            rows = fold_online_rows(rows)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: not a `bench offline` result JSON ({error}); pass the "
-                         "offline.json that `bench offline --out DIR` wrote") from error
+        raise ValueError(f"{path}: not a `bench offline` or `bench online` result JSON "
+                         f"({error}); pass the offline.json, online.json or ramp.json "
+                         "that `bench offline/online --out DIR` wrote") from error
     return rows
+
+
+def fold_online_rows(rows: list[dict]) -> list[dict]:
+    """`bench online` rows (one per server, load and repeat) as offline rows:
+    one per server and load, `tokens_per_second` its repeats in order. The
+    load is a ramp's name ("ramp 1-256-1") or the concurrency."""
+    folded: dict[tuple[str, object], dict] = {}
+    for row in sorted(rows, key=lambda r: r.get("repeat", 0)):
+        load = row.get("load") or row["concurrency"]
+        entry = folded.setdefault((row["name"], load), {
+            "name": row["name"], "batch_size": load, "tokens_per_second": []})
+        ok = row.get("num_failed") == 0 and row["seconds"] > 0
+        entry["tokens_per_second"].append(row["num_output_tokens"] / row["seconds"] if ok
+                                          else None)
+    for entry in folded.values():
+        if None in entry["tokens_per_second"]:
+            entry["tokens_per_second"] = []  # a failed repeat: no ratios for this row
+    return list(folded.values())
 
 
 def repeat_ratios(rows: list[dict], name: str, over: list[str], batch_size: int
@@ -51,13 +76,14 @@ def ratio_table(rows: list[dict], over: list[str], names: list[str] | None = Non
         raise ValueError(f"--over {', '.join(missing)}: no such row; rows are "
                          f"{', '.join(sorted(known))}")
     names = names or [n for n in dict.fromkeys(r["name"] for r in rows) if n not in over]
-    sizes = sorted({r["batch_size"] for r in rows})
+    sizes = sorted({r["batch_size"] for r in rows}, key=lambda s: (isinstance(s, str), s))
     title = f"over {' / '.join(over)}" + (" (the fastest per repeat)" if len(over) > 1 else "")
-    lines = [f"{'row':28}{'batch':>6}  {title}", "-" * 78]
+    width = max(6, *(len(str(s)) for s in sizes))
+    lines = [f"{'row':28}{'batch':>{width}}  {title}", "-" * (72 + width)]
     for name in names:
         for size in sizes:
             ratios = repeat_ratios(rows, name, over, size)
             if ratios:
-                lines.append(f"{name:28}{size:>6}  {spread(ratios, '.2f')}   per repeat: "
+                lines.append(f"{name:28}{size!s:>{width}}  {spread(ratios, '.2f')}   per repeat: "
                              + " ".join(f"{r:.2f}" for r in ratios))
     return "\n".join(lines)

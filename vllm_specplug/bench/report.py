@@ -319,6 +319,16 @@ def _by_name(rows) -> dict[str, list]:
     return groups
 
 
+def _spread_bar(ax, x: int, values: list[float], colour) -> None:
+    """A bar at the median of `values` with a line over their range."""
+    if not values:
+        ax.bar(x, math.nan, color=colour)
+        return
+    middle = statistics.median(values)
+    ax.bar(x, middle, color=colour, yerr=[[middle - min(values)], [max(values) - middle]],
+           capsize=4, ecolor="black")
+
+
 def plot_rows(rows, path: Path, x_name: str) -> None:
     """Left: speed-up over the first method by batch size (offline) or
     concurrency (online), bars when there is one of them. Right: per-position
@@ -339,7 +349,7 @@ def plot_rows(rows, path: Path, x_name: str) -> None:
         speedups = [r.speedup for r in group]
         if len(xs_all) == 1:
             finite = [v for v in speedups if not math.isnan(v)]  # a ramp's repeats
-            left.bar(i, statistics.median(finite) if finite else math.nan, color=colours[name])
+            _spread_bar(left, i, finite, colours[name])
         else:
             left.plot(xs, speedups, marker="o", label=name, color=colours[name])
         counts = reduce(add, (r.counts for r in group), SpecDecodeCounts())
@@ -352,7 +362,9 @@ def plot_rows(rows, path: Path, x_name: str) -> None:
     if len(xs_all) == 1:
         left.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right",
                         fontsize=8)
-        left.set_xlabel(f"{unit} {xs_all[0]}")
+        ramp = x_name == "ramp" and getattr(rows[0], "load", None)
+        left.set_xlabel(f"{ramp}, median [range] of {len(rows) // len(groups)} passes" if ramp
+                        else f"{unit} {xs_all[0]}")
     else:
         left.set(xlabel=unit)
         left.set_xscale("log", base=2)

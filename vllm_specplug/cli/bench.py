@@ -104,8 +104,9 @@ def add_parser(sub) -> None:
     _common(online)
     online.set_defaults(func=run_online_command)
     ratios = modes.add_parser("ratios", help="per-repeat ratios between rows of an "
-                              "offline result: median [range] of row over row")
-    ratios.add_argument("json", help="offline.json of `bench offline --out DIR`")
+                              "offline or online result: median [range] of row over row")
+    ratios.add_argument("json", help="offline.json of `bench offline --out DIR`, or "
+                        "online.json / ramp.json of `bench online --out DIR`")
     ratios.add_argument("--over", action="append", required=True, metavar="NAME",
                         help="the reference row (repeat for several: the fastest of "
                         "them in each repeat)")

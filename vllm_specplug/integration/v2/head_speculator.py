@@ -180,9 +180,11 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     def capture(self) -> None:
         """Model Runner V2 captures its graphs: ours too, the fused decode
         step's for every padded batch size and draft length it may run
-        (step_warmup.py), so that no step in service stalls on a capture. A
-        failure costs those graphs (captured on first use instead), never
-        the engine."""
+        (step_warmup.py), so that no step in service stalls on a capture,
+        and the tree step's eager kernels compiled (kernel_warmup.py). A
+        failure costs those graphs or compiles (done on first use instead),
+        never the engine."""
+        from vllm_specplug.integration.v2.kernel_warmup import warm_up_tree_kernels
         from vllm_specplug.integration.v2.step_warmup import (scheduled_lengths, step_keys,
                                                               table_of, target_layout,
                                                               warm_up_step_graphs)
@@ -190,9 +192,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if self.runtime is None or self.runtime.graphs is None or self.guard.disabled:
             return
         started = time.perf_counter()
-        keys = step_keys(scheduled_lengths(self.vllm_config.speculative_config),
-                         table_of(self.vllm_config), self.drafter.tree_shape, step_tree_shape,
-                         self.max_num_reqs)
+        lengths = scheduled_lengths(self.vllm_config.speculative_config)
+        keys = step_keys(lengths, table_of(self.vllm_config), self.drafter.tree_shape,
+                         step_tree_shape, self.max_num_reqs)
         ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, keys,
                                     *target_layout(self.vllm_config.model_config,
                                                    self.drafter.aux_layer_ids),
@@ -200,6 +202,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if ok:
             logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "
                         "%.1f s", self.method, count, time.perf_counter() - started)
+        if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
+            self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
+                            self.drafter.options.num_steps, effect="they compile on first use")
 
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:

@@ -1,0 +1,41 @@
+"""The tree step's eager kernels warmed up at start-up
+(integration/v2/kernel_warmup.py): each launched once, on scratch inputs,
+and nothing of the slots' trees or the KV caches written."""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.integration.v2.kernel_warmup import row_variants, warm_up_tree_kernels
+from vllm_specplug.integration.v2.tree_slots import TreeSlots
+
+
+def test_row_variants_are_those_of_each_scheduled_length():
+    """R is the verified rows per request padded to a power of two (root and
+    one node per level, at most the tree's depth + 1); a length of 0
+    verifies no tree. The 16-node tree of 4 levels under the batch policy
+    (0, 1, 2, 4, 8, 15) meets four variants; the static tree one."""
+    assert row_variants((0, 1, 2, 4, 8, 15), 4) == [(1, False), (2, True), (4, True), (8, True)]
+    assert row_variants((15,), 4) == [(8, True)]
+    assert row_variants((3, 31), 8) == [(4, True), (16, True)]
+
+
+def test_warm_up_launches_each_kernel_and_writes_nothing_it_reads(device):
+    slots = TreeSlots(max_num_reqs=3, num_nodes=8, device=device)
+    slots.parents[1] = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3])  # a tree in slot 1
+    slots.num_drafted[0] = 5
+    physical = [torch.randn(6, 4, 2, 8, device=device) for _ in range(2)]  # [blocks, size, heads, 2d]
+    slots.bind_kv_caches([cache.transpose(1, 2) for cache in physical])
+    slots.block_table = torch.randint(0, 6, (3, 5), dtype=torch.int32, device=device)
+    before = {name: getattr(slots, name).clone() for name in
+              ("parents", "depths", "bits", "num_drafted", "accepted_nodes", "block_table")}
+    caches = [cache.clone() for cache in physical]
+
+    launches = warm_up_tree_kernels(slots, (0, 1, 2, 4, 7), num_steps=4)
+
+    assert launches == 1 + 1 + 4  # walk, compaction, R = 1, 2, 4, 8
+    for name, value in before.items():
+        assert torch.equal(getattr(slots, name), value), name
+    for cache, copy in zip(physical, caches):
+        assert torch.equal(cache, copy)
+    slots.kv_layers = None  # caches not bound: no compaction
+    assert warm_up_tree_kernels(slots, (7,), num_steps=4) == 1 + 1

@@ -40,8 +40,10 @@
 #            kernel compiled after its warm-up, `jit_monitor_verbose`)
 #   tiny-ramp issue 27's mixed online load: `vllm serve` per row (none, vLLM eagle3 K=5
 #            and sized, our tree 16 static and adaptive; ROWS=a,b,... picks), started one
-#            at a time, then `bench online --ramp 1 256` (RAMP="LOW HIGH"), REPEATS passes
-#            (benchmarks/gpu/ramp_servers.py); start it, then wait over two calls
+#            at a time, then `bench online --ramp 1 256` (RAMP="LOW HIGH"), REPEATS passes,
+#            PER_CLIENT requests per client a stage (default 1: a pass of 766 requests
+#            lasted 5-9 s on the tiny model, run13; benchmarks/gpu/ramp_servers.py);
+#            start it, then wait over two calls
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
@@ -213,7 +215,8 @@ run() {
       # issue 27's mixed online load: a server per row, then bench online --ramp
       export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
       python3 benchmarks/gpu/ramp_servers.py --work "$W" --out "$RESULTS/${RUN_NAME:-tiny-ramp}" \
-        ${ROWS:+--rows "$ROWS"} ${RAMP:+--ramp $RAMP} --repeats "${REPEATS:-3}" ;;
+        ${ROWS:+--rows "$ROWS"} ${RAMP:+--ramp $RAMP} --repeats "${REPEATS:-3}" \
+        ${PER_CLIENT:+--requests-per-client "$PER_CLIENT"} ;;
     tree-tests)
       # host.sh v2-tree-tests detached: the suite starts about 10 engines and
       # outgrew one 10-minute call (2026-11-28); -k K selects, TRITON_F32_DEFAULT passes through

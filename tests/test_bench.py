@@ -534,3 +534,32 @@ def test_online_rows_keep_which_requests_differ_from_the_first_server():
     assert ours.num_mismatches == 11  # "answer 1" and 10-19
     assert len(ours.mismatches) == MAX_MISMATCHES_KEPT
     assert ours.mismatches[0].startswith("request 1 : first differs at token 7")
+
+
+def test_online_requests_where_the_first_server_alone_differs_are_counted_apart():
+    """A ramp's reference runs at moving batch shapes and may flip a greedy
+    near-tie itself: a request where it alone differs while every other
+    server (at least two) agrees is `ref`, any other difference `NO`; with
+    one other server nothing is explained so."""
+    from vllm_specplug.bench.online import OnlineRow, compare_to_first, first_only
+    from vllm_specplug.bench.report import _exact_text
+    from vllm_specplug.cli.bench import _explained
+
+    assert first_only(["a", "b", "c"], [["a", "x", "c"], ["a", "x", "y"]]) == {1}
+    assert first_only(["a", "b"], [["a", "x"]]) == set()  # one other: no evidence
+
+    def row(name, texts):
+        return OnlineRow(name, 4, len(texts), num_completed=len(texts), seconds=1.0,
+                         num_output_tokens=10, texts=texts)
+
+    none, theirs = row("none", ["a", "b", "c"]), row("vllm", ["a", "x", "c"])
+    ours = row("ours", ["a", "x", "z"])  # request 1: none alone; request 2: ours alone
+    compare_to_first([none, theirs, ours], "none", greedy=True)
+    assert (theirs.num_mismatches, theirs.num_first_only) == (1, 1)
+    assert (ours.num_mismatches, ours.num_first_only) == (2, 1)
+    assert _exact_text(theirs.num_mismatches, theirs.num_first_only, "ref") == "ref(1)"
+    assert _exact_text(ours.num_mismatches, ours.num_first_only, "ref") == "NO(1)+1r"
+    assert _explained(theirs) == theirs.num_mismatches and _explained(ours) < ours.num_mismatches
+    pair = [row("none", ["a", "b"]), row("ours", ["a", "x"])]
+    compare_to_first(pair, "none", greedy=True)
+    assert pair[1].num_first_only == 0 and _exact_text(1, 0, "ref") == "NO(1)"

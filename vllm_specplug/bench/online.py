@@ -66,6 +66,9 @@ class OnlineRow:
     speedup: float = math.nan          # tokens/s over the first server's
     num_mismatches: int | None = None  # greedy texts differing from the first server's
     mismatches: list[str] = field(default_factory=list)  # the first few, request by request
+    # of those, requests where the first server alone differs: every other
+    # server (at least two) wrote the same text (`first_only`); None: not compared
+    num_first_only: int | None = None
     texts: list[str] = field(default_factory=list, repr=False)
     load: str = "steady"  # or the ramp's stages (bench/ramp.py)
     repeat: int = 0
@@ -228,3 +231,37 @@ def compare_to_first(rows: list[OnlineRow], first: str, greedy: bool) -> None:
             # Which requests and where, to tell the target's own batch-shape
             # near-ties (the same requests in every row) from a drafter's fault.
             row.mismatches = found[:MAX_MISMATCHES_KEPT]
+    if greedy:
+        for group in _groups(rows, key).values():
+            _count_first_only(group, first)
+
+
+def _groups(rows: list[OnlineRow], key) -> dict:
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return groups
+
+
+def first_only(reference: list, others: list[list]) -> set[int]:
+    """Requests whose text all of `others` (at least two) share and the
+    reference does not: where the reference alone differs, as its own
+    numerics under another batch shape make it (a greedy near-tie flipped),
+    not a speculator (vLLM's own among the others)."""
+    if len(others) < 2:
+        return set()
+    return {i for i, text in enumerate(reference)
+            if all(o[i] == others[0][i] for o in others[1:]) and others[0][i] != text}
+
+
+def _count_first_only(group: list[OnlineRow], first: str) -> None:
+    """Per row of a (load, concurrency, repeat) group: how many of its
+    mismatches are requests where the first server alone differs."""
+    ref = next((r for r in group if r.name == first), None)
+    others = [r for r in group if r is not ref and r.num_failed == 0]
+    if ref is None or ref.num_failed:
+        return
+    alone = first_only(ref.texts, [o.texts for o in others])
+    for row in others:
+        if row.num_mismatches is not None:
+            row.num_first_only = sum(1 for i in alone if row.texts[i] != ref.texts[i])

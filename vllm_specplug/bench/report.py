@@ -13,17 +13,20 @@ from vllm_specplug.adaptive.batch_draft_stats import STEP_KINDS
 from vllm_specplug.metrics import SpecDecodeCounts
 
 
-def _exact_text(num_mismatches: int | None, num_near_ties: int | None = None) -> str:
+def _exact_text(num_mismatches: int | None, num_near_ties: int | None = None,
+                kind: str = "tie") -> str:
     """yes; tie(n): every difference first comes at a near-tie of the
-    baseline; NO(n): n requests differ elsewhere (+m at near-ties)."""
+    baseline (kind "ref", online: in a request where the baseline alone
+    differs, every other server agreeing: ref(n)); NO(n): n requests differ
+    otherwise (+m explained so: +mt, +mr)."""
     if num_mismatches is None:
         return "-"
     if num_mismatches == 0:
         return "yes"
     ties = num_near_ties or 0
     if ties == num_mismatches:
-        return f"tie({ties})"
-    return f"NO({num_mismatches - ties})" + (f"+{ties}t" if ties else "")
+        return f"{kind}({ties})"
+    return f"NO({num_mismatches - ties})" + (f"+{ties}{kind[0]}" if ties else "")
 
 
 def accepted_positions(counts: SpecDecodeCounts) -> list[float]:
@@ -241,7 +244,7 @@ def format_online_table(rows) -> str:
             f"{row.requests_per_second:>7.2f}{row.tokens_per_second:>8.1f}{speedup:>8}"
             f"{row.ttft_ms[50]:>8.1f}/{row.ttft_ms[99]:<8.1f}"
             f"{row.itl_ms[50]:>7.2f}/{row.itl_ms[99]:<8.2f}{length:>11}"
-            f"{_exact_text(row.num_mismatches):>8}  {per_pos}")
+            f"{_exact_text(row.num_mismatches, row.num_first_only, 'ref'):>8}  {per_pos}")
     return "\n".join(lines)
 
 

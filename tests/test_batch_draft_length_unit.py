@@ -452,19 +452,22 @@ def test_bench_reports_the_heads_graphs_captured_in_service_per_row():
     from vllm_specplug.bench.offline import captures_delta
     from vllm_specplug.bench.report import format_captures_table
 
-    def read(n, seconds, held):
-        return {"num_captures": n, "capture_seconds": seconds, "num_graphs": held}
+    def read(n, seconds, held, **compiles):
+        return {"num_captures": n, "capture_seconds": seconds, "num_graphs": held,
+                "kernel_compiles": compiles}
 
-    total = captures_delta(None, read(4, 1.0, 40), read(6, 1.5, 42))
-    total = captures_delta(total, read(6, 1.5, 42), read(9, 1.75, 45))
-    assert total == read(5, 0.75, 45)
+    total = captures_delta(None, read(4, 1.0, 40), read(6, 1.5, 42, verified_rows_kernel=1))
+    total = captures_delta(total, read(6, 1.5, 42, verified_rows_kernel=1),
+                           read(9, 1.75, 45, verified_rows_kernel=2, head_attention_kernel=1))
+    assert total == read(5, 0.75, 45, verified_rows_kernel=2, head_attention_kernel=1)
     assert captures_delta(total, None, read(9, 1.75, 45)) is total
     rows = [SimpleNamespace(name="ours-tree16-adaptive", batch_size=1, error=None,
                             graph_captures=total),
             SimpleNamespace(name="vllm-eagle3", batch_size=1, error=None, graph_captures=None)]
     table = format_captures_table(rows)
     assert "ours-tree16-adaptive" in table and "vllm-eagle3" not in table
-    assert table.splitlines()[-1].split()[-3:] == ["5", "0.75", "45"], table
+    assert table.splitlines()[-1].split()[2:] == [
+        "5", "0.75", "45", "head_attention_kernel", "1,", "verified_rows_kernel", "2"], table
 
 
 def test_after_a_large_batch_chose_short_a_latency_bound_batch_returns_to_the_longest():

@@ -113,3 +113,22 @@ def test_the_same_requests_again_capture_no_graph_of_the_head(batch_llm, prompts
     after = batch_llm.collective_rpc("specplug_graph_captures")[0]
     _exact(baseline, token_ids)
     assert after["num_captures"] == before["num_captures"], (before, after, policy.as_dict())
+
+
+# what the speculator's capture() launches (integration/v2/kernel_warmup.py)
+WARMED_KERNELS = {"verify_tree_greedy_rows_kernel", "compact_kv_layers_kernel",
+                  "verified_rows_kernel"}
+
+
+def test_the_tree_steps_eager_kernels_compile_at_start_up(batch_llm, prompts,  # noqa: F811
+                                                          baseline):
+    """Each length the policy may choose, pinned in turn (each verifies its
+    own rows per request): none of the kernels the start-up warmed compiled
+    in service. Before it, vLLM's warm-up reached none of them and they
+    compiled on a served engine's first requests, 2-4 s on the H200
+    (docs/results/batch_draft_length_h200_run13, JIT_VERBOSE)."""
+    for length in _scheduler(batch_llm).draft_length.candidates:
+        token_ids, _, _ = _phased(batch_llm, prompts, [(None, CHEAP)], (length,))
+        _exact(baseline, token_ids)
+    compiles = batch_llm.collective_rpc("specplug_graph_captures")[0]["kernel_compiles"]
+    assert not WARMED_KERNELS & set(compiles), compiles

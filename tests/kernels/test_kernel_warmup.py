@@ -39,3 +39,30 @@ def test_warm_up_launches_each_kernel_and_writes_nothing_it_reads(device):
         assert torch.equal(cache, copy)
     slots.kv_layers = None  # caches not bound: no compaction
     assert warm_up_tree_kernels(slots, (7,), num_steps=4) == 1 + 1
+
+
+def test_service_compiles_count_our_kernels_and_keep_the_hook_before(monkeypatch):
+    """Triton's post-compile hook counts our kernels by name (modules under
+    vllm_specplug.kernels) and calls the hook set before it (vLLM's JIT
+    monitor's), for every kernel. Under the interpreter Triton compiles
+    nothing, so the hook is called here as Triton calls it."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from vllm_specplug.integration.v2.kernel_warmup import ServiceCompiles
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook",
+                        lambda **kwargs: seen.append(kwargs["fn"].name))
+    compiles = ServiceCompiles()
+    compiles.watch()
+    hook = knobs.runtime.jit_post_compile_hook
+    for module, name in (("vllm_specplug.kernels.tree_rows", "verified_rows_kernel"),
+                         ("vllm_specplug.kernels.tree_rows", "verified_rows_kernel"),
+                         ("vllm.v1.attention.ops.triton_unified_attention",
+                          "kernel_unified_attention")):
+        hook(key=None, repr="", fn=SimpleNamespace(module=module, name=name), compile={},
+             is_manual_warmup=False, already_compiled=False)
+    assert dict(compiles.counts) == {"verified_rows_kernel": 2}
+    assert seen == ["verified_rows_kernel", "verified_rows_kernel", "kernel_unified_attention"]

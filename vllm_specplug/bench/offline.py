@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -174,10 +175,14 @@ def captures_delta(total: dict | None, before: dict | None, after: dict | None
     (`PassGraphs.service_captures`), and the graphs held as of `after`."""
     if after is None or before is None:
         return total
-    total = dict(total or {"num_captures": 0, "capture_seconds": 0.0})
+    total = dict(total or {"num_captures": 0, "capture_seconds": 0.0, "kernel_compiles": {}})
     for key in ("num_captures", "capture_seconds"):
         total[key] += after[key] - before[key]
     total["num_graphs"] = after["num_graphs"]
+    compiles = Counter(total["kernel_compiles"])
+    compiles.update(Counter(after.get("kernel_compiles", {})) - Counter(
+        before.get("kernel_compiles", {})))
+    total["kernel_compiles"] = dict(compiles)
     return total
 
 

@@ -158,17 +158,21 @@ def _policy_cells(row) -> str:
 
 
 def format_captures_table(rows) -> str:
-    """The head's graphs captured during the timed repeats, per row: each
-    capture stalled its step (start-up captures what service is expected to
-    meet, integration/v2/step_warmup.py)."""
+    """The head's graphs captured during the timed repeats, per row, and our
+    kernels compiled then: each stalled its step (start-up captures and
+    compiles what service is expected to meet, integration/v2/step_warmup.py,
+    kernel_warmup.py)."""
     return _decision_table(
         rows, "graph_captures", "head graphs captured in service",
-        f"{'captures':>10}{'seconds':>9}{'graphs held':>13}", _captures_cells)
+        f"{'captures':>10}{'seconds':>9}{'graphs held':>13}  our kernels compiled",
+        _captures_cells)
 
 
 def _captures_cells(row) -> str:
     c = row.graph_captures
-    return f"{c['num_captures']:>10}{c['capture_seconds']:>9.2f}{c['num_graphs']:>13}"
+    compiles = ", ".join(f"{name} {n}" for name, n in sorted(c.get("kernel_compiles", {}).items()))
+    return (f"{c['num_captures']:>10}{c['capture_seconds']:>9.2f}{c['num_graphs']:>13}"
+            f"  {compiles or 'none'}")
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",

@@ -51,9 +51,16 @@ def runner_state(worker) -> dict:
 
 
 def graph_captures(worker) -> dict | None:
-    """`PassGraphs.service_captures` of the worker's head, None without one."""
-    graphs = getattr(getattr(_speculator(worker), "runtime", None), "graphs", None)
-    return graphs.service_captures() if graphs is not None else None
+    """`PassGraphs.service_captures` of the worker's head, None without one,
+    with our kernels compiled in service by name (`kernel_compiles`:
+    integration/v2/kernel_warmup.ServiceCompiles; {} where not counted)."""
+    speculator = _speculator(worker)
+    graphs = getattr(getattr(speculator, "runtime", None), "graphs", None)
+    if graphs is None:
+        return None
+    compiles = getattr(speculator, "service_compiles", None)
+    return {**graphs.service_captures(),
+            "kernel_compiles": dict(compiles.counts) if compiles is not None else {}}
 
 
 def adaptive_controller(worker):

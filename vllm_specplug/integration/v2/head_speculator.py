@@ -92,6 +92,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self._init_adaptive_verification(vllm_config.speculative_config, device)
         self.slot_req_ids = np.full(self.max_num_reqs, None, dtype=object)  # [S]
         self.stats = SpeculatorStats(device)
+        self.service_compiles = None  # our kernels compiled after capture() (kernel_warmup.py)
         self.runtime = None
         cache = vllm_config.cache_config
         # the head's rows of the target's cached blocks (prefix_blocks.py)
@@ -184,7 +185,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         and the tree step's eager kernels compiled (kernel_warmup.py). A
         failure costs those graphs or compiles (done on first use instead),
         never the engine."""
-        from vllm_specplug.integration.v2.kernel_warmup import warm_up_tree_kernels
+        from vllm_specplug.integration.v2.kernel_warmup import (ServiceCompiles,
+                                                                warm_up_tree_kernels)
         from vllm_specplug.integration.v2.step_warmup import (scheduled_lengths, step_keys,
                                                               table_of, target_layout,
                                                               warm_up_step_graphs)
@@ -205,6 +207,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
             self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
                             self.drafter.options.num_steps, effect="they compile on first use")
+        self.service_compiles = ServiceCompiles()
+        self.guard.call("capture", [], self.service_compiles.watch,
+                        effect="kernels compiled in service go uncounted")
 
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:

@@ -13,12 +13,14 @@ engine's R=2 and R=4 rows compiled on a served engine's first requests
 (2-4 s). The speculator's `capture()` runs each here once, on scratch
 inputs with the dtypes, widths and alignment a step hands them: every
 output goes to scratch, and the slots' trees and the KV caches are only
-read (no node is accepted, so compaction moves nothing).
+read (no node is accepted, so compaction moves nothing). `ServiceCompiles`
+then counts what of ours still compiles in service.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -29,6 +31,8 @@ from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
 from vllm_specplug.verification.tree_rows import verified_rows
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
+
+OUR_KERNELS = "vllm_specplug.kernels."  # the modules of our @triton.jit code (kernels/)
 
 
 def row_variants(lengths: tuple[int, ...], num_steps: int) -> list[tuple[int, bool]]:
@@ -90,3 +94,30 @@ def warm_up_tree_kernels(tree_slots, lengths: tuple[int, ...], num_steps: int) -
     logger.info("vllm-specplug: %d launches of the tree step's eager kernels warmed up in "
                 "%.1f s", launches, time.perf_counter() - started)
     return launches
+
+
+class ServiceCompiles:
+    """Our Triton kernels compiled after start-up, by kernel name: each
+    stalled the step that first launched it (a compile, or a load from
+    Triton's disk cache). Counted by Triton's post-compile hook, which calls
+    any hook set before it (vLLM's JIT monitor sets one)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def watch(self) -> None:
+        """Count from now on."""
+        from triton import knobs
+
+        before = knobs.runtime.jit_post_compile_hook
+
+        def counted(**kwargs):
+            self.record(kwargs.get("fn"))
+            return before(**kwargs) if before is not None else None
+
+        knobs.runtime.jit_post_compile_hook = counted
+
+    def record(self, fn) -> None:
+        """`fn`: the hook's `JitFunctionInfo` (its module's name, the kernel's)."""
+        if str(getattr(fn, "module", "")).startswith(OUR_KERNELS):
+            self.counts[str(getattr(fn, "name", "?"))] += 1

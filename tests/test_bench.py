@@ -563,3 +563,29 @@ def test_online_requests_where_the_first_server_alone_differs_are_counted_apart(
     pair = [row("none", ["a", "b"]), row("ours", ["a", "x"])]
     compare_to_first(pair, "none", greedy=True)
     assert pair[1].num_first_only == 0 and _exact_text(1, 0, "ref") == "NO(1)"
+
+
+def test_a_ramps_stages_are_compared_repeat_by_repeat():
+    """Per stage, a server's tokens/s over the first server's in the same
+    repeat (median over repeats; a stage with a failed request has none),
+    and the drafts per drafting request it ran there."""
+    from vllm_specplug.bench.online import OnlineRow
+    from vllm_specplug.bench.ramp import format_stage_tables, stage_labels, stage_speedups
+
+    def row(name, repeat, seconds, drafts=(0, 0, 0), failed=0):
+        stages = [{"concurrency": c, "seconds": t, "num_output_tokens": 100,
+                   "num_failed": failed if i == 1 else 0, "num_drafts": 10 if d else 0,
+                   "num_draft_tokens": 10 * d, "num_accepted_tokens": 0}
+                  for i, (c, t, d) in enumerate(zip((1, 2, 1), seconds, drafts))]
+        return OnlineRow(name, 2, 3, load="ramp 1-2-1", repeat=repeat, stages=stages)
+
+    rows = [row("none", 0, (1.0, 1.0, 2.0)), row("ours", 0, (0.5, 2.0, 1.0), (15, 8, 15)),
+            row("none", 1, (2.0, 1.0, 1.0)), row("ours", 1, (0.5, 1.0, 1.0), (15, 0, 15),
+                                                     failed=1)]
+    assert stage_labels([1, 2, 4, 2, 1]) == ["1", "2", "4", "v2", "v1"]
+    assert stage_speedups(rows)["ours"] == [[2.0, 4.0], [0.5], [2.0, 1.0]]
+    table = format_stage_tables(rows).splitlines()
+    ours = [line for line in table if line.startswith("ours")]
+    assert ours[0].split()[1:] == ["3.00", "0.50", "1.50"]
+    assert ours[1].split()[1:] == ["15.0", "8.0", "15.0"]
+    assert format_stage_tables([OnlineRow("none", 4, 3)]) == ""  # a steady load: no stages

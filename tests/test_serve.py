@@ -190,6 +190,14 @@ def test_bench_online_ramp_interleaves_servers_and_reports_the_spread(servers, t
     assert read_counts(ours).num_drafts - before > measured  # the warm-up pass drafted too
     summary = (out / "ramp.txt").read_text()
     assert "tok/s median [range]" in summary and "ours" in summary
+    # stage by stage: the counters read around each, the time without the reads
+    for row in rows:
+        assert [s["concurrency"] for s in row["stages"]] == [1, 2, 1]
+        assert sum(s["num_output_tokens"] for s in row["stages"]) == row["num_output_tokens"]
+        assert sum(s["num_drafts"] for s in row["stages"]) == row["counts"]["num_drafts"]
+        assert sum(s["seconds"] for s in row["stages"]) == pytest.approx(row["seconds"])
+    assert "x first, median of the repeats" in summary and "v1" in summary
+    assert (out / "ramp_stages.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 NUM_LOAD_REQUESTS, LOAD_CONCURRENCY = 100, 12

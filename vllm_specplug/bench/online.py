@@ -71,6 +71,7 @@ class OnlineRow:
     num_first_only: int | None = None
     texts: list[str] = field(default_factory=list, repr=False)
     load: str = "steady"  # or the ramp's stages (bench/ramp.py)
+    stages: list[dict] = field(default_factory=list)  # a ramp's, stage by stage (bench/ramp.py)
     repeat: int = 0
 
     @property

@@ -392,7 +392,8 @@ def run_online_command(args) -> int:
 
 
 def _run_ramp(args, servers, prompts, settings: dict) -> int:
-    from vllm_specplug.bench.ramp import ramp_stages, run_ramps
+    from vllm_specplug.bench.ramp import (format_stage_tables, plot_stages, ramp_stages,
+                                         run_ramps)
     from vllm_specplug.bench.report import format_online_table, format_ramp_summary
 
     try:
@@ -409,5 +410,9 @@ def _run_ramp(args, servers, prompts, settings: dict) -> int:
     print(f"\nramp {stages}, {args.requests_per_client} requests per client a stage, "
           f"{args.max_tokens} max new tokens, temperature {args.temperature}; "
           "latency percentiles in ms")
-    table = format_online_table(rows) + "\n\n" + format_ramp_summary(rows)
-    return _finish(rows, table, args.out, "ramp", settings)
+    table = "\n\n".join([format_online_table(rows), format_ramp_summary(rows),
+                         format_stage_tables(rows)])
+    rc = _finish(rows, table, args.out, "ramp", settings)
+    if args.out and rows and rows[0].stages:
+        plot_stages(rows, Path(args.out) / "ramp_stages.png")
+    return rc

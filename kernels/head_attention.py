@@ -34,8 +34,12 @@ def _rescale(run_max, run_sum, acc, scores, visible):
 
 
 # the counts change from call to call (a bucket, a prompt's length, a path's
-# depth): one compiled kernel for all of them, not one per value class
-@triton.jit(do_not_specialize=["num_keys", "num_rows", "num_path"])
+# depth): one compiled kernel for all of them, not one per value class. So
+# does the positions' row stride (a prefill's rows per request): the prefill
+# ingest compiled twice on a served engine's first requests with the same
+# constexprs (H200, docs/results/batch_draft_length_h200_run13); it only
+# offsets one scalar load per row, so its divisibility buys no vector loads
+@triton.jit(do_not_specialize=["num_keys", "num_rows", "num_path", "pos_stride_g"])
 def head_attention_kernel(q_ptr, keys_ptr, values_ptr, valid_ptr, slots_ptr, positions_ptr,
                           path_k_ptr, path_v_ptr, out_ptr, scale, num_keys, num_rows, num_path,
                           q_stride_g, q_stride_t, q_stride_h,

@@ -219,29 +219,27 @@ def run_online(servers: list[Server], prompts: list[BenchPrompt], concurrencies:
 def compare_to_first(rows: list[OnlineRow], first: str, greedy: bool) -> None:
     """Speed-up and exactness against the first server's row of the same
     load, concurrency and repeat."""
-    key = (lambda r: (r.load, r.concurrency, r.repeat))
-    base = {key(r): r for r in rows if r.name == first}
+    groups: dict[tuple, list[OnlineRow]] = {}
     for row in rows:
-        ref = base[key(row)]
-        if ref.tokens_per_second:
-            row.speedup = row.tokens_per_second / ref.tokens_per_second
-        if greedy and row.num_failed == 0 and ref.num_failed == 0:
-            # Text, not ids: streamed chunks carry text. Compared per character.
-            found = token_mismatches([list(t) for t in ref.texts], [list(t) for t in row.texts])
-            row.num_mismatches = len(found)
-            # Which requests and where, to tell the target's own batch-shape
-            # near-ties (the same requests in every row) from a drafter's fault.
-            row.mismatches = found[:MAX_MISMATCHES_KEPT]
-    if greedy:
-        for group in _groups(rows, key).values():
-            _count_first_only(group, first)
+        groups.setdefault((row.load, row.concurrency, row.repeat), []).append(row)
+    for group in groups.values():
+        ref = next(r for r in group if r.name == first)
+        for row in group:
+            _compare(row, ref, greedy)
+        if greedy:
+            _count_first_only(group, ref)
 
 
-def _groups(rows: list[OnlineRow], key) -> dict:
-    groups: dict = {}
-    for row in rows:
-        groups.setdefault(key(row), []).append(row)
-    return groups
+def _compare(row: OnlineRow, ref: OnlineRow, greedy: bool) -> None:
+    if ref.tokens_per_second:
+        row.speedup = row.tokens_per_second / ref.tokens_per_second
+    if greedy and row.num_failed == 0 and ref.num_failed == 0:
+        # Text, not ids: streamed chunks carry text. Compared per character.
+        found = token_mismatches([list(t) for t in ref.texts], [list(t) for t in row.texts])
+        row.num_mismatches = len(found)
+        # Which requests and where, to tell the target's own batch-shape
+        # near-ties (the same requests in every row) from a drafter's fault.
+        row.mismatches = found[:MAX_MISMATCHES_KEPT]
 
 
 def first_only(reference: list, others: list[list]) -> set[int]:
@@ -255,12 +253,11 @@ def first_only(reference: list, others: list[list]) -> set[int]:
             if all(o[i] == others[0][i] for o in others[1:]) and others[0][i] != text}
 
 
-def _count_first_only(group: list[OnlineRow], first: str) -> None:
+def _count_first_only(group: list[OnlineRow], ref: OnlineRow) -> None:
     """Per row of a (load, concurrency, repeat) group: how many of its
-    mismatches are requests where the first server alone differs."""
-    ref = next((r for r in group if r.name == first), None)
+    mismatches are requests where the first server (`ref`) alone differs."""
     others = [r for r in group if r is not ref and r.num_failed == 0]
-    if ref is None or ref.num_failed:
+    if ref.num_failed:
         return
     alone = first_only(ref.texts, [o.texts for o in others])
     for row in others:

@@ -207,9 +207,10 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
             self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
                             self.drafter.options.num_steps, effect="they compile on first use")
-        self.service_compiles = ServiceCompiles()
-        self.guard.call("capture", [], self.service_compiles.watch,
-                        effect="kernels compiled in service go uncounted")
+        if self.service_compiles is None:  # one hook, should vLLM capture again
+            self.service_compiles = ServiceCompiles()
+            self.guard.call("capture", [], self.service_compiles.watch,
+                            effect="kernels compiled in service go uncounted")
 
     @torch.inference_mode()
     def schedule(self, scheduler_output, req_states) -> None:

@@ -463,19 +463,21 @@ def test_bench_ratios_read_online_rows_one_per_repeat(tmp_path, capsys):
     """`bench online` writes a row per server, load and repeat: `bench
     ratios` folds them by load (a ramp's name or the concurrency), the
     repeats in order, and gives a load with a failed repeat no ratio."""
-    def row(name, repeat, seconds, load=None, concurrency=256, failed=0):
+    def row(name, repeat, seconds, load="steady", concurrency=256, failed=0):
         return {"name": name, "repeat": repeat, "seconds": seconds, "load": load,
                 "concurrency": concurrency, "num_output_tokens": 600, "num_failed": failed}
 
     rows = [row("none", 1, 6.0, "ramp 1-256-1"), row("none", 0, 3.0, "ramp 1-256-1"),
             row("ours", 0, 2.0, "ramp 1-256-1"), row("ours", 1, 2.0, "ramp 1-256-1"),
-            row("none", 0, 4.0, concurrency=8), row("ours", 0, 5.0, concurrency=8, failed=1)]
+            row("none", 0, 4.0, concurrency=8), row("ours", 0, 5.0, concurrency=8, failed=1),
+            row("none", 0, 4.0, concurrency=1), row("ours", 0, 1.0, concurrency=1)]
     path = tmp_path / "ramp.json"
     path.write_text(json.dumps({"settings": {}, "rows": rows}))
     assert main(["bench", "ratios", str(path), "--over", "none"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any("ramp 1-256-1" in line and "per repeat: 1.50 3.00" in line for line in lines)
     assert not any(line.startswith("ours") and " 8 " in line for line in lines)
+    assert any(line.split()[:2] == ["ours", "1"] and "per repeat: 4.00" in line for line in lines)
 
 
 def test_timed_gpu_servers_run_with_graphs_and_start_one_at_a_time(monkeypatch, tmp_path):

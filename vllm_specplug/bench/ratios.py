@@ -40,7 +40,8 @@ def fold_online_rows(rows: list[dict]) -> list[dict]:
     load is a ramp's name ("ramp 1-256-1") or the concurrency."""
     folded: dict[tuple[str, object], dict] = {}
     for row in sorted(rows, key=lambda r: r.get("repeat", 0)):
-        load = row.get("load") or row["concurrency"]
+        # a steady load's rows differ by concurrency (bench/online.OnlineRow.load)
+        load = row["concurrency"] if row.get("load", "steady") == "steady" else row["load"]
         entry = folded.setdefault((row["name"], load), {
             "name": row["name"], "batch_size": load, "tokens_per_second": []})
         ok = row.get("num_failed") == 0 and row["seconds"] > 0

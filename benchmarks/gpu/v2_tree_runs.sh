@@ -38,6 +38,8 @@
 #            takes over 40 minutes; REPEATS, default 3: the engines start once, so a
 #            repeat costs only its phases, a few seconds; JIT_VERBOSE=1: vLLM logs every
 #            kernel compiled after its warm-up, `jit_monitor_verbose`)
+#   smollm2-batchk  the same on SmolLM2 + its head (HEAD as smollm2-sets), MT-Bench, batch
+#            1 4 16 64 (SIZES), BATCHK=lean by default, no phases (PHASES=--phases)
 #   tiny-ramp issue 27's mixed online load: `vllm serve` per row (none, vLLM eagle3 K=5
 #            and sized, our tree 16 static and adaptive; ROWS=a,b,... picks), started one
 #            at a time, then `bench online --ramp 1 256` (RAMP="LOW HIGH"), REPEATS passes,
@@ -168,6 +170,15 @@ run() {
         --dtype float32 ${PHASES---phases} \
         --engine-args "{${JIT_VERBOSE:+\"jit_monitor_verbose\": true, }\"max_num_seqs\": 256, \"compilation_config\": {\"max_cudagraph_capture_size\": 1100}}" \
         --out "$RESULTS/${RUN_NAME:-tiny-batchk-${BATCHK:-heads}}" ;;
+    smollm2-batchk)
+      # issue 27 on the real target: SmolLM2 + its head (HEAD), MT-Bench, the lean rows
+      # by default (an engine starts in about 2 minutes here); no phases unless PHASES=--phases
+      mapfile -t S < <(batchk_specs "${BATCHK:-lean}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
+      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64} \
+        --limit-prompts 1=8 --limit-prompts 4=16 --limit-prompts 16=32 --limit-prompts 64=64 \
+        --repeats "${REPEATS:-3}" --max-tokens "${MAX_TOKENS:-128}" ${PHASES-} \
+        --engine-args "{${JIT_VERBOSE:+\"jit_monitor_verbose\": true, }\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        --out "$RESULTS/${RUN_NAME:-smollm2-batchk}" ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
       bash benchmarks/gpu/host.sh tiny-bench --model "$W/tiny-mtp" \

@@ -38,7 +38,13 @@ def _tree_visible(bits_ptr, node, j, num_tree_keys, row_live, key_live, NUM_WORD
     return pair_live & (ancestor | causal)
 
 
-@triton.jit
+# `lse_stride_h` is the step's token count (the log-sum-exp is [H, T]): a
+# static tree's engine captures only multiples of its node count, so a step
+# of another count (a request's last steps, drafts cut to its max_tokens)
+# compiled a second variant in service (SmolLM2 bf16 on the H200,
+# docs/results/batch_draft_length_h200_run14); it and the row count only
+# offset scalar loads, so their divisibility buys no vector loads
+@triton.jit(do_not_specialize=["num_tree_rows", "lse_stride_h", "lse_stride_t"])
 def tree_part_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                                block_table_ptr, query_start_ptr, seq_len_ptr,
                                tree_nodes_ptr, bits_ptr, scale, num_tree_rows,

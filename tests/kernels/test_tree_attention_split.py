@@ -221,3 +221,35 @@ def test_split_forward_with_flash_attention_equals_masked_attention(heads, kv_he
     assert split_forward(impl, case[0], kv_cache, metadata, output, flash_prefix_attention)
     want = expected(case, impl.scale)
     torch.testing.assert_close(output.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="Triton compiles only on a CUDA GPU (the interpreter compiles "
+                           "nothing); run on the staged GPU host as docs/gpu.md says")
+def test_the_tree_part_compiles_once_whatever_the_steps_token_count(monkeypatch):
+    """The log-sum-exp's head stride is the step's token count: a static
+    tree's engine captured multiples of its node count only, and a step of
+    another count compiled the kernel again in service (SmolLM2 on the H200,
+    docs/results/batch_draft_length_h200_run14). Token counts divisible by
+    16, odd and even: one compilation, and each result right."""
+    from triton import knobs
+
+    from vllm_specplug.integration.v2.kernel_warmup import ServiceCompiles
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)  # restored after
+    compiles = ServiceCompiles()
+    compiles.watch()
+    case = make_case(9, 3, 64, 16, torch.bfloat16, "cuda", seed=5)
+    query, key_cache, value_cache, block_table, query_start, seq_lens, meta = case
+    want = expected(case, 0.125)
+    for width in (32, 33, 34, query.shape[0]):  # the lse's row stride: T, or padded past it
+        output = torch.full_like(query, 7.0)
+        lse = prefix_attention_reference(query, key_cache, value_cache, block_table, query_start,
+                                         prefix_lens_of(query_start, seq_lens), 0.125, output)
+        padded = torch.zeros(lse.shape[0], width, dtype=lse.dtype, device=lse.device)
+        padded[:, :lse.shape[1]] = lse
+        tree_part_attention_triton(query, key_cache, value_cache, block_table, query_start,
+                                   seq_lens, meta.num_nodes, meta.ancestor_bits, 0.125, output,
+                                   padded[:, :lse.shape[1]])
+        torch.testing.assert_close(output.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert dict(compiles.counts) == {"tree_part_attention_kernel": 1}

@@ -75,6 +75,28 @@ def test_buffers_then_backend_hook_equal_the_reference(device):
     assert torch.equal(output[chain_rows], torch.full_like(output[chain_rows], 5.0))
 
 
+def test_steps_of_one_token_queries_are_left_to_the_backend(device):
+    """A step where no request has more than one query token has no tree
+    node (draft length 0 under the batch policy): the backend's output
+    stands, as without speculation, whatever rows the buffers still mark;
+    a step of longer queries gets its tree rows."""
+    step = step_of(PARENTS, [9, 3, 5, 12])
+    buffers = ctb.TreeAttentionBuffers(8, 6, device)
+    buffers.update(step)
+    kv_cache, block_table, query = setup(step, device)
+    hooked = impl(specplug_tree_rows=buffers)
+    cta.after_backend_forward(hooked, query, kv_cache, SimpleNamespace(block_table=block_table),
+                              torch.empty_like(query))  # the first launch (compiles on CUDA)
+    outputs = {}
+    for most in (1, 6):
+        outputs[most] = torch.full_like(query, 5.0)
+        cta.after_backend_forward(hooked, query, kv_cache,
+                                  SimpleNamespace(block_table=block_table, max_query_len=most),
+                                  outputs[most])
+    assert torch.equal(outputs[1], torch.full_like(query, 5.0))
+    assert not torch.equal(outputs[6], torch.full_like(query, 5.0))
+
+
 def test_packed_ancestor_masks_equal_pack_mask():
     """Trees of different sizes packed at once equal `pack_mask` of each."""
     from vllm_specplug.verification.tree_build import pack_mask

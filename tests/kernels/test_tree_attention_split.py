@@ -188,7 +188,10 @@ def test_split_forward_serves_a_step_that_fits_the_tree(device):
     assert getattr(metadata, PREFIX_LENS_ATTR).tolist() == [9, 3, 12, 0, 20, 0]
 
 
-@pytest.mark.parametrize("overrides", [dict(max_query_len=MAX_NODES + 1), dict(causal=False)])
+# one query token a request: no tree node (a step at draft length 0), the
+# backend's attention as without speculation
+@pytest.mark.parametrize("overrides", [dict(max_query_len=MAX_NODES + 1), dict(causal=False),
+                                       dict(max_query_len=1)])
 @pytest.mark.parametrize("version", [2, 3])
 def test_split_forward_leaves_other_steps_to_the_backend(device, overrides, version):
     from vllm_specplug.integration.cuda_tree_attention import split_forward

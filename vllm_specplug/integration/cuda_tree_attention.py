@@ -86,7 +86,8 @@ def attached(layers: dict):
 def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
     """Called after a CUDA backend's `forward`: tree rows get tree attention.
     Launched during CUDA-graph capture even with no tree (the graph must
-    contain the launch for the steps it will replay)."""
+    contain the launch for the steps it will replay), unless no request of
+    the step has more than one query token (`one_token_queries`)."""
     buffers = getattr(impl, TREE_ROWS_ATTR, None)
     if (buffers is None or attn_metadata is None or kv_cache is None
             or getattr(impl, "attn_type", DECODER) != DECODER):
@@ -97,7 +98,8 @@ def after_backend_forward(impl, query, kv_cache, attn_metadata, output) -> None:
            kv_cache.shape[2])
     first = key not in buffers.compiled
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-    if buffers.num_masked == 0 and not first and not capturing:
+    idle = buffers.num_masked == 0 and not capturing
+    if not first and (idle or one_token_queries(attn_metadata)):
         return
     buffers.compiled.add(key)
     check_supported(impl)
@@ -134,13 +136,25 @@ def backend_dot_precision(impl, dtype: torch.dtype) -> str | None:
 PREFIX_LENS_ATTR = "specplug_prefix_lens"  # set on a step's attention metadata, once
 
 
+def one_token_queries(attn_metadata) -> bool:
+    """No request has more than one query token this step: no draft, so no
+    tree node (a step at draft length 0 under the batch policy, or a decode
+    of requests that drafted nothing). The backend's own attention is then
+    the whole answer, as without speculation; our kernels would launch for
+    nothing (on the H200 a step at length 0 took 2.63 ms on SmolLM2 where
+    no speculation's took 2.05, docs/results/batch_draft_length_h200_run14).
+    A host value: the same at capture and at every replay of a graph."""
+    most = getattr(attn_metadata, "max_query_len", None)
+    return isinstance(most, int) and most <= 1
+
+
 def split_applies(impl, attn_metadata, buffers) -> bool:
     """The split way serves this layer and step: FlashAttention 3 without
-    the features it would have to pass on, and at most a tree's node count
-    of query tokens per request (host values only: the same answer at
-    capture and at every replay of a graph)."""
+    the features it would have to pass on, and between two and a tree's
+    node count of query tokens per request (host values only: the same
+    answer at capture and at every replay of a graph)."""
     return (buffers is not None and getattr(buffers, "split_attention", False)
-            and attn_metadata is not None
+            and attn_metadata is not None and not one_token_queries(attn_metadata)
             and getattr(impl, "attn_type", DECODER) == DECODER
             and getattr(impl, "vllm_flash_attn_version", None) == 3
             and getattr(impl, "dcp_world_size", 1) == 1

@@ -68,9 +68,27 @@ def _prepare_inputs(original):
         if drafter is not None:
             drafter.observe_schedule(scheduler_output)
             drafter.after_prepare_inputs(self, scheduler_output)
+            if _plain_step(self, drafter, scheduler_output, result):
+                # (logits_indices, spec_decode_metadata, max_num_sampled_tokens)
+                return result[0], None, 1
         return result
 
     return prepare_inputs
+
+
+def _plain_step(runner, drafter, scheduler_output, result) -> bool:
+    """Whether this step samples as one without speculation: it verifies no
+    draft at all, its drafter does not need the verification metadata, and
+    no layer is recurrent (vLLM counts such a step as speculative rows of
+    zero drafts for recurrent state offsets). vLLM's V1 runner otherwise runs
+    its rejection sampler over zero drafts: on CPU (tiny model, batch 16) a
+    step at the batch policy's K = 0 took 6.4 ms where no speculation's took
+    5.0, 0.25 ms of it in that sampler. The logits rows are the same (one
+    per request, at its last token), and so is the token: the target's
+    sample there."""
+    return (drafter.plain_steps_without_drafts and result[1] is not None
+            and not scheduler_output.scheduled_spec_decode_tokens
+            and not getattr(runner.model_config, "is_hybrid", False))
 
 
 def _take_draft_token_ids(original):

@@ -24,6 +24,11 @@ class SpecplugDrafter(ProposerSession, V1DrafterHooks):
     # would repeat its work, and their adaptive controllers, timing their own
     # steps, would cut differently (patches/gpu_model_runner.py).
     drafts_on_every_rank = False
+    # Model-free drafters read a step's verification metadata only for the
+    # accepted tokens' hidden states, which plain sampling gives as well
+    # (`last_accepted_hidden`): a step without drafts (the batch policy's
+    # K = 0, or no request found one) samples as without speculation.
+    plain_steps_without_drafts = True
 
     def __init__(self, vllm_config) -> None:
         super().__init__(vllm_config)

@@ -18,6 +18,11 @@ class V1DrafterHooks(BatchPolicyView):
     # others take `no_drafts`. Trees keep per-rank state, so they draft on
     # every rank.
     drafts_on_every_rank = True
+    # True: a step that verifies no draft at all samples as a step without
+    # speculation (vLLM's plain sampler, not its rejection sampler over zero
+    # drafts; patches/gpu_model_runner.py). A drafter that reads the step's
+    # verification metadata even then (trees: their ingest rows) keeps False.
+    plain_steps_without_drafts = False
 
     def no_drafts(self, runner) -> list[list[int]]:
         """A rank's drafts when another rank drafts for it."""

@@ -234,7 +234,8 @@ def test_the_tree_part_compiles_once_whatever_the_steps_token_count(monkeypatch)
     tree's engine captured multiples of its node count only, and a step of
     another count compiled the kernel again in service (SmolLM2 on the H200,
     docs/results/batch_draft_length_h200_run14). Token counts divisible by
-    16, odd and even: one compilation, and each result right."""
+    16, odd and even: none compiles the kernel after the first, and each
+    result is right."""
     from triton import knobs
 
     from vllm_specplug.integration.v2.kernel_warmup import ServiceCompiles
@@ -245,7 +246,11 @@ def test_the_tree_part_compiles_once_whatever_the_steps_token_count(monkeypatch)
     case = make_case(9, 3, 64, 16, torch.bfloat16, "cuda", seed=5)
     query, key_cache, value_cache, block_table, query_start, seq_lens, meta = case
     want = expected(case, 0.125)
+    # the first launch may find the kernel compiled by an earlier test of the
+    # same shapes; from then on no stride may compile it again
     for width in (32, 33, 34, query.shape[0]):  # the lse's row stride: T, or padded past it
+        if width == 33:
+            compiles.counts.clear()
         output = torch.full_like(query, 7.0)
         lse = prefix_attention_reference(query, key_cache, value_cache, block_table, query_start,
                                          prefix_lens_of(query_start, seq_lens), 0.125, output)
@@ -255,4 +260,4 @@ def test_the_tree_part_compiles_once_whatever_the_steps_token_count(monkeypatch)
                                    seq_lens, meta.num_nodes, meta.ancestor_bits, 0.125, output,
                                    padded[:, :lse.shape[1]])
         torch.testing.assert_close(output.float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert dict(compiles.counts) == {"tree_part_attention_kernel": 1}
+    assert not compiles.counts, compiles.counts

@@ -34,6 +34,7 @@
 #            step; BATCHK=tree: our tree 16 static and adaptive alone;
 #            BATCHK=zero: vLLM eagle3 and our tree pinned at draft length 0 (what the
 #            policy's floor costs beside no speculation), our tree static and adaptive;
+#            BATCHK=floor: vLLM eagle3 K=5, our tree static, adaptive and pinned at 0;
 #            BATCHK=pin: the same plus vLLM's table at 15 drafts and our policy pinned there;
 #            BATCHK=shapes: vLLM eagle3 K=5 and 7 beside our tree 16 and two 32-node shapes
 #            (SIZES=1: issue 26's batch-1 goal is our best tree over vLLM's best K); SIZES="1 16 64" and MAX_TOKENS=64 shorten it: the whole heads run
@@ -136,6 +137,12 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
     --spec "vllm-eagle3-K0={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, $none_k}" \
     --spec "ours-tree16-K0={$tree, $none_k}" \
     --spec "ours-tree16={$tree}" --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
+  # floor: the policy against its own floor on a target where speculation may lose:
+  # vLLM's eagle3 K=5, our static tree, the adaptive one, and our tree pinned at 0
+  [ "$1" = floor ] && printf '%s\n' \
+    --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+    --spec "ours-tree16={$tree}" --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" \
+    --spec "ours-tree16-K0={$tree, $none_k}" && return 0
   # pin: where the adaptive tree's time goes beside the static one: vLLM's dynamic
   # table at one size (15 drafts at every batch), and our policy over that one size
   local one='"num_speculative_tokens_per_batch_size": [[1, 1024, 15]]'

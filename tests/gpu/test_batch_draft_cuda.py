@@ -2,10 +2,10 @@
 after steps without drafts, the head's drafts are accepted as before.
 
 `"adaptive": true` on CUDA puts `SpecplugBatchDraftTreeAsyncScheduler` in
-vLLM's async scheduler; the head speculator still ingests every verified
-token on a step that drafts nothing (`head_speculator.step_tree_shape`: at 0
-drafts it keeps a tree of one node), so that its cache follows the request.
-TensorRT-LLM found acceptance silently collapsing after such steps
+vLLM's async scheduler; on a step that drafts nothing the head speculator
+keeps the verified rows (integration/v2/deferred_rows.py) and ingests them
+before its next draft, or when a slot's store is full, so that its cache
+follows the request. TensorRT-LLM found acceptance silently collapsing after such steps
 (TensorRT-LLM #16888). The CPU twin on the V1 runner is
 tests/test_batch_draft_engine.py; this one runs the fused decode step, its
 graphs and async scheduling. The step costs are pinned on the scheduler's
@@ -64,9 +64,13 @@ def test_drafts_after_steps_without_drafts_are_accepted_as_before(batch_llm, pro
     whole, (reference,), cheap = _phased(batch_llm, prompts, [(None, CHEAP)], (0, largest))
     _exact(baseline, whole)
     assert cheap.current == largest, cheap.as_dict()
+    before = _kept(batch_llm)
     token_ids, (_, resumed), policy = _phased(
         batch_llm, prompts, [(NUM_COSTLY_STEPS, COSTLY), (None, CHEAP)], (0, largest))
     assert policy.lengths[0].num_chosen >= NUM_COSTLY_STEPS // 2, policy.as_dict()
+    after = _kept(batch_llm)  # the head ran no pass at 0 drafts, and took the rows later
+    assert after["num_kept_steps"] - before["num_kept_steps"] >= NUM_COSTLY_STEPS // 2, after
+    assert after["num_flushes"] > before["num_flushes"], (before, after)
     _exact(baseline, token_ids)
     assert reference.num_drafts > 0 and resumed.num_drafts > 0
     assert resumed.mean_acceptance_length >= 0.85 * reference.mean_acceptance_length, (
@@ -90,6 +94,11 @@ def test_a_trees_paths_teach_the_policy_every_smaller_size(batch_llm, prompts,  
     assert policy.current == longest and recorded > 0, (recorded, policy.as_dict())
     assert policy.stats.num_path_steps >= recorded // 2, (policy.stats, recorded)
     assert 1.0 < policy.expected_tokens(4) <= policy.expected_tokens(longest)
+
+
+def _kept(llm) -> dict:
+    """The speculator's counts of steps whose rows it kept, and of flushes."""
+    return llm.collective_rpc(lambda worker: worker.model_runner.speculator.stats.as_dict())[0]
 
 
 def _paths_recorded(llm) -> int:

@@ -14,7 +14,8 @@ probe runs, so nothing of vLLM's code changes):
 | draft | `speculator.propose` | `propose_draft_token_ids` |
 
 Our own code marks finer ranges (`specplug::compact_kv`, `specplug::ingest`,
-`specplug::draft_tree`, `specplug::decode_step`) with `torch.profiler.record_function`; the profiler
+`specplug::draft_tree`, `specplug::decode_step`, `specplug::keep_rows`,
+`specplug::ingest_kept`) with `torch.profiler.record_function`; the profiler
 reports them too. Under async scheduling the host runs ahead of the GPU, so
 a phase's host time and its GPU time are different things: both are given.
 

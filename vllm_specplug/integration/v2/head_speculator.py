@@ -17,6 +17,11 @@ step, with no host synchronisation:
    drafts, and for trees the parents, depths and ancestor bits go to the
    request's state slot (`TreeSlots`) for the next step's layout.
 
+A step asked for 0 drafts (a batch policy's or a table's length 0) runs
+neither: the decodes' verified rows are kept on the device and ingested in
+one pass before the next draft (`DeferredRows`), so that its cost comes
+close to no speculation's.
+
 When every request of the step decodes (the steady state), 1 and 2 are one
 pass: a kernel writes the verified rows and the roots straight into
 persistent buffers (`StepInputs`), the target's hidden states there are
@@ -42,6 +47,7 @@ from torch.profiler import record_function
 from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
+from vllm_specplug.integration.v2.deferred_rows import DeferredRows
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.path_ranks import PathRanks
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
@@ -107,6 +113,16 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.path_ranks = (PathRanks(self.max_num_reqs, num_nodes, device)
                            if self.tree_slots is not None
                            and batch_draft_scheduled(vllm_config) else None)
+        # steps asked for 0 drafts keep their verified rows for the head's
+        # next draft instead of running its pass (deferred_rows.py)
+        self.deferred = (DeferredRows(self.max_num_reqs, device)
+                         if 0 in self._scheduled_lengths() else None)
+        self.stats.deferred = self.deferred
+
+    def _scheduled_lengths(self) -> tuple[int, ...]:
+        from vllm_specplug.integration.v2.step_warmup import scheduled_lengths
+
+        return scheduled_lengths(self.vllm_config.speculative_config)
 
     def _init_adaptive_verification(self, spec_config, device: torch.device) -> None:
         """vLLM's adaptive verification (`enable_adaptive_verification`, chains
@@ -187,19 +203,24 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         never the engine."""
         from vllm_specplug.integration.v2.kernel_warmup import (ServiceCompiles,
                                                                 warm_up_tree_kernels)
-        from vllm_specplug.integration.v2.step_warmup import (scheduled_lengths, step_keys,
-                                                              table_of, target_layout,
+        from vllm_specplug.integration.v2.step_warmup import (padded_sizes, step_keys, table_of,
+                                                              target_layout,
                                                               warm_up_step_graphs)
 
         if self.runtime is None or self.runtime.graphs is None or self.guard.disabled:
             return
         started = time.perf_counter()
-        lengths = scheduled_lengths(self.vllm_config.speculative_config)
-        keys = step_keys(lengths, table_of(self.vllm_config), self.drafter.tree_shape,
+        layout = target_layout(self.vllm_config.model_config, self.drafter.aux_layer_ids)
+        lengths = drafted = self._scheduled_lengths()
+        if self.deferred is not None:  # a step at 0 drafts keeps its rows: no pass to capture
+            drafted = tuple(k for k in lengths if k > 0)
+            self.guard.call("capture", [], self.deferred.warm_up, self.runtime,
+                            padded_sizes(self.max_num_reqs), *layout,
+                            effect="the ingest of kept rows is captured on first use")
+        keys = step_keys(drafted, table_of(self.vllm_config), self.drafter.tree_shape,
                          step_tree_shape, self.max_num_reqs)
-        ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, keys,
-                                    *target_layout(self.vllm_config.model_config,
-                                                   self.drafter.aux_layer_ids),
+        # (after the kept rows' warm-up: this one clears the head's cache)
+        ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, keys, *layout,
                                     effect="its graphs are captured on first use")
         if ok:
             logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "
@@ -257,7 +278,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             "propose", input_batch.req_ids, self._step, input_batch,
             last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
             next_prefill_tokens, drafts,
-            step_tree_shape(self.drafter.tree_shape, num_speculative_tokens))[0]
+            step_tree_shape(self.drafter.tree_shape, num_speculative_tokens),
+            num_speculative_tokens)[0]
         if not ok:  # failed or switched off: last-token drafts, verified as chains
             slots = input_batch.idx_mapping[:num_reqs]
             drafts.copy_(last_sampled.view(-1)[slots][:, None].expand_as(drafts))
@@ -290,7 +312,7 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         return self.grammar_parents.take() if self.grammar_parents is not None else {}
 
     def _step(self, input_batch, hidden, aux, num_rejected, last_sampled, next_prefill,
-              drafts, shape: tuple[int, int, int]) -> None:
+              drafts, shape: tuple[int, int, int], num_drafts: int | None) -> None:
         num_reqs = input_batch.num_reqs
         slots_np = input_batch.idx_mapping_np[:num_reqs]
         req_ids = np.asarray(input_batch.req_ids[:num_reqs], dtype=object)
@@ -301,6 +323,14 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         prefill = input_batch.is_prefilling_np[:num_reqs] | new
         if self.prefix is not None and new.any():
             self._adopt_prefixes(input_batch, np.flatnonzero(new), new)
+        if self.deferred is not None:
+            self.deferred.drop(slots_np[prefill])  # a prefill ingests its own positions
+            if num_drafts == 0:  # nothing to draft: keep the decodes' rows for later
+                with record_function("specplug::keep_rows"):
+                    return self._keep_step(input_batch, prefill, new, hidden, aux, num_rejected,
+                                           last_sampled, next_prefill)
+            with record_function("specplug::ingest_kept"):  # before this step's own rows
+                self.deferred.flush(self.runtime, slots_np[~prefill], max_position)
         masks = self._grammar_masks(input_batch)
         if not prefill.any() and masks is None:  # every request decodes: one pass
             with record_function("specplug::decode_step"):  # ranges for `bench offline --phases`
@@ -315,6 +345,46 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
                                       last_sampled, next_prefill)
         with record_function("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts, shape, masks)
+
+    def _keep_step(self, input_batch, prefill: np.ndarray, new: np.ndarray, hidden, aux,
+                   num_rejected, last_sampled, next_prefill) -> None:
+        """A step asked for 0 drafts: the decoding requests' verified rows go
+        to the store (`DeferredRows.keep`, flushed first where a slot's is
+        full), prefill chunks are ingested as always, and no draft is made
+        (vLLM schedules none)."""
+        decoding = np.flatnonzero(~prefill)
+        if len(decoding):
+            slots = input_batch.idx_mapping_np[decoding]
+            num_rows = self._num_verified_rows(input_batch, decoding)
+            if not self.deferred.has_room(slots, num_rows):
+                max_position = int(input_batch.seq_lens_cpu_upper_bound[decoding].max())
+                self.deferred.flush(self.runtime, slots, max_position)
+            batch_rows = (self.step_inputs.batch_rows[:len(decoding)]
+                          if len(decoding) == input_batch.num_reqs
+                          else to_device(decoding, self.device))
+            layout = self._verified(input_batch, batch_rows, num_rejected, last_sampled,
+                                    num_rows)
+            self.deferred.keep(layout, self.drafter.target_hidden(hidden, aux,
+                                                                  layout.token_rows), slots)
+        if prefill.any():
+            self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
+                                  last_sampled, next_prefill)
+
+    def _num_verified_rows(self, input_batch, rows: np.ndarray) -> int:
+        """Rows a step's verified positions take per request, padded to a
+        power of two: at most the root and one node per draft level."""
+        most = min(int(input_batch.num_scheduled_tokens[rows].max()),
+                   self.drafter.options.num_steps + 1)
+        return next_power_of_2(most)
+
+    def _verified(self, input_batch, batch_rows: torch.Tensor, num_rejected, last_sampled,
+                  num_rows: int, num_padded: int | None = None, out=None):
+        """`verified_rows` of the requests at `batch_rows` [P] (device)."""
+        verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
+        return verified_rows(batch_rows, input_batch.query_start_loc, input_batch.seq_lens,
+                             num_rejected, input_batch.cu_num_logits, input_batch.idx_mapping,
+                             self.tree_slots.accepted_nodes if verified_trees else None,
+                             input_batch.input_ids, last_sampled, num_rows, num_padded, out=out)
 
     def _grammar_masks(self, input_batch):
         """The drafting pass's logits hook when the batch has structured
@@ -338,16 +408,11 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         drafts in one graph replay that reads them in place (`_emit` writes
         the drafts inside it)."""
         num_reqs = input_batch.num_reqs
-        most = min(int(input_batch.num_scheduled_tokens[:num_reqs].max()),
-                   self.drafter.options.num_steps + 1)
-        size, num_rows = padded_batch(num_reqs), next_power_of_2(most)
+        size = padded_batch(num_reqs)
+        num_rows = self._num_verified_rows(input_batch, np.arange(num_reqs))
         rows = self.step_inputs.rows(size, num_rows)
-        verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
-        verified_rows(self.step_inputs.batch_rows[:num_reqs], input_batch.query_start_loc,
-                      input_batch.seq_lens, num_rejected, input_batch.cu_num_logits,
-                      input_batch.idx_mapping,
-                      self.tree_slots.accepted_nodes if verified_trees else None,
-                      input_batch.input_ids, last_sampled, num_rows, size, out=rows)
+        self._verified(input_batch, self.step_inputs.batch_rows[:num_reqs], num_rejected,
+                       last_sampled, num_rows, size, out=rows)
         target = self.step_inputs.hidden(size * num_rows,
                                          *self.drafter.target_layout(hidden, aux))
         self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
@@ -374,17 +439,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
     def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
                         last_sampled, max_position: int) -> None:
         """Decoding requests' verified positions, padded, in one graphed pass."""
-        # a request verifies at most its root and one node per draft level
-        most = min(int(input_batch.num_scheduled_tokens[rows].max()),
-                   self.drafter.options.num_steps + 1)
-        num_rows = next_power_of_2(most)
-        verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
-        layout = verified_rows(
-            to_device(rows, self.device), input_batch.query_start_loc,
-            input_batch.seq_lens, num_rejected, input_batch.cu_num_logits,
-            input_batch.idx_mapping,
-            self.tree_slots.accepted_nodes if verified_trees else None,
-            input_batch.input_ids, last_sampled, num_rows)
+        layout = self._verified(input_batch, to_device(rows, self.device), num_rejected,
+                                last_sampled, self._num_verified_rows(input_batch, rows))
         target = self.drafter.target_hidden(hidden, aux, layout.token_rows)
         self.runtime.ingest_padded(layout.slots, target, layout.next_ids, layout.positions,
                                    layout.cuts, max_position)

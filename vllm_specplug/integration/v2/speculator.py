@@ -380,12 +380,17 @@ class SpeculatorStats:
         # row), added to by device drafters that count (DeviceProposeBatch)
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
         self.host_counts = np.zeros(2, dtype=np.int64)
+        self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
 
     def add_host(self, drafts: list[list[int]], num_sampled: np.ndarray, k: int) -> None:
         self.host_counts += (sum(len(d) for d in drafts), int((num_sampled > 0).sum()) * k)
 
     def as_dict(self) -> dict:
         tokens, slots = self.host_counts + self.device_counts.cpu().numpy()
-        return {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
-                "wait_seconds": self.wait_seconds,
-                "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}
+        stats = {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
+                 "wait_seconds": self.wait_seconds,
+                 "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}
+        if self.deferred is not None:
+            stats.update(num_kept_steps=self.deferred.num_kept_steps,
+                         num_flushes=self.deferred.num_flushes)
+        return stats

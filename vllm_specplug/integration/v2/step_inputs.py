@@ -14,10 +14,10 @@ def step_tree_shape(shape: tuple[int, int, int],
     method's `shape`: vLLM's dynamic speculative decoding
     (`num_speculative_tokens_per_batch_size`) asks for `num_drafts` per
     request at this batch size, so the tree has that many nodes past the root
-    (at least one: at 0 the drafter still ingests, to stay in sync, and vLLM
-    schedules none of its drafts), and no more drafting steps than it can be
-    deep, nor wider than it can keep. When the batch then shrinks, vLLM schedules more drafts than the
-    tree has; tree verification stops at each slot's drafted nodes
+    (at least one; at 0 the head drafts nothing and keeps the step's rows,
+    `deferred_rows.py`), and no more drafting steps than it can be deep, nor
+    wider than it can keep. When the batch then shrinks, vLLM schedules more
+    drafts than the tree has; tree verification stops at each slot's drafted nodes
     (`TreeSlots.num_drafted`), vLLM's own sampler rejects a chain's missing
     drafts."""
     topk, num_steps, num_nodes = shape

@@ -94,3 +94,44 @@ def test_a_flush_leaves_slots_without_kept_rows_alone_and_drop_forgets():
     assert runtime.pool.valid[0, :5].all() and not runtime.pool.valid[2, 4:].any()
     store.flush(runtime, np.array([0, 2]), max_position=4)  # nothing kept: nothing ingested
     assert store.num_flushes == 1
+
+
+def test_rows_padded_by_repeating_the_last_request_are_kept_once():
+    """A fused step's rows come padded to a capture size by repeating the
+    last request: kept, they leave the store as the unpadded rows do (the
+    count is set, not added to, so a slot listed twice counts once)."""
+    (runtime,), width = _runtimes(1)
+    generator = torch.Generator().manual_seed(2)
+    rows, hidden = _step_rows([0, 2], [4, 7], [2, 1], 2, width, generator)
+    stores = [DeferredRows(4, torch.device("cpu"), max_rows=4) for _ in range(2)]
+    stores[0].keep(rows, hidden, np.array([0, 2]))
+    take = torch.tensor([0, 1, 1, 1])  # two requests padded to four
+    flat = torch.tensor([0, 1, 2, 3, 2, 3, 2, 3])
+    padded = VerifiedRows(rows.token_rows[flat], rows.positions[take], rows.next_ids[flat],
+                          rows.slots[take], rows.cuts[take], rows.root_ids[take],
+                          rows.root_positions[take])
+    stores[1].keep(padded, hidden[flat], np.array([0, 2]))
+    assert stores[1].count.tolist() == stores[0].count.tolist() == [2, 0, 1, 0]
+    for name in ("positions", "next_ids", "hidden"):  # the spare column aside
+        assert torch.equal(getattr(stores[1], name)[:, :4], getattr(stores[0], name)[:, :4]), name
+
+
+def test_the_start_up_warm_up_leaves_the_store_empty():
+    """`warm_up_kept_rows` runs the keep pass at every padded batch size and
+    kept row count, and the flush, on placeholder rows in the fused step's
+    buffers (captured as graphs on CUDA; run eagerly here): the store is
+    empty after it, as service expects."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.v2.step_inputs import StepInputs
+    from vllm_specplug.integration.v2.step_warmup import kept_row_counts, warm_up_kept_rows
+
+    (runtime,), width = _runtimes(1)
+    store = DeferredRows(4, torch.device("cpu"), max_rows=8)
+    speculator = SimpleNamespace(runtime=runtime, deferred=store, max_num_reqs=4,
+                                 step_inputs=StepInputs(4, 8, torch.device("cpu")),
+                                 drafter=SimpleNamespace(options=SimpleNamespace(num_steps=4)))
+    assert kept_row_counts((0, 1, 2, 4, 8, 15), 4) == [1, 8]
+    assert warm_up_kept_rows(speculator, (0, 4, 15), width, torch.float32) == 3 * 3
+    assert not store.count.any() and not store.bound.any() and store.num_kept_steps == 0
+    assert store.hidden.shape == (4, 9, width)

@@ -137,6 +137,10 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
     --spec "vllm-eagle3-K0={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, $none_k}" \
     --spec "ours-tree16-K0={$tree, $none_k}" \
     --spec "ours-tree16={$tree}" --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
+  # zero0: the two rows pinned at 0 alone (with PHASES: where a length-0 step's time goes)
+  [ "$1" = zero0 ] && printf '%s\n' \
+    --spec "vllm-eagle3-K0={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5, $none_k}" \
+    --spec "ours-tree16-K0={$tree, $none_k}" && return 0
   # floor: the policy against its own floor on a target where speculation may lose:
   # vLLM's eagle3 K=5, our static tree, the adaptive one, and our tree pinned at 0
   [ "$1" = floor ] && printf '%s\n' \

@@ -132,6 +132,11 @@ class PassGraphs:
     def keys(self, kind: str) -> list[tuple]:
         return [k for k in self.graphs if k[0] == kind]
 
+    def holds(self, version: int, key: tuple) -> bool:
+        """Whether `run(version, key, ...)` would replay without capturing
+        (a capture runs its pass twice: once to warm up, once replayed)."""
+        return version == self.version and key in self.graphs
+
     def run(self, version: int, key: tuple, run_pass: Callable[..., Any],
             inputs: list[torch.Tensor], *constants, own_inputs: bool = False
             ) -> tuple[bool, Any]:

@@ -11,8 +11,12 @@ docs/results/batch_draft_length_h200_run14): the policy's floor was above
 turning speculation off, so it could never reach the goal.
 
 Here a step at 0 drafts only copies its verified rows (the target's hidden
-states there, the token after each, its position) into a per-slot store, a
-few small kernels; the head takes them in one padded ingest (a graph replay,
+states there, the token after each, its position) into a per-slot store:
+when every request decodes, the rows kernel and the hidden-state gather of
+the fused step (`StepInputs`), then one graph replay captured at start-up
+(few host launches: at batch 1, where the host's work shows in a step's
+time, the same step with a dozen eager launches ran at 0.66x of no
+speculation on SmolLM2: docs/results/batch_draft_length_h200_run15). The head takes them in one padded ingest (a graph replay,
 `HeadRuntime.ingest_padded`) before its next draft, or when a slot's store
 is full. The V1 runner does the same on the host (`v1/deferred_ingest.py`).
 
@@ -40,6 +44,7 @@ from vllm_specplug.verification.tree_rows import VerifiedRows
 # start-up (`warm_up`). A step at 0 drafts keeps 1 row a request, or up to
 # num_steps + 1 right after a step that verified drafts.
 MAX_KEPT_ROWS = 16
+KEEP_KIND = "keep"  # PassGraphs' kind of the keep pass
 
 
 class DeferredRows:
@@ -56,7 +61,9 @@ class DeferredRows:
         self.count = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [S]
         self.bound = np.zeros(max_num_reqs, dtype=np.int64)  # [S] host: >= count
         self.columns = torch.arange(max_rows, device=device)  # [M]
+        self.graphs_stale = False  # the store was reallocated: keep passes run eagerly
         self.num_kept_steps = 0  # steps whose rows were kept (stats, tests)
+        self.num_replayed = 0  # of those, kept by a graph replay
         self.num_flushes = 0  # ingests of kept rows
 
     def drop(self, slots: np.ndarray) -> None:
@@ -70,27 +77,56 @@ class DeferredRows:
     def has_room(self, slots: np.ndarray, num_rows: int) -> bool:
         return bool((self.bound[slots] + num_rows <= self.max_rows).all())
 
-    def keep(self, rows: VerifiedRows, target: torch.Tensor, slots: np.ndarray) -> None:
-        """A step's verified rows of its B = len(slots) requests (`rows`
-        padded to P >= B requests of R rows, `target` [P * R, W]) after what
-        their slots kept; no host sync."""
-        num_reqs, num_rows = len(slots), rows.positions.shape[1]
-        if self.hidden is None or self.hidden.shape[2:] != target.shape[1:] \
-                or self.hidden.dtype != target.dtype:
-            self.hidden = target.new_zeros(self.positions.shape[0], self.max_rows + 1,
-                                           *target.shape[1:])
-        slot_ids = rows.slots[:num_reqs]
-        num_verified = (rows.root_positions - rows.cuts)[:num_reqs]  # [B]
-        columns = self.columns[:num_rows]
-        dest = torch.where(columns < num_verified[:, None], self.count[slot_ids, None] + columns,
-                           self.max_rows)  # [B, R]
-        index = (slot_ids[:, None].expand(-1, num_rows), dest)
-        self.positions.index_put_(index, rows.positions[:num_reqs])
-        self.next_ids.index_put_(index, rows.next_ids.view(-1, num_rows)[:num_reqs])
-        self.hidden.index_put_(index, target.view(-1, num_rows, *target.shape[1:])[:num_reqs])
-        self.count.index_add_(0, slot_ids, num_verified)
-        self.bound[slots] += num_rows
+    def keep(self, rows: VerifiedRows, target: torch.Tensor, slots: np.ndarray,
+             graphs=None, version: int = 0) -> None:
+        """A step's verified rows of the B = len(slots) requests at `slots`
+        after what those slots kept; no host sync. `rows` may be padded to P
+        >= B requests (R rows each) by repeating the last one, `target` is
+        [P * R, W]. With `graphs` (the head's `PassGraphs`) a graph captured
+        at start-up for (P, R) replays the pass, reading `rows` and `target`
+        in place; with none captured it runs eagerly (a capture runs its
+        pass twice, and counting rows twice would break the store)."""
+        if self._allocate(target.shape[1], target.dtype):
+            self.graphs_stale = True  # those captured wrote to the store just replaced
+        inputs = [rows.slots, rows.positions, rows.next_ids, rows.cuts, rows.root_positions,
+                  target]
+        key = keep_key(rows.slots.shape[0], rows.positions.shape[1], target)
+        if graphs is not None and not self.graphs_stale and graphs.holds(version, key) \
+                and graphs.run(version, key, self._keep_pass, inputs, own_inputs=True)[0]:
+            self.num_replayed += 1
+        else:
+            self._keep_pass(*inputs)
+        self.bound[slots] += rows.positions.shape[1]
         self.num_kept_steps += 1
+
+    def _keep_pass(self, slot_ids: torch.Tensor, positions: torch.Tensor,
+                   next_ids: torch.Tensor, cuts: torch.Tensor, root_positions: torch.Tensor,
+                   target: torch.Tensor) -> None:
+        """`keep` on device tensors (shapes fixed by positions [P, R]: a graph
+        can capture it). A slot listed twice (padding) writes the same rows
+        and count twice."""
+        num_rows = positions.shape[1]
+        num_verified = root_positions - cuts  # [P]
+        columns = self.columns[:num_rows]
+        count = self.count[slot_ids]  # [P], before this step
+        dest = torch.where(columns < num_verified[:, None], count[:, None] + columns,
+                           self.max_rows)  # [P, R]; unverified rows: the spare column
+        index = (slot_ids[:, None].expand(-1, num_rows), dest)
+        self.positions.index_put_(index, positions)
+        self.next_ids.index_put_(index, next_ids.view(-1, num_rows))
+        self.hidden.index_put_(index, target.view(-1, num_rows, target.shape[-1]))
+        self.count.index_put_((slot_ids,), count + num_verified)
+
+    def _allocate(self, width: int, dtype: torch.dtype) -> bool:
+        """The store of the target's rows at this layout; True when one of
+        another layout was replaced (the layout start-up assumed was wrong)."""
+        if self.hidden is not None and self.hidden.shape[2] == width \
+                and self.hidden.dtype == dtype:
+            return False
+        replaced = self.hidden is not None
+        self.hidden = torch.zeros(self.positions.shape[0], self.max_rows + 1, width,
+                                  dtype=dtype, device=self.device)
+        return replaced
 
     def flush(self, runtime, slots: np.ndarray, max_position: int) -> None:
         """Ingest what `slots` kept, in one padded pass of MAX_KEPT_ROWS rows
@@ -112,14 +148,42 @@ class DeferredRows:
                               self.next_ids[index].flatten(), self.positions[index],
                               self.positions[slot_ids, 0], max_position)
 
-    def warm_up(self, runtime, sizes: list[int], width: int, dtype: torch.dtype) -> None:
-        """Capture the flush's graph at each padded batch size of `sizes`, on
-        placeholder rows (positions 0.., zero hidden states); the caller
-        clears the head's cache after (`step_warmup._forget_placeholders`)."""
-        if self.hidden is None:
-            self.hidden = torch.zeros(self.positions.shape[0], self.max_rows + 1, width,
-                                      dtype=dtype, device=self.device)
+    def warm_up(self, runtime, step_rows, sizes: list[int], row_counts: list[int],
+                width: int, dtype: torch.dtype) -> int:
+        """Capture, at each padded batch size of `sizes`, the flush's graph
+        and the keep pass's at each of `row_counts` rows per request, on
+        placeholder rows (`step_rows(size, R)` -> the persistent (rows,
+        target) service keeps from: the addresses its graphs read); then
+        forget what they wrote. The caller clears the head's cache after
+        (`step_warmup._forget_placeholders`). Returns the graphs captured."""
+        self._allocate(width, dtype)
+        graphs, count = runtime.graphs, 0
         num_slots = self.positions.shape[0]
         for size in sizes:
             self._ingest(runtime, torch.arange(size, device=self.device) % num_slots,
                          self.max_rows)
+            count += 1
+            for num_rows in row_counts:
+                rows, target = step_rows(size, num_rows)
+                rows.slots.copy_(torch.arange(size, device=self.device) % num_slots)
+                rows.positions.copy_(torch.arange(num_rows, device=self.device).expand(
+                    size, num_rows))
+                rows.cuts.zero_()
+                rows.root_positions.fill_(1)  # one verified row: no write past the store
+                target.zero_()
+                inputs = [rows.slots, rows.positions, rows.next_ids, rows.cuts,
+                          rows.root_positions, target]
+                if graphs is None or not graphs.run(runtime.pool.version,
+                                                    keep_key(size, num_rows, target),
+                                                    self._keep_pass, inputs, own_inputs=True)[0]:
+                    self._keep_pass(*inputs)  # eager (CPU): it only runs
+                self.count.zero_()
+                count += 1
+        self.count.zero_()
+        return count
+
+
+def keep_key(num_padded: int, num_rows: int, target: torch.Tensor) -> tuple:
+    """The PassGraphs key of a keep pass: padded batch, rows a request, and
+    the target's layout (width, dtype)."""
+    return (KEEP_KIND, num_padded, num_rows, target.shape[-1], target.dtype)

@@ -203,8 +203,8 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         never the engine."""
         from vllm_specplug.integration.v2.kernel_warmup import (ServiceCompiles,
                                                                 warm_up_tree_kernels)
-        from vllm_specplug.integration.v2.step_warmup import (padded_sizes, step_keys, table_of,
-                                                              target_layout,
+        from vllm_specplug.integration.v2.step_warmup import (step_keys, table_of, target_layout,
+                                                              warm_up_kept_rows,
                                                               warm_up_step_graphs)
 
         if self.runtime is None or self.runtime.graphs is None or self.guard.disabled:
@@ -214,9 +214,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         lengths = drafted = self._scheduled_lengths()
         if self.deferred is not None:  # a step at 0 drafts keeps its rows: no pass to capture
             drafted = tuple(k for k in lengths if k > 0)
-            self.guard.call("capture", [], self.deferred.warm_up, self.runtime,
-                            padded_sizes(self.max_num_reqs), *layout,
-                            effect="the ingest of kept rows is captured on first use")
+            self.guard.call("capture", [], warm_up_kept_rows, self, lengths, *layout,
+                            effect="kept rows are kept eagerly, ingested by graphs captured "
+                            "on first use")
         keys = step_keys(drafted, table_of(self.vllm_config), self.drafter.tree_shape,
                          step_tree_shape, self.max_num_reqs)
         # (after the kept rows' warm-up: this one clears the head's cache)
@@ -351,7 +351,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         """A step asked for 0 drafts: the decoding requests' verified rows go
         to the store (`DeferredRows.keep`, flushed first where a slot's is
         full), prefill chunks are ingested as always, and no draft is made
-        (vLLM schedules none)."""
+        (vLLM schedules none). When every request decodes, the rows are laid
+        out in the fused step's persistent buffers and kept by one graph
+        replay (the step's host work is then about that of the fused step)."""
         decoding = np.flatnonzero(~prefill)
         if len(decoding):
             slots = input_batch.idx_mapping_np[decoding]
@@ -359,16 +361,34 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
             if not self.deferred.has_room(slots, num_rows):
                 max_position = int(input_batch.seq_lens_cpu_upper_bound[decoding].max())
                 self.deferred.flush(self.runtime, slots, max_position)
-            batch_rows = (self.step_inputs.batch_rows[:len(decoding)]
-                          if len(decoding) == input_batch.num_reqs
-                          else to_device(decoding, self.device))
-            layout = self._verified(input_batch, batch_rows, num_rejected, last_sampled,
-                                    num_rows)
-            self.deferred.keep(layout, self.drafter.target_hidden(hidden, aux,
-                                                                  layout.token_rows), slots)
+            if len(decoding) == input_batch.num_reqs:
+                rows, target = self._step_rows(input_batch, hidden, aux, num_rejected,
+                                               last_sampled, num_rows)
+                self.deferred.keep(rows, target, slots, self.runtime.graphs,
+                                   self.runtime.pool.version)
+            else:
+                rows = self._verified(input_batch, to_device(decoding, self.device),
+                                      num_rejected, last_sampled, num_rows)
+                self.deferred.keep(rows, self.drafter.target_hidden(hidden, aux,
+                                                                    rows.token_rows), slots)
         if prefill.any():
             self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
                                   last_sampled, next_prefill)
+
+    def _step_rows(self, input_batch, hidden, aux, num_rejected, last_sampled,
+                   num_rows: int):
+        """A decode-only step's verified rows (`num_rows` a request) and the
+        target's hidden states there, written into the persistent buffers
+        (`StepInputs`) padded to a capture size: (VerifiedRows, [P * R, W])."""
+        num_reqs = input_batch.num_reqs
+        size = padded_batch(num_reqs)
+        rows = self.step_inputs.rows(size, num_rows)
+        self._verified(input_batch, self.step_inputs.batch_rows[:num_reqs], num_rejected,
+                       last_sampled, num_rows, size, out=rows)
+        target = self.step_inputs.hidden(size * num_rows,
+                                         *self.drafter.target_layout(hidden, aux))
+        self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
+        return rows, target
 
     def _num_verified_rows(self, input_batch, rows: np.ndarray) -> int:
         """Rows a step's verified positions take per request, padded to a
@@ -407,15 +427,9 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         persistent buffers, padded to a capture size; the head ingests and
         drafts in one graph replay that reads them in place (`_emit` writes
         the drafts inside it)."""
-        num_reqs = input_batch.num_reqs
-        size = padded_batch(num_reqs)
-        num_rows = self._num_verified_rows(input_batch, np.arange(num_reqs))
-        rows = self.step_inputs.rows(size, num_rows)
-        self._verified(input_batch, self.step_inputs.batch_rows[:num_reqs], num_rejected,
-                       last_sampled, num_rows, size, out=rows)
-        target = self.step_inputs.hidden(size * num_rows,
-                                         *self.drafter.target_layout(hidden, aux))
-        self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
+        num_rows = self._num_verified_rows(input_batch, np.arange(input_batch.num_reqs))
+        rows, target = self._step_rows(input_batch, hidden, aux, num_rejected, last_sampled,
+                                       num_rows)
         self.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,
                                  rows.root_ids, rows.root_positions, max_position + 1,
                                  shape, self._emit)

@@ -392,5 +392,6 @@ class SpeculatorStats:
                  "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,
+                         num_kept_by_graph=self.deferred.num_replayed,
                          num_flushes=self.deferred.num_flushes)
         return stats

@@ -69,6 +69,27 @@ def _step(k_before: int, k_now: int, tree_shape, step_shape) -> tuple[int, tuple
     return (next_power_of_2(min(k_before + 1, tree_shape[1] + 1)), step_shape(tree_shape, k_now))
 
 
+def warm_up_kept_rows(speculator, lengths: tuple[int, ...], width: int,
+                      dtype: torch.dtype) -> int:
+    """The graphs of a step at 0 drafts (`DeferredRows.warm_up`: the keep
+    pass, read from the fused step's persistent buffers, and the flush) at
+    every padded batch size; returns how many."""
+    inputs = speculator.step_inputs
+    return speculator.deferred.warm_up(
+        speculator.runtime, lambda size, num_rows: (inputs.rows(size, num_rows),
+                                                    inputs.hidden(size * num_rows, width, dtype)),
+        padded_sizes(speculator.max_num_reqs),
+        kept_row_counts(lengths, speculator.drafter.options.num_steps), width, dtype)
+
+
+def kept_row_counts(lengths: tuple[int, ...], num_steps: int) -> list[int]:
+    """Rows a request a step at 0 drafts keeps (`DeferredRows.keep`): one
+    after a step at 0, and what the longest length verifies right after it;
+    a step after another length keeps eagerly, or from the graph of the
+    same row count."""
+    return sorted({1, next_power_of_2(min(max(lengths) + 1, num_steps + 1))})
+
+
 def table_of(vllm_config) -> list | None:
     """The user's `num_speculative_tokens_per_batch_size` table, whose K
     follows the batch size; None without one, or under our batch policy

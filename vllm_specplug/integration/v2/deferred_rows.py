@@ -135,9 +135,10 @@ class DeferredRows:
         slots = slots[self.bound[slots] > 0]
         if not len(slots):
             return
-        self._ingest(runtime, to_device(slots, self.device), max_position)
+        slot_ids = to_device(slots, self.device)
+        self._ingest(runtime, slot_ids, max_position)
         self.bound[slots] = 0
-        self.count.index_fill_(0, to_device(slots, self.device), 0)
+        self.count.index_fill_(0, slot_ids, 0)
         self.num_flushes += 1
 
     def _ingest(self, runtime, slot_ids: torch.Tensor, max_position: int) -> None:

@@ -131,6 +131,9 @@ def test_the_start_up_warm_up_leaves_the_store_empty():
     speculator = SimpleNamespace(runtime=runtime, deferred=store, max_num_reqs=4,
                                  step_inputs=StepInputs(4, 8, torch.device("cpu")),
                                  drafter=SimpleNamespace(options=SimpleNamespace(num_steps=4)))
+    # what an earlier step left in the buffers: no token id (a flush would
+    # embed it; on CUDA, a device-side assert at start-up)
+    speculator.step_inputs.buffers.next_ids.fill_(10 ** 6)
     assert kept_row_counts((0, 1, 2, 4, 8, 15), 4) == [1, 8]
     assert warm_up_kept_rows(speculator, (0, 4, 15), width, torch.float32) == 3 * 3
     assert not store.count.any() and not store.bound.any() and store.num_kept_steps == 0

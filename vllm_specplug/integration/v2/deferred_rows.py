@@ -170,6 +170,7 @@ class DeferredRows:
                 rows.positions.copy_(torch.arange(num_rows, device=self.device).expand(
                     size, num_rows))
                 rows.cuts.zero_()
+                rows.next_ids.zero_()  # the flushes after read them as token ids
                 rows.root_positions.fill_(1)  # one verified row: no write past the store
                 target.zero_()
                 inputs = [rows.slots, rows.positions, rows.next_ids, rows.cuts,

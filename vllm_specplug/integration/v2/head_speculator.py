@@ -49,6 +49,7 @@ from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
+from vllm_specplug.integration.v2.head_rows import HeadRows
 from vllm_specplug.integration.v2.path_ranks import PathRanks
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
 from vllm_specplug.integration.v2.structured import StructuredRequests
@@ -56,8 +57,7 @@ from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
 from vllm_specplug.proposers.head_graphs import padded_batch
-from vllm_specplug.verification.backend import next_power_of_2, to_device
-from vllm_specplug.verification.tree_rows import verified_rows
+from vllm_specplug.verification.backend import next_power_of_2
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
 
@@ -72,7 +72,7 @@ HEAD_POOL_MEMORY_SHARE = 0.04
 WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
 
 
-class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
+class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
         self.vllm_config = vllm_config
         self.drafter = HeadDrafter(vllm_config)
@@ -346,66 +346,6 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         with record_function("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts, shape, masks)
 
-    def _keep_step(self, input_batch, prefill: np.ndarray, new: np.ndarray, hidden, aux,
-                   num_rejected, last_sampled, next_prefill) -> None:
-        """A step asked for 0 drafts: the decoding requests' verified rows go
-        to the store (`DeferredRows.keep`, flushed first where a slot's is
-        full), prefill chunks are ingested as always, and no draft is made
-        (vLLM schedules none). When every request decodes, the rows are laid
-        out in the fused step's persistent buffers and kept by one graph
-        replay (the step's host work is then about that of the fused step)."""
-        decoding = np.flatnonzero(~prefill)
-        if len(decoding):
-            slots = input_batch.idx_mapping_np[decoding]
-            num_rows = self._num_verified_rows(input_batch, decoding)
-            if not self.deferred.has_room(slots, num_rows):
-                max_position = int(input_batch.seq_lens_cpu_upper_bound[decoding].max())
-                self.deferred.flush(self.runtime, slots, max_position)
-            if len(decoding) == input_batch.num_reqs:
-                rows, target = self._step_rows(input_batch, hidden, aux, num_rejected,
-                                               last_sampled, num_rows)
-                self.deferred.keep(rows, target, slots, self.runtime.graphs,
-                                   self.runtime.pool.version)
-            else:
-                rows = self._verified(input_batch, to_device(decoding, self.device),
-                                      num_rejected, last_sampled, num_rows)
-                self.deferred.keep(rows, self.drafter.target_hidden(hidden, aux,
-                                                                    rows.token_rows), slots)
-        if prefill.any():
-            self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
-                                  last_sampled, next_prefill)
-
-    def _step_rows(self, input_batch, hidden, aux, num_rejected, last_sampled,
-                   num_rows: int):
-        """A decode-only step's verified rows (`num_rows` a request) and the
-        target's hidden states there, written into the persistent buffers
-        (`StepInputs`) padded to a capture size: (VerifiedRows, [P * R, W])."""
-        num_reqs = input_batch.num_reqs
-        size = padded_batch(num_reqs)
-        rows = self.step_inputs.rows(size, num_rows)
-        self._verified(input_batch, self.step_inputs.batch_rows[:num_reqs], num_rejected,
-                       last_sampled, num_rows, size, out=rows)
-        target = self.step_inputs.hidden(size * num_rows,
-                                         *self.drafter.target_layout(hidden, aux))
-        self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
-        return rows, target
-
-    def _num_verified_rows(self, input_batch, rows: np.ndarray) -> int:
-        """Rows a step's verified positions take per request, padded to a
-        power of two: at most the root and one node per draft level."""
-        most = min(int(input_batch.num_scheduled_tokens[rows].max()),
-                   self.drafter.options.num_steps + 1)
-        return next_power_of_2(most)
-
-    def _verified(self, input_batch, batch_rows: torch.Tensor, num_rejected, last_sampled,
-                  num_rows: int, num_padded: int | None = None, out=None):
-        """`verified_rows` of the requests at `batch_rows` [P] (device)."""
-        verified_trees = self.tree_slots is not None and input_batch.num_draft_tokens > 0
-        return verified_rows(batch_rows, input_batch.query_start_loc, input_batch.seq_lens,
-                             num_rejected, input_batch.cu_num_logits, input_batch.idx_mapping,
-                             self.tree_slots.accepted_nodes if verified_trees else None,
-                             input_batch.input_ids, last_sampled, num_rows, num_padded, out=out)
-
     def _grammar_masks(self, input_batch):
         """The drafting pass's logits hook when the batch has structured
         output (`StructuredRequests.path_masks`): its steps then run apart
@@ -440,47 +380,6 @@ class SpecplugV2HeadSpeculator(V2SpeculatorHooks):
         self.drafts[:slots.shape[0], :tree.num_nodes - 1].copy_(tree.token_ids[:, 1:])
         if self.tree_slots is not None:
             self.tree_slots.store(slots, tree, True)
-
-    def _adopt_prefixes(self, input_batch, rows: np.ndarray, new: np.ndarray) -> None:
-        """Requests new to their slot that start on cached blocks get the
-        head's saved rows of them, and keep them (no longer `new`)."""
-        first = input_batch.num_computed_prefill_tokens_np
-        for row in rows:
-            if self.prefix.adopt(input_batch.req_ids[row], int(input_batch.idx_mapping_np[row]),
-                                 int(first[row]), self.runtime.pool):
-                new[row] = False
-
-    def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
-                        last_sampled, max_position: int) -> None:
-        """Decoding requests' verified positions, padded, in one graphed pass."""
-        layout = self._verified(input_batch, to_device(rows, self.device), num_rejected,
-                                last_sampled, self._num_verified_rows(input_batch, rows))
-        target = self.drafter.target_hidden(hidden, aux, layout.token_rows)
-        self.runtime.ingest_padded(layout.slots, target, layout.next_ids, layout.positions,
-                                   layout.cuts, max_position)
-
-    def _ingest_prefills(self, input_batch, rows: np.ndarray, new: np.ndarray, hidden, aux,
-                         last_sampled, next_prefill) -> None:
-        """Prefill chunks (and requests new to their slot), eagerly: each
-        query row at its position, followed by the next prompt token, or by
-        the sampled token after a prompt's last chunk."""
-        counts = input_batch.num_scheduled_tokens[rows].astype(np.int64)
-        starts = input_batch.query_start_loc_np[rows].astype(np.int64)
-        first = input_batch.num_computed_prefill_tokens_np[rows].astype(np.int64)
-        token_rows = np.concatenate([s + np.arange(c) for s, c in zip(starts, counts)])
-        positions = np.concatenate([f + np.arange(c) for f, c in zip(first, counts)])
-        last = np.cumsum(counts) - 1
-        done = first + counts >= input_batch.prefill_len_np[rows]  # the prompt's last chunk
-        device_rows = to_device(token_rows, self.device)
-        next_ids = input_batch.input_ids[(device_rows + 1).clamp_(
-            max=input_batch.input_ids.shape[0] - 1)].long()
-        slots = input_batch.idx_mapping[to_device(rows, self.device)]
-        after = torch.where(to_device(done, self.device), last_sampled[slots],
-                            next_prefill[0, slots].long())
-        next_ids[to_device(last, self.device)] = after
-        target = self.drafter.target_hidden(hidden, aux, device_rows)
-        self.runtime.ingest_slots(input_batch.idx_mapping_np[rows].astype(np.int64), new[rows],
-                                  target, next_ids, positions, counts.tolist())
 
     def _draft(self, input_batch, last_sampled, num_keys: int, drafts,
                shape: tuple[int, int, int], masks=None) -> None:

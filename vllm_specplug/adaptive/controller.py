@@ -76,7 +76,6 @@ class AdaptiveController:
         self.cost = StepCostModel()
         self.stats = AdaptiveStats()
         self.kept: dict[str, int] = {}  # req_id -> draft length verified next
-        self.expected: dict[str, float] = {}  # req_id -> its kept tokens' survival sum
         self.buckets: dict[str, np.ndarray] = {}  # req_id -> its kept tokens' confidence buckets
         self.zero_streak: dict[str, int] = {}
         self.last_step_time: float | None = None

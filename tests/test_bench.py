@@ -319,6 +319,11 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         # the gaps themselves stay out of the JSON
         assert row["num_near_ties"] == 0 and "top2_gaps" not in row
         assert len(row["tokens_per_second"]) == 2 and len(row["ratios"]) == 2
+        # each generate call's engine timestamps (bench/waves.py): a wave per
+        # call, its decoding at least its median request's
+        waves = row["waves"]
+        assert waves["num_waves"] >= 2 and waves["first_step_ms"] > 0, waves
+        assert 0 < waves["request_decode_ms"] <= waves["decode_ms"], waves
         engine = row["engine"]
         assert engine["engine_args"]["enforce_eager"] is True
         assert engine["runner"].endswith("CPUModelRunner")
@@ -349,6 +354,31 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         adaptive = rows[("specplug_ngram", prompt_set)]["adaptive"]
         assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
     assert "adaptive: method" in table
+    assert "waves (engine timestamps): method" in table
+
+
+def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():
+    """`WaveTimes` from the engine core's per-request timestamps: the first
+    step from the wave's first schedule to its first token, its decoding to
+    its last token, beside its median request's own; outputs without stats
+    (stats off) are no wave."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.waves import WaveTimes, wave_cells
+
+    def output(scheduled, first, last):
+        return SimpleNamespace(metrics=SimpleNamespace(scheduled_ts=scheduled,
+                                                       first_token_ts=first, last_token_ts=last))
+
+    waves = WaveTimes()
+    waves.add([output(1.0, 1.1, 1.5), output(1.0, 1.1, 2.1), output(1.2, 1.3, 1.6)])
+    waves.add([SimpleNamespace(metrics=None)])
+    assert waves.num_waves == 1
+    assert abs(waves.first_step_ms - 100) < 1e-6 and abs(waves.decode_ms - 1000) < 1e-6
+    assert abs(waves.request_decode_ms - 400) < 1e-6  # median of 400, 1000, 300
+    total = waves.merged(None)
+    assert waves.merged(total)["num_waves"] == 2 and WaveTimes().merged(total) == total
+    assert wave_cells(total).split() == ["1", "100.0", "1000.0", "2.50"]
 
 
 def _check_phases(rows) -> None:

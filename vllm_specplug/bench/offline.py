@@ -50,6 +50,7 @@ from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatc
 from vllm_specplug.bench.prompts import BenchPrompt, bench_prompt_of_input
 from vllm_specplug.bench.specs import NamedSpec
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME, engine_record
+from vllm_specplug.bench.waves import WaveTimes
 from vllm_specplug.engine import generate, running_llm
 from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts, vllm_collectors
 
@@ -81,6 +82,9 @@ class OfflineRow:
     # the head's graphs captured in service over this row's repeats, each a
     # stalled step (None: the method has no captured head passes)
     graph_captures: dict | None = None
+    # each `generate` call's engine timestamps, summed over the repeats
+    # (bench/waves.py; None: the engine kept no per-request stats)
+    waves: dict | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # baseline rows: per request, per token, log p(top-1) - log p(top-2)
     top2_gaps: list[list[float]] = field(default_factory=list, repr=False)
@@ -111,11 +115,12 @@ def serving_defaults(engine_kwargs: dict, num_engines: int = 1) -> dict:
 
 
 def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params,
-                      gaps: list[list[float]] | None = None
+                      gaps: list[list[float]] | None = None, waves: WaveTimes | None = None
                       ) -> tuple[list[list[int]], float]:
     """Every prompt's tokens over all its turns, and the seconds spent generating
     (templating between turns is not timed). `gaps` (with `params.logprobs`
-    >= 2): filled with each prompt's top-2 gaps, token by token."""
+    >= 2): filled with each prompt's top-2 gaps, token by token; `waves`:
+    each `generate` call's engine timestamps added."""
     tokenizer = llm.get_tokenizer()
     answers: list[list[str]] = [[] for _ in prompts]
     token_ids: list[list[int]] = [[] for _ in prompts]
@@ -126,6 +131,8 @@ def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params,
         for start in range(0, len(active), batch_size):
             result = generate(llm, inputs[start:start + batch_size], params)
             seconds += result.seconds
+            if waves is not None:
+                waves.add(result.outputs)
             for i, ids, text in zip(active[start:start + batch_size], result.token_ids,
                                     result.texts):
                 token_ids[i] += ids
@@ -145,7 +152,9 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     before, adaptive_before = read_engine_counts(llm, collectors), _adaptive_stats(llm)
     policy_before = _worker_call(llm, "specplug_batch_policy")
     captures_before = _worker_call(llm, "specplug_graph_captures")
-    token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params)
+    waves = WaveTimes()
+    token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params, waves=waves)
+    row.waves = waves.merged(row.waves)
     row.graph_captures = captures_delta(row.graph_captures, captures_before,
                                         _worker_call(llm, "specplug_graph_captures"))
     row.counts = row.counts + (read_engine_counts(llm, collectors) - before)

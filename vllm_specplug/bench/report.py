@@ -96,7 +96,7 @@ def format_offline_table(rows) -> str:
                      f"{_exact_text(row.num_mismatches, row.num_near_ties):>8}  "
                      f"{_engine_text(row):<{e}}{per_pos}")
     tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows),
-                          format_captures_table(rows)) if t]
+                          format_captures_table(rows), format_waves_table(rows)) if t]
     return "\n".join(lines + [line for t in tables for line in ("", t)])
 
 
@@ -173,6 +173,18 @@ def _captures_cells(row) -> str:
     compiles = ", ".join(f"{name} {n}" for name, n in sorted(c.get("kernel_compiles", {}).items()))
     return (f"{c['num_captures']:>10}{c['capture_seconds']:>9.2f}{c['num_graphs']:>13}"
             f"  {compiles or 'none'}")
+
+
+def format_waves_table(rows) -> str:
+    """Each row's `generate` calls as waves (bench/waves.py): ms per wave of
+    its first step and of its decoding, and its tail: the wave's decoding
+    over its median request's."""
+    from vllm_specplug.bench.waves import wave_cells
+
+    return _decision_table(
+        rows, "waves", "waves (engine timestamps)",
+        f"{'waves':>7}{'first step ms':>16}{'decode ms':>12}{'tail':>8}",
+        lambda row: wave_cells(row.waves))
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",

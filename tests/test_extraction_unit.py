@@ -189,6 +189,30 @@ def test_staging_copies_of_packed_samples_are_dropped(tmp_path):
     assert [p.name for p in staging.iterdir()] == ["s7.safetensors"]
 
 
+def test_a_failed_save_is_raised_once_every_save_of_the_batch_finished(tmp_path):
+    """The reason is raised only after the batch's other saves landed (file
+    or marker): raised at once, a save still pending then left its marker
+    after the repeated run had cleared the stale ones, and failed that run
+    (CI, a disk that filled up)."""
+    import threading
+    from pathlib import Path
+
+    from vllm_specplug.extraction.connector import error_marker_path
+    from vllm_specplug.extraction.pipeline import wait_for_files
+
+    failed, late = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    late_marker = Path(error_marker_path(str(late)))
+    Path(error_marker_path(str(failed))).write_text("OSError: No space left on device")
+    writer = threading.Timer(0.3, lambda: late_marker.write_text("OSError: No space left"))
+    writer.start()
+    try:
+        with pytest.raises(RuntimeError, match="No space left on device"):
+            wait_for_files([failed, late])
+        assert late_marker.exists()  # it waited for the second save
+    finally:
+        writer.join()
+
+
 def test_waiting_for_a_file_whose_save_failed_raises_the_reason(tmp_path):
     from vllm_specplug.extraction.connector import error_marker_path
     from vllm_specplug.extraction.pipeline import wait_for_files

@@ -282,19 +282,29 @@ def _prefill_to_staging(llm, options, conversations: dict[str, list[int]]) -> No
 
 
 def wait_for_files(paths: list[str | Path]) -> None:
-    # The worker writes a finished request's file one engine step later.
+    """Until the worker wrote each of `paths` or its error marker (one engine
+    step after the request finished); then the first failure is raised. It
+    waits for every save of the batch, failed or not: a save still pending
+    when the run stopped would leave its marker after a repeated run had
+    cleared the stale ones, and fail that run (seen in CI on a disk that
+    filled up: the second file's marker landed in the resumed run)."""
     paths = [Path(p) for p in paths]
+    markers = [Path(error_marker_path(str(p))) for p in paths]
     deadline = time.monotonic() + FILE_WAIT_S
-    while not all(p.exists() for p in paths):
-        for path in paths:
-            marker = Path(error_marker_path(str(path)))
-            if marker.exists():
-                raise _save_failed(path, marker.read_text())
+    while not all(p.exists() or m.exists() for p, m in zip(paths, markers)):
         if time.monotonic() > deadline:
-            missing = [str(p) for p in paths if not p.exists()]
+            _raise_failed_save(paths, markers)
+            missing = [str(p) for p, m in zip(paths, markers) if not (p.exists() or m.exists())]
             raise TimeoutError(f"hidden-state files not written after {FILE_WAIT_S} s: "
                                f"{missing[:3]} (see the engine log)")
         time.sleep(0.02)
+    _raise_failed_save(paths, markers)
+
+
+def _raise_failed_save(paths: list[Path], markers: list[Path]) -> None:
+    for path, marker in zip(paths, markers):
+        if not path.exists() and marker.exists():
+            raise _save_failed(path, marker.read_text())
 
 
 def _save_failed(path: Path, reason: str) -> Exception:

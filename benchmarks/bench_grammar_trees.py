@@ -28,13 +28,6 @@ SCHEMA = {"type": "object", "required": ["name", "age", "tags", "ok"], "properti
     "name": {"type": "string"}, "age": {"type": "integer"},
     "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
     "ok": {"type": "boolean"}}}
-# SmolLM2's workload: MT-Bench questions, each answered as this object
-MT_BENCH_SCHEMA = {"type": "object", "required": ["topic", "answer", "key_points"],
-                   "properties": {"topic": {"type": "string"}, "answer": {"type": "string"},
-                                  "key_points": {"type": "array", "items": {"type": "string"},
-                                                 "maxItems": 5}}}
-MT_BENCH_INSTRUCTION = ("\n\nReply with a JSON object with the fields topic, answer and "
-                        "key_points (a list of at most 5 strings).")
 VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 
 
@@ -107,19 +100,20 @@ def tiny_workload(num_prompts: int) -> tuple[str, str, list[str], dict]:
 
 def smollm2_workload(num_prompts: int) -> tuple[str, str, list[str], dict]:
     """SmolLM2-135M-Instruct (fp32), its EAGLE-3 head `smollm2-eagle3-demo`,
-    MT-Bench's first turns as chats asking for MT_BENCH_SCHEMA's object."""
+    MT-Bench's first turns as chats asking for MT_BENCH_JSON_SCHEMA's object
+    (the `mt-bench-json` set of `bench offline`)."""
     from transformers import AutoTokenizer
 
     from vllm_specplug.models.heads import build_head
     from vllm_specplug.models.smollm2 import build_smollm2
-    from vllm_specplug.public_sets import mt_bench
+    from vllm_specplug.public_sets import MT_BENCH_JSON_SCHEMA, mt_bench_json
 
     model = str(build_smollm2("float32"))
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [tokenizer.apply_chat_template(
-        [{"role": "user", "content": turns[0] + MT_BENCH_INSTRUCTION}], tokenize=False,
-        add_generation_prompt=True) for turns in mt_bench(num_prompts)]
-    return model, str(build_head("smollm2-eagle3-demo")), prompts, MT_BENCH_SCHEMA
+        [{"role": "user", "content": turns[0]}], tokenize=False,
+        add_generation_prompt=True) for turns in mt_bench_json(num_prompts)]
+    return model, str(build_head("smollm2-eagle3-demo")), prompts, MT_BENCH_JSON_SCHEMA
 
 
 def main() -> None:

@@ -175,6 +175,35 @@ def test_a_json_schema_that_is_not_an_object_is_refused(tmp_path, capsys):
     assert "a JSON schema is an object" in capsys.readouterr().err
 
 
+def test_json_schema_beside_a_set_with_its_own_schema_is_refused(tmp_path, capsys):
+    path = tmp_path / "schema.json"
+    path.write_text('{"type": "object"}')
+    assert main(["bench", "offline", "--model", "tiny", "--prompts", "mt-bench-json",
+                 "--json-schema", str(path)]) == 2
+    assert ("--json-schema and --prompts mt-bench-json: that set holds its answers to its "
+            "own schema") in capsys.readouterr().err
+
+
+def test_a_prompts_schema_holds_its_answer_and_leaves_the_others_free(baseline_llm,
+                                                                     eval_prompts):
+    """`bench offline` on a real engine: a prompt carrying a schema (the
+    `mt-bench-json` set's) is answered under it, one beside it in the same
+    batch as it would be alone."""
+    from vllm_specplug.bench.offline import run_conversations
+    from vllm_specplug.bench.prompts import BenchPrompt
+    from vllm_specplug.engine import generate, greedy_params
+
+    schema = json.dumps({"enum": ["yes", "no"]})
+    prompts = [BenchPrompt(text=eval_prompts[0], json_schema=schema),
+               BenchPrompt(text=eval_prompts[1])]
+    params = greedy_params(24)
+    token_ids, _ = run_conversations(baseline_llm, prompts, 2, params)
+    answer = baseline_llm.get_tokenizer().decode(token_ids[0], skip_special_tokens=True)
+    assert answer in ('"yes"', '"no"'), answer
+    assert token_ids[1] == generate(baseline_llm, [eval_prompts[1]], params).token_ids[0]
+    assert params.structured_outputs is None  # the shared params left as they were
+
+
 def test_turns_follow_the_models_own_answers(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -263,6 +292,14 @@ def test_public_sets_are_fetched_with_their_hash():
     assert len(load_public_set("humaneval")) == 164
     with pytest.raises(ValueError, match="choose one of"):
         load_public_set("gsm8k")
+    # MT-Bench's first turns asking for an object, under its schema and without
+    from vllm_specplug.public_sets import MT_BENCH_JSON_INSTRUCTION, MT_BENCH_JSON_SCHEMA
+
+    held, free = load_public_set("mt-bench-json", 3), load_public_set("mt-bench-json-free", 3)
+    assert [p.turns for p in held] == [p.turns for p in free]
+    assert held[0].turns == (mt_bench[0].turns[0] + MT_BENCH_JSON_INSTRUCTION,)
+    assert all(json.loads(p.json_schema) == MT_BENCH_JSON_SCHEMA for p in held)
+    assert all(p.json_schema is None for p in free + mt_bench)
 
 
 def test_partial_results_are_written_whole_after_each_step(tmp_path):
@@ -484,6 +521,20 @@ def test_bench_ratios_are_taken_within_each_repeat(tmp_path, capsys):
     assert "1.10 [1.00-1.50]" in out and "per repeat: 1.50 1.00 1.10" in out
     assert main(["bench", "ratios", str(path), "--over", "vllm"]) == 2
     assert "--over vllm: no such row" in capsys.readouterr().err
+    # a run of two prompt sets: rows of one set, named
+    two = [{**r, "prompt_set": "a"} for r in rows] + [
+        {"name": "none", "batch_size": 1, "tokens_per_second": [10.0, 10.0, 10.0],
+         "prompt_set": "b"},
+        {"name": "ours", "batch_size": 1, "tokens_per_second": [20.0, 5.0, 30.0],
+         "prompt_set": "b"}]
+    path.write_text(json.dumps({"settings": {}, "rows": two}))
+    assert main(["bench", "ratios", str(path), "--over", "none", "--row", "ours",
+                 "--prompt-set", "b"]) == 0
+    assert "per repeat: 2.00 0.50 3.00" in capsys.readouterr().out
+    assert main(["bench", "ratios", str(path), "--over", "none"]) == 2
+    assert "holds the prompt sets a, b: pick one with --prompt-set" in capsys.readouterr().err
+    assert main(["bench", "ratios", str(path), "--over", "none", "--prompt-set", "c"]) == 2
+    assert "--prompt-set c: not in this result; its sets are a, b" in capsys.readouterr().err
     path.write_text("[1, 2]")
     assert main(["bench", "ratios", str(path), "--over", "none"]) == 2
     assert "not a `bench offline` or `bench online` result JSON" in capsys.readouterr().err

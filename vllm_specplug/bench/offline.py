@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatches, top2_gaps
-from vllm_specplug.bench.prompts import BenchPrompt, bench_prompt_of_input
+from vllm_specplug.bench.prompts import (BenchPrompt, bench_prompt_of_input,
+                                         sampling_params_for)
 from vllm_specplug.bench.specs import NamedSpec
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME, engine_record
 from vllm_specplug.bench.waves import WaveTimes
@@ -129,7 +130,9 @@ def run_conversations(llm, prompts: list[BenchPrompt], batch_size: int, params,
         active = [i for i, p in enumerate(prompts) if p.num_turns > turn]
         inputs = [prompts[i].input_for(tokenizer, turn, answers[i]) for i in active]
         for start in range(0, len(active), batch_size):
-            result = generate(llm, inputs[start:start + batch_size], params)
+            chunk = [prompts[i] for i in active[start:start + batch_size]]
+            result = generate(llm, inputs[start:start + batch_size],
+                              sampling_params_for(chunk, params))
             seconds += result.seconds
             if waves is not None:
                 waves.add(result.outputs)

@@ -26,6 +26,7 @@ class BenchPrompt:
     text: str | None = None                # plain completion
     turns: tuple[str, ...] | None = None   # user turns, each after the model's answer
     token_ids: tuple[int, ...] | None = None  # a prompt already tokenized
+    json_schema: str | None = None         # JSON text: the schema its answers are held to
 
     @property
     def label(self) -> str:
@@ -54,6 +55,22 @@ class BenchPrompt:
                              {"role": "assistant", "content": answer}]
             messages.append({"role": "user", "content": self.turns[turn]})
         return {"prompt_token_ids": template_for_generation(tokenizer, messages)}
+
+
+def sampling_params_for(prompts: list[BenchPrompt], params):
+    """`params` for every prompt, or one copy each, held to its own schema,
+    where a prompt carries one (vLLM's structured outputs)."""
+    if all(p.json_schema is None for p in prompts):
+        return params
+    from vllm.sampling_params import StructuredOutputsParams
+
+    each = []
+    for prompt in prompts:
+        copy = params.clone()
+        if prompt.json_schema is not None:
+            copy.structured_outputs = StructuredOutputsParams(json=prompt.json_schema)
+        each.append(copy)
+    return each
 
 
 def bench_prompt_of_input(item) -> BenchPrompt:

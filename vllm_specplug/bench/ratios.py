@@ -53,6 +53,22 @@ def fold_online_rows(rows: list[dict]) -> list[dict]:
     return list(folded.values())
 
 
+def set_rows(rows: list[dict], prompt_set: str | None) -> list[dict]:
+    """The rows of one prompt set (`bench offline --prompts A --prompts B`
+    runs each set on the same engines, rows of the same name and batch);
+    a result of one set needs none named."""
+    sets = list(dict.fromkeys(r.get("prompt_set", "") for r in rows))
+    if prompt_set is None:
+        if len(sets) > 1:
+            raise ValueError(f"this result holds the prompt sets {', '.join(sets)}: "
+                             "pick one with --prompt-set NAME")
+        return rows
+    if prompt_set not in sets:
+        raise ValueError(f"--prompt-set {prompt_set}: not in this result; its sets are "
+                         f"{', '.join(s or '(one, unnamed)' for s in sets)}")
+    return [r for r in rows if r.get("prompt_set", "") == prompt_set]
+
+
 def repeat_ratios(rows: list[dict], name: str, over: list[str], batch_size: int
                   ) -> list[float] | None:
     """[repeats] `name`'s tokens/s over the fastest of `over` in each repeat

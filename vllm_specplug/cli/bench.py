@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 BUILTIN_PROMPT_SETS = ("held-out", "repeat-edit")  # the built-in tiny model's
-PUBLIC_PROMPT_SETS = ("mt-bench", "humaneval")     # chat sets, from the package index
+# chat sets, from the package index (mt-bench-json: answers under a JSON schema)
+PUBLIC_PROMPT_SETS = ("mt-bench", "humaneval", "mt-bench-json", "mt-bench-json-free")
 
 
 def _common(parser) -> None:
@@ -112,6 +113,8 @@ def add_parser(sub) -> None:
                         "them in each repeat)")
     ratios.add_argument("--row", action="append", default=None, metavar="NAME",
                         help="rows to report (default: every other row)")
+    ratios.add_argument("--prompt-set", default=None, metavar="NAME",
+                        help="a run of several --prompts sets: the rows of this one")
     ratios.set_defaults(func=run_ratios_command)
 
 
@@ -207,6 +210,17 @@ def _json_schema(path: str | None) -> dict | None:
     return schema
 
 
+def _check_schemas(schema: dict | None, prompt_sets: dict) -> None:
+    """--json-schema holds every answer to one schema: refused beside a set
+    whose prompts carry their own (one of them would silently win)."""
+    own = [name for name, prompts in prompt_sets.items()
+           if any(p.json_schema is not None for p in prompts)]
+    if schema is not None and own:
+        raise ValueError(f"--json-schema and --prompts {', '.join(own)}: that set holds "
+                         "its answers to its own schema; drop --json-schema (or run "
+                         "that set's -free twin under it)")
+
+
 def run_offline_command(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.bench.offline import run_offline
@@ -237,6 +251,7 @@ def run_offline_command(args) -> int:
                              "directory, a hub id, or a built-in name such as 'tiny')")
         schema = _json_schema(args.json_schema)
         prompt_sets = _load_prompt_sets(args)
+        _check_schemas(schema, prompt_sets)
     except (SpecError, PromptFileError, AssetError, MissingDependencyError, ValueError,
             FileNotFoundError) as error:
         return _fail(error)
@@ -356,10 +371,11 @@ def _explained(row) -> int:
 
 
 def run_ratios_command(args) -> int:
-    from vllm_specplug.bench.ratios import load_rows, ratio_table
+    from vllm_specplug.bench.ratios import load_rows, ratio_table, set_rows
 
     try:
-        print(ratio_table(load_rows(args.json), args.over, args.row))
+        rows = set_rows(load_rows(args.json), args.prompt_set)
+        print(ratio_table(rows, args.over, args.row))
     except ValueError as error:
         return _fail(error)
     return 0

@@ -159,3 +159,26 @@ def test_suffix_offers_the_likeliest_path_the_grammar_allows():
     hybrid = HybridOptions(proposers=[{"method": "specplug_suffix", "min_token_prob": 0.0,
                                        "max_spec_factor": 4.0, "max_cached_requests": 0}])
     assert propose(hybrid, {1: _forbidding(4)}, HybridProposer) == drafts
+
+
+def test_head_drafts_know_the_grammar_by_default_on_the_v1_runner_only():
+    """`grammar_drafts` unset: masked drafting on the V1 runner, unmasked on
+    Model Runner V2 (where it made SmolLM2's chain 3x slower under a JSON
+    schema, docs/results/v2_grammar_smollm2_h200); set, it holds on both."""
+    import pytest
+
+    from vllm_specplug.proposers.base import ProposerConfigError
+    from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions
+    from vllm_specplug.proposers.mtp import MtpTreeOptions
+
+    default = Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head"})
+    assert default.masks_drafts(model_runner_v2=False)
+    assert not default.masks_drafts(model_runner_v2=True)
+    assert not MtpTreeOptions.from_dict("specplug_mtp", {}).masks_drafts(model_runner_v2=True)
+    for value in (True, False):
+        options = Eagle3TreeOptions.from_dict("specplug_eagle3",
+                                              {"model": "head", "grammar_drafts": value})
+        assert options.masks_drafts(model_runner_v2=True) is value
+        assert options.masks_drafts(model_runner_v2=False) is value
+    with pytest.raises(ProposerConfigError, match="grammar_drafts='yes' must be bool or NoneType"):
+        Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": "yes"})

@@ -58,11 +58,15 @@ class TreeOptions(ProposerOptions):
     # cache. Both are exact; other backends always rewrite.
     tree_attention: str = "split"
     # Under structured outputs, each drafting step ranks only the tokens the
-    # request's grammar allows on that node's path (both runners; on Model
-    # Runner V2 a batch with structured output drafts eagerly, apart from
-    # the fused pass). Selection only: the scheduler still checks every
-    # node, so either way is lossless.
-    grammar_drafts: bool = True
+    # request's grammar allows on that node's path. None (the default): on
+    # the V1 runner, off on Model Runner V2: masked there, a batch with structured
+    # output drafts eagerly, apart from the fused pass, the host walking
+    # the grammar node by node between the head's steps: on SmolLM2 under a
+    # JSON schema (H200) our chain ran so at a third of vLLM's eagle3's
+    # tokens/s with the same head, for a few percent more tokens a step
+    # (docs/results/v2_grammar_smollm2_h200). Selection only: the scheduler
+    # still checks every node, so either way is lossless.
+    grammar_drafts: bool | None = None
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -80,6 +84,10 @@ class TreeOptions(ProposerOptions):
             require(2 <= self.num_draft_tokens <= most, name,
                     f"num_draft_tokens={self.num_draft_tokens} must be in [2, 1 + topk * "
                     f"num_steps = {most}]: raise topk or num_steps, or lower it")
+
+    def masks_drafts(self, model_runner_v2: bool) -> bool:
+        """Whether drafts are ranked among grammar-valid tokens on this runner."""
+        return self.grammar_drafts if self.grammar_drafts is not None else not model_runner_v2
 
     def resolved(self, num_speculative_tokens: int | None):
         """Defaults filled: num_steps from num_speculative_tokens, the tree

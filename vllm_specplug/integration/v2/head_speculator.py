@@ -107,7 +107,8 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
         # structured requests' grammars: each drafting step of theirs ranks
         # only what its node's path allows (structured.py)
         self.structured = (StructuredRequests(vllm_config)
-                           if self.drafter.options.grammar_drafts else None)
+                           if self.drafter.options.masks_drafts(model_runner_v2=True)
+                           else None)
         # trees under our batch policy: each step's accepted paths' node
         # ranks go to the scheduler, which learns every smaller tree from them
         self.path_ranks = (PathRanks(self.max_num_reqs, num_nodes, device)

@@ -12,6 +12,7 @@ masks of each drafting step (head_speculator.py).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from vllm_specplug.integration.grammar_drafting import DraftGrammars, is_constrained
 
@@ -52,16 +53,25 @@ class StructuredRequests:
         pay."""
         num_reqs = input_batch.num_reqs
         req_ids = list(input_batch.req_ids[:num_reqs])
-        if not any(req_id in self.params for req_id in req_ids):
+        rows = [b for b, req_id in enumerate(req_ids) if req_id in self.params]
+        if not rows:
             return None
-        slots = input_batch.idx_mapping_np[:num_reqs]
-        ends = req_states.total_len.gpu[input_batch.idx_mapping[:num_reqs]].cpu().numpy()
-        grammars = []
-        for req_id, slot, end in zip(req_ids, slots, ends):
-            start = int(req_states.prompt_len.np[slot])
-            if req_id not in self.params or end <= start:  # free, or before its first token
-                grammars.append(None)
-                continue
-            output = req_states.all_token_ids.gpu[slot, start:int(end)].cpu().numpy()
-            grammars.append(self.grammar(req_id, output))
+        slots = input_batch.idx_mapping_np[:num_reqs][rows]
+        outputs = self._outputs(req_states, slots)
+        grammars = [None] * num_reqs
+        for b, output in zip(rows, outputs):
+            if output is not None:  # None: before the request's first token
+                grammars[b] = self.grammar(req_ids[b], output)
         return self.grammars.masks(req_ids, grammars, layer, device)
+
+    @staticmethod
+    def _outputs(req_states, slots: np.ndarray) -> list[np.ndarray | None]:
+        """Each slot's output so far, read from the device in one copy (a
+        sync per request made a batch of 64 wait 64 times)."""
+        index = torch.from_numpy(slots).to(req_states.all_token_ids.gpu.device)
+        ends = req_states.total_len.gpu[index].cpu().numpy()
+        starts = req_states.prompt_len.np[slots]
+        width = int(ends.max())
+        tokens = req_states.all_token_ids.gpu[index, :width].cpu().numpy()
+        return [tokens[i, start:end] if end > start else None
+                for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist()))]

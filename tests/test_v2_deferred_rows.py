@@ -63,7 +63,7 @@ def test_kept_rows_ingested_at_once_equal_ingesting_them_step_by_step():
     assert not store.has_room(slots, 4) and store.has_room(slots, 2)
     store.flush(kept, np.array([0, 1, 2, 3]), max_position=10)
     assert store.num_flushes == 1 and store.num_kept_steps == 3
-    assert not store.count.any() and not store.bound.any()
+    assert not store.count.any() and not store.bound.any() and not store.any_kept
     a, b = stepwise.pool, kept.pool
     assert torch.equal(a.valid, b.valid) and a.valid[1, :11].all() and a.valid[3, :9].all()
     for name in ("keys", "values", "last_out", "last_logits"):
@@ -88,6 +88,7 @@ def test_a_flush_leaves_slots_without_kept_rows_alone_and_drop_forgets():
     store.keep(rows, hidden, np.array([2]))
     store.drop(np.array([2]))
     assert store.count.tolist() == [1, 0, 0, 0] and store.bound.tolist() == [1, 0, 0, 0]
+    assert store.any_kept  # slot 0 still holds a row: the next flush looks
     store.flush(runtime, np.array([0, 2]), max_position=4)
     assert not torch.equal(runtime.pool.last_out[0], before[0])
     assert torch.equal(runtime.pool.last_out[2], before[2])
@@ -135,6 +136,12 @@ def test_the_start_up_warm_up_leaves_the_store_empty():
     # embed it; on CUDA, a device-side assert at start-up)
     speculator.step_inputs.buffers.next_ids.fill_(10 ** 6)
     assert kept_row_counts((0, 1, 2, 4, 8, 15), 4) == [1, 8]
+    # the one formula the keep, the fused step and the kernel warm-up share:
+    # the root and a node a level, at most num_steps + 1, to a power of two
+    from vllm_specplug.verification.tree_rows import rows_per_request
+
+    assert [rows_per_request(n, 4) for n in (1, 2, 3, 5, 6, 16)] == [1, 2, 4, 8, 8, 8]
+    assert [rows_per_request(n, 1) for n in (1, 2, 3)] == [1, 2, 2]
     assert warm_up_kept_rows(speculator, (0, 4, 15), width, torch.float32) == 3 * 3
     assert not store.count.any() and not store.bound.any() and store.num_kept_steps == 0
     assert store.hidden.shape == (4, 9, width)

@@ -102,6 +102,14 @@ def prepare_tree_rows(positions: torch.Tensor, query_start_loc: torch.Tensor,
         num_reqs, N=max_nodes, N_PAD=next_power_of_2(max_nodes), W=words)
 
 
+def rows_per_request(num_query_tokens: int, num_steps: int) -> int:
+    """Rows `verified_rows` takes per request after a step that scheduled it
+    `num_query_tokens` (its draft length + 1): at most the root and one node
+    per draft level, padded to a power of two (one variant a kernel, a
+    graph)."""
+    return next_power_of_2(min(num_query_tokens, num_steps + 1))
+
+
 def verified_rows_reference(batch_rows, query_start_loc, seq_lens, num_rejected,
                             cu_num_logits, idx_mapping, accepted_nodes, input_ids,
                             last_sampled, num_rows: int, out: VerifiedRows) -> VerifiedRows:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from vllm_specplug.proposers.head_graphs import padded_batch
-from vllm_specplug.verification.backend import next_power_of_2, to_device
-from vllm_specplug.verification.tree_rows import verified_rows
+from vllm_specplug.verification.backend import to_device
+from vllm_specplug.verification.tree_rows import rows_per_request, verified_rows
 
 
 class HeadRows:
@@ -60,12 +60,11 @@ class HeadRows:
         self.drafter.target_hidden(hidden, aux, rows.token_rows, out=target)
         return rows, target
 
-    def _num_verified_rows(self, input_batch, rows: np.ndarray) -> int:
-        """Rows a step's verified positions take per request, padded to a
-        power of two: at most the root and one node per draft level."""
-        most = min(int(input_batch.num_scheduled_tokens[rows].max()),
-                   self.drafter.options.num_steps + 1)
-        return next_power_of_2(most)
+    def _num_verified_rows(self, input_batch, rows: np.ndarray | slice) -> int:
+        """Rows a step's verified positions take per request (`rows`: the
+        batch rows, a slice for the whole batch), `rows_per_request`."""
+        return rows_per_request(int(input_batch.num_scheduled_tokens[rows].max()),
+                                self.drafter.options.num_steps)
 
     def _verified(self, input_batch, batch_rows: torch.Tensor, num_rejected, last_sampled,
                   num_rows: int, num_padded: int | None = None, out=None):

@@ -368,7 +368,7 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
         persistent buffers, padded to a capture size; the head ingests and
         drafts in one graph replay that reads them in place (`_emit` writes
         the drafts inside it)."""
-        num_rows = self._num_verified_rows(input_batch, np.arange(input_batch.num_reqs))
+        num_rows = self._num_verified_rows(input_batch, slice(input_batch.num_reqs))
         rows, target = self._step_rows(input_batch, hidden, aux, num_rejected, last_sampled,
                                        num_rows)
         self.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,

@@ -24,11 +24,10 @@ from collections import Counter
 
 import torch
 
-from vllm_specplug.verification.backend import next_power_of_2
 from vllm_specplug.verification.kv_compaction import compact_kv_layers
 from vllm_specplug.verification.metadata import NO_NODE
 from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
-from vllm_specplug.verification.tree_rows import verified_rows
+from vllm_specplug.verification.tree_rows import rows_per_request, verified_rows
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
 
@@ -40,7 +39,7 @@ def row_variants(lengths: tuple[int, ...], num_steps: int) -> list[tuple[int, bo
     length: a step verifies its root and one node per level, at most
     num_steps + 1 rows, padded to a power of two
     (`SpecplugV2HeadSpeculator._decode_step`); a length of 0 verifies none."""
-    return sorted({(next_power_of_2(min(k + 1, num_steps + 1)), k > 0) for k in lengths})
+    return sorted({(rows_per_request(k + 1, num_steps), k > 0) for k in lengths})
 
 
 class _Scratch:

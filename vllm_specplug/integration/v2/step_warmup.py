@@ -26,7 +26,7 @@ import torch
 from vllm_specplug.integration import batch_schedule
 from vllm_specplug.integration.batch_schedule import table_lengths
 from vllm_specplug.proposers.head_graphs import STEP_KIND, padded_batch
-from vllm_specplug.verification.backend import next_power_of_2
+from vllm_specplug.verification.tree_rows import rows_per_request
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
 
@@ -66,7 +66,7 @@ def steady_steps(lengths: tuple[int, ...], tree_shape: tuple[int, int, int], ste
 
 def _step(k_before: int, k_now: int, tree_shape, step_shape) -> tuple[int, tuple[int, int, int]]:
     """A step that verifies what was drafted at `k_before` and drafts `k_now`."""
-    return (next_power_of_2(min(k_before + 1, tree_shape[1] + 1)), step_shape(tree_shape, k_now))
+    return (rows_per_request(k_before + 1, tree_shape[1]), step_shape(tree_shape, k_now))
 
 
 def warm_up_kept_rows(speculator, lengths: tuple[int, ...], width: int,
@@ -87,7 +87,7 @@ def kept_row_counts(lengths: tuple[int, ...], num_steps: int) -> list[int]:
     after a step at 0, and what the longest length verifies right after it;
     a step after another length keeps eagerly, or from the graph of the
     same row count."""
-    return sorted({1, next_power_of_2(min(max(lengths) + 1, num_steps + 1))})
+    return sorted({1, rows_per_request(max(lengths) + 1, num_steps)})
 
 
 def table_of(vllm_config) -> list | None:

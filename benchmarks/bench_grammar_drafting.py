@@ -156,26 +156,49 @@ def _add(row: dict, steps: list[int], masks: TimedMasks | None) -> None:
     row["seconds"] += masks.seconds if masks is not None else 0.0
 
 
+def workload(target: str, num_prompts: int):
+    """(model dir, head dir, tokenizer -> prompts' token ids, schema): the
+    tiny model, its head and held-out code prompts under SCHEMA; or SmolLM2
+    (fp32), `smollm2-eagle3-demo` and the `mt-bench-json` chats under
+    their schema (what `bench offline --prompts mt-bench-json` runs)."""
+    from vllm_specplug.models import build_model, held_out_prompts
+    from vllm_specplug.models.heads import build_head
+
+    if target == "tiny":
+        texts = held_out_prompts(num_prompts)
+        return (build_model("tiny"), build_head("tiny-eagle3"),
+                lambda tokenizer: [tokenizer(t).input_ids for t in texts], SCHEMA)
+    from vllm_specplug.models.smollm2 import build_smollm2
+    from vllm_specplug.public_sets import MT_BENCH_JSON_SCHEMA, mt_bench_json
+
+    from vllm_specplug.extraction.prompts import template_for_generation
+
+    turns = mt_bench_json(num_prompts)
+    chats = lambda tokenizer: [template_for_generation(  # noqa: E731
+        tokenizer, [{"role": "user", "content": t[0]}]) for t in turns]
+    return (build_smollm2("float32"), build_head("smollm2-eagle3-demo"), chats,
+            MT_BENCH_JSON_SCHEMA)
+
+
 def main(argv: list[str] | None = None) -> int:
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_specplug.models import build_model, held_out_prompts
-    from vllm_specplug.models.heads import build_head
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
     from vllm_specplug.proposers.eagle3_loading import load_head
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--target", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    model_dir, head_dir = build_model("tiny"), build_head("tiny-eagle3")
+    model_dir, head_dir, prompts, schema = workload(args.target, args.prompts)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab_size = model.config.vocab_size
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
     head = load_head(head_dir).eval()
     runtime = HeadRuntime(head, model.get_input_embeddings())
     draft_to_target = runtime.layer.to_target(torch.arange(runtime.layer.logits_size))
@@ -183,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 for constraint, masked in (("schema", False), ("schema", True), ("none", False))]
     rows = {_label(*v): {"steps": [], "seconds": 0.0, "passes": 0}
             for v in variants}
-    for prompt in tqdm(held_out_prompts(args.prompts), desc="prompts"):
-        prompt_ids = tokenizer(prompt).input_ids
+    for prompt_ids in tqdm(prompts(tokenizer), desc="prompts"):
         for constraint in ("schema", "none"):
             output = greedy_under_schema(model, xgr, compiled if constraint == "schema" else None,
                                          prompt_ids, args.max_tokens)
@@ -200,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                for name, r in rows.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grammar_drafting.json").write_text(json.dumps(
-        {"schema": SCHEMA, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        {"target": args.target, "schema": schema, "prompts": args.prompts,
+         "max_tokens": args.max_tokens,
          "rows": summary}, indent=1))
     lines = [f"{'draft':26} {'tokens/step':>12} {'steps':>6} {'grammar ms/pass':>16}"]
     lines += [f"{n:26} {s['tokens_per_step']:12.2f} {s['steps']:6d} "

@@ -168,16 +168,13 @@ def workload(target: str, num_prompts: int):
         texts = held_out_prompts(num_prompts)
         return (build_model("tiny"), build_head("tiny-eagle3"),
                 lambda tokenizer: [tokenizer(t).input_ids for t in texts], SCHEMA)
+    from vllm_specplug.bench.sets import load_public_set
     from vllm_specplug.models.smollm2 import build_smollm2
-    from vllm_specplug.public_sets import MT_BENCH_JSON_SCHEMA, mt_bench_json
 
-    from vllm_specplug.extraction.prompts import template_for_generation
-
-    turns = mt_bench_json(num_prompts)
-    chats = lambda tokenizer: [template_for_generation(  # noqa: E731
-        tokenizer, [{"role": "user", "content": t[0]}]) for t in turns]
-    return (build_smollm2("float32"), build_head("smollm2-eagle3-demo"), chats,
-            MT_BENCH_JSON_SCHEMA)
+    chats = load_public_set("mt-bench-json", num_prompts)
+    return (build_smollm2("float32"), build_head("smollm2-eagle3-demo"),
+            lambda tokenizer: [p.input_for(tokenizer)["prompt_token_ids"] for p in chats],
+            json.loads(chats[0].json_schema))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,7 +63,7 @@ def test_kept_rows_ingested_at_once_equal_ingesting_them_step_by_step():
     assert not store.has_room(slots, 4) and store.has_room(slots, 2)
     store.flush(kept, np.array([0, 1, 2, 3]), max_position=10)
     assert store.num_flushes == 1 and store.num_kept_steps == 3
-    assert not store.count.any() and not store.bound.any() and not store.any_kept
+    assert not store.count.any() and not store.bound.any()
     a, b = stepwise.pool, kept.pool
     assert torch.equal(a.valid, b.valid) and a.valid[1, :11].all() and a.valid[3, :9].all()
     for name in ("keys", "values", "last_out", "last_logits"):
@@ -88,7 +88,6 @@ def test_a_flush_leaves_slots_without_kept_rows_alone_and_drop_forgets():
     store.keep(rows, hidden, np.array([2]))
     store.drop(np.array([2]))
     assert store.count.tolist() == [1, 0, 0, 0] and store.bound.tolist() == [1, 0, 0, 0]
-    assert store.any_kept  # slot 0 still holds a row: the next flush looks
     store.flush(runtime, np.array([0, 2]), max_position=4)
     assert not torch.equal(runtime.pool.last_out[0], before[0])
     assert torch.equal(runtime.pool.last_out[2], before[2])

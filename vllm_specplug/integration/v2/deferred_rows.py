@@ -60,7 +60,6 @@ class DeferredRows:
         self.hidden: torch.Tensor | None = None  # [S, M + 1, W] the target's dtype
         self.count = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [S]
         self.bound = np.zeros(max_num_reqs, dtype=np.int64)  # [S] host: >= count
-        self.any_kept = False  # bound.any(): steps that draft skip the store's checks
         self.columns = torch.arange(max_rows, device=device)  # [M]
         self.graphs_stale = False  # the store was reallocated: keep passes run eagerly
         self.num_kept_steps = 0  # steps whose rows were kept (stats, tests)
@@ -70,13 +69,10 @@ class DeferredRows:
     def drop(self, slots: np.ndarray) -> None:
         """Forget what `slots` kept (a new request there, or a prefill that
         ingests its positions itself)."""
-        if not self.any_kept:
-            return
         slots = slots[self.bound[slots] > 0]
         if len(slots):
             self.bound[slots] = 0
             self.count.index_fill_(0, to_device(slots, self.device), 0)
-            self.any_kept = bool(self.bound.any())
 
     def has_room(self, slots: np.ndarray, num_rows: int) -> bool:
         return bool((self.bound[slots] + num_rows <= self.max_rows).all())
@@ -101,7 +97,6 @@ class DeferredRows:
         else:
             self._keep_pass(*inputs)
         self.bound[slots] += rows.positions.shape[1]
-        self.any_kept = True
         self.num_kept_steps += 1
 
     def _keep_pass(self, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -137,15 +132,12 @@ class DeferredRows:
         """Ingest what `slots` kept, in one padded pass of MAX_KEPT_ROWS rows
         a request (the last kept row repeated: `_ingest_pass`'s layout), and
         forget it. `max_position` bounds every kept position from above."""
-        if not self.any_kept:
-            return
         slots = slots[self.bound[slots] > 0]
         if not len(slots):
             return
         slot_ids = to_device(slots, self.device)
         self._ingest(runtime, slot_ids, max_position)
         self.bound[slots] = 0
-        self.any_kept = bool(self.bound.any())
         self.count.index_fill_(0, slot_ids, 0)
         self.num_flushes += 1
 

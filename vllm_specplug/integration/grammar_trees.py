@@ -99,49 +99,54 @@ def fill_tree_rows(grammar, req_id: str, draft_token_ids: Sequence[int],
     xgrammar walks the tree in C++, one call per tree
     (`GrammarMatcher.traverse_draft_tree`, SGLang's layout); other backends
     walk it here, node by node. The rows are filled on the engine core's
-    critical path (a deferred step waits for them): the bookkeeping is numpy."""
+    critical path (a deferred step waits for them), once per constrained
+    request a step: the bookkeeping is on short lists, no scan of the rows."""
     num_nodes = len(parents)
-    tokens = np.zeros(num_nodes, dtype=np.int64)
-    tokens[1:] = np.asarray(draft_token_ids[:num_nodes - 1], dtype=np.int64)
-    traverse = getattr(getattr(grammar, "matcher", None), "traverse_draft_tree", None)
-    in_vocab = num_nodes == 1 or (tokens[1:].min() >= 0  # xgrammar reads the parent's bit
-                                  and tokens[1:].max() < rows.shape[1] * 32)
+    drafts = [int(token) for token in draft_token_ids[:num_nodes - 1]]
+    matcher = getattr(grammar, "matcher", None)
+    traverse = getattr(matcher, "traverse_draft_tree", None)
+    in_vocab = not drafts or (min(drafts) >= 0  # xgrammar reads the parent's bit
+                              and max(drafts) < rows.shape[1] * 32)
     if traverse is not None and in_vocab and not grammar.is_terminated():
-        valid = _traverse(traverse, parents, tokens, rows)
+        valid = _traverse(traverse, parents, [0] + drafts, rows,
+                          set(matcher.stop_token_ids))
     else:
         valid = walk_tree(grammar, req_id, draft_token_ids, parents, fill_row, rows)
-    source = list(range(num_nodes))  # each node's nearest valid ancestor (itself if valid)
-    for node in range(1, num_nodes):  # parents come first
-        if not valid[node]:
-            source[node] = source[parents[node]]
-    if source != list(range(num_nodes)):
+    if not all(valid):
+        source = list(range(num_nodes))  # each node's nearest valid ancestor (itself if valid)
+        for node in range(1, num_nodes):  # parents come first
+            if not valid[node]:
+                source[node] = source[parents[node]]
+        invalid = [node for node in range(num_nodes) if not valid[node]]
         words = rows.numpy()
-        words[:] = words[source]
+        words[invalid] = words[[source[node] for node in invalid]]  # sources are valid: unchanged
     return valid
 
 
-def _traverse(traverse, parents: Sequence[int], tokens: np.ndarray,
-              rows: torch.Tensor) -> list[bool]:
+def _traverse(traverse, parents: Sequence[int], tokens: list[int], rows: torch.Tensor,
+              stop_token_ids: set[int]) -> list[bool]:
     """xgrammar's walk: it fills the rows of the nodes its parent's row
-    allows and leaves the others alone; a node that ends the grammar (an
-    accepted stop token) gets an empty row, where vLLM gives a terminated
-    grammar a full one."""
+    allows and leaves the others alone. A node that ends the grammar (an
+    accepted stop token) gets vLLM's full row for a terminated grammar here,
+    where xgrammar leaves it empty; a node whose row is empty for another
+    reason keeps it, as vLLM would."""
     num_nodes = len(parents)
     first_child, next_sibling = [-1] * num_nodes, [-1] * num_nodes
     for node in range(num_nodes - 1, 0, -1):  # siblings linked in node order
         next_sibling[node] = first_child[parents[node]]
         first_child[parents[node]] = node
+    token_array = np.array(tokens, dtype=np.int64)
     traverse(torch.from_numpy(np.array(first_child, dtype=np.int64)),
              torch.from_numpy(np.array(next_sibling, dtype=np.int64)),
-             torch.from_numpy(tokens), rows)
+             torch.from_numpy(token_array), rows)
     words = rows.numpy()  # a view
-    parent_words = words[[max(parent, 0) for parent in parents], tokens >> 5].view(np.uint32)
-    allowed = ((parent_words >> (tokens & 31).astype(np.uint32)) & 1).tolist()
+    parent_words = words[np.maximum(np.asarray(parents), 0), token_array >> 5].view(np.uint32)
+    allowed = ((parent_words >> (token_array & 31).astype(np.uint32)) & 1).tolist()
     valid = [True] * num_nodes
     for node in range(1, num_nodes):
         valid[node] = valid[parents[node]] and allowed[node] == 1
-    terminated = np.flatnonzero(np.asarray(valid) & ~words.any(axis=1))
-    words[terminated] = -1  # vLLM's full mask
+        if valid[node] and tokens[node] in stop_token_ids:
+            words[node] = -1  # vLLM's full mask for a terminated grammar
     return valid
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from vllm_specplug.integration.batch_schedule import SpecplugBatchDraftTreeAsyncScheduler
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
 from vllm_specplug.integration.scheduler import SpecplugTreeAsyncScheduler
 from vllm_specplug.testing import scheduler_sim as sim
@@ -23,6 +24,12 @@ from vllm_specplug.testing import scheduler_sim as sim
 K = 4
 DRAFT_CHARS, PARENTS = "abca", [-1, 0, 0, 2, 1]
 PROMPT = [5, 6, 7, 8]
+# ours under async scheduling: the trees' own, and the same with one tree
+# size per step (`"adaptive": true` on Model Runner V2), which once lacked
+# the deferred step's overrides and read constrained trees as lists
+TREE_ASYNC = pytest.mark.parametrize(
+    "scheduler_cls", [SpecplugTreeAsyncScheduler, SpecplugBatchDraftTreeAsyncScheduler],
+    ids=["trees", "trees-one-size-per-step"])
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +98,9 @@ def _path_row(scheduler, request, path: list[int]) -> torch.Tensor:
     return row[0]
 
 
-def test_each_node_is_masked_on_its_own_path_in_the_deferred_step(tiny_model_dir, tokens):
-    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+@TREE_ASYNC
+def test_each_node_is_masked_on_its_own_path_in_the_deferred_step(scheduler_cls, tiny_model_dir, tokens):
+    scheduler = _scheduler(scheduler_cls, tiny_model_dir)
     request = _add(scheduler, "tree")
     output = _step_output(["tree"])
     scheduler.update_draft_token_ids_in_output(_drafts(["tree"], tokens, {"tree"}), output)
@@ -135,7 +143,8 @@ def test_vllm_reads_the_same_tree_as_a_list(tiny_model_dir, tokens):
         assert not torch.equal(rows[2], _path_row(scheduler, request, [tokens["b"]]))
 
 
-def test_a_request_whose_grammar_starts_later_gets_vllm_rules_on_the_chain_prefix(
+@TREE_ASYNC
+def test_a_request_whose_grammar_starts_later_gets_vllm_rules_on_the_chain_prefix(scheduler_cls, 
         tiny_model_dir, tokens, monkeypatch):
     """A grammar that starts after a reasoning section (vLLM's
     `_get_constraint_bounds` other than (0, 0)) is vLLM's to handle: our
@@ -143,7 +152,7 @@ def test_a_request_whose_grammar_starts_later_gets_vllm_rules_on_the_chain_prefi
     as a continuation, and keeps no tree for the bitmask."""
     from vllm.v1.structured_output import ConstraintBounds
 
-    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    scheduler = _scheduler(scheduler_cls, tiny_model_dir)
     _add(scheduler, "reasoning")
     manager = scheduler.structured_output_manager
     monkeypatch.setattr(manager, "_get_constraint_bounds",  # still reasoning
@@ -157,10 +166,11 @@ def test_a_request_whose_grammar_starts_later_gets_vllm_rules_on_the_chain_prefi
     assert not scheduler._grammar_trees()
 
 
-def test_a_tree_beside_a_list_in_one_step_gets_its_own_rows(tiny_model_dir, tokens):
+@TREE_ASYNC
+def test_a_tree_beside_a_list_in_one_step_gets_its_own_rows(scheduler_cls, tiny_model_dir, tokens):
     """vLLM fills the other requests' rows, ours follow: the id list says
     which rows are whose (workers map rows to requests by it)."""
-    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    scheduler = _scheduler(scheduler_cls, tiny_model_dir)
     tree, listed = _add(scheduler, "tree"), _add(scheduler, "list")
     output = _step_output(["tree", "list"])
     scheduler.update_draft_token_ids_in_output(
@@ -180,9 +190,10 @@ def test_a_tree_beside_a_list_in_one_step_gets_its_own_rows(tiny_model_dir, toke
 
 
 
-def test_every_tree_of_a_step_gets_the_rows_of_its_own_paths_in_its_own_place(
+@TREE_ASYNC
+def test_every_tree_of_a_step_gets_the_rows_of_its_own_paths_in_its_own_place(scheduler_cls, 
         tiny_model_dir, tokens):
-    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    scheduler = _scheduler(scheduler_cls, tiny_model_dir)
     req_ids = [f"tree{i}" for i in range(3)]
     requests = [_add(scheduler, req_id) for req_id in req_ids]
     output = _step_output(req_ids)
@@ -198,3 +209,31 @@ def test_every_tree_of_a_step_gets_the_rows_of_its_own_paths_in_its_own_place(
             assert torch.equal(tree_rows[node], _path_row(scheduler, request, path))
         assert torch.equal(tree_rows[4], tree_rows[1])
         assert request.structured_output_request.grammar.num_processed_tokens == 0
+
+
+def test_only_schedulers_with_the_deferred_step_mask_rows_per_node_under_async(tiny_model_dir):
+    """Under async scheduling the tree sampler trusts a node's row only from
+    a scheduler with `SpecplugTreeAsyncScheduler`'s deferred step; a
+    `TreeGrammarScheduler` on vLLM's `AsyncScheduler` alone reads trees as
+    lists there (what the batch policy's tree scheduler once was)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from vllm_specplug.integration.scheduler import (SpecplugTreeScheduler,
+                                                     TreeGrammarScheduler,
+                                                     masks_rows_per_node)
+
+    class ListReading(TreeGrammarScheduler, AsyncScheduler):
+        pass
+
+    config = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir).vllm_config.scheduler_config
+    verdicts = {}
+    for cls in (SpecplugTreeAsyncScheduler, SpecplugBatchDraftTreeAsyncScheduler, ListReading,
+                AsyncScheduler, SpecplugTreeScheduler):
+        for async_scheduling in (True, False):
+            config.scheduler_cls, config.async_scheduling = cls, async_scheduling
+            verdicts[cls.__name__, async_scheduling] = masks_rows_per_node(config)
+    assert {key for key, masks in verdicts.items() if masks} == {
+        ("SpecplugTreeAsyncScheduler", True), ("SpecplugTreeAsyncScheduler", False),
+        ("SpecplugBatchDraftTreeAsyncScheduler", True),
+        ("SpecplugBatchDraftTreeAsyncScheduler", False),
+        ("ListReading", False), ("SpecplugTreeScheduler", False)}

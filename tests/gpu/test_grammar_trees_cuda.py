@@ -178,3 +178,35 @@ def test_sampled_outputs_hold_the_schema_with_drafts_accepted(tree):
     _assert_schema_holds(_texts(tree["sampled"]))
     counts = tree["sampled_counts"]
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts
+
+
+@pytest.fixture(scope="module")
+def tree_one_size_per_step(work, grammar_prompts):  # noqa: F811
+    """Our tree with one size per step (`"adaptive": true`) and the V2
+    default of unmasked drafts: its scheduler is the batch policy's, which
+    must keep the grammar-aware trees' deferred step."""
+    from vllm_specplug.engine import shutdown_llm
+
+    head = work / "tiny-eagle3"
+    if not (head / "model.safetensors").exists():
+        pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
+    spec = {key: value for key, value in TREE.items() if key != "grammar_drafts"}
+    llm = _engine(work, {**spec, "model": str(head), "adaptive": True}, dtype="float32")
+    try:
+        scheduler = llm.llm_engine.vllm_config.scheduler_config
+        return {"runs": _runs(llm, grammar_prompts), "scheduler": scheduler.scheduler_cls}
+    finally:
+        shutdown_llm(llm)
+
+
+def test_one_tree_size_per_step_keeps_each_node_on_its_own_path(tree_one_size_per_step, plain):
+    """Every constraint, alone and batched, equal to no speculation (near-tie
+    flips aside). The CPU test of the same scheduler's deferred step
+    (tests/test_grammar_trees_async.py) fails where it read trees as lists."""
+    assert tree_one_size_per_step["scheduler"] == (
+        "vllm_specplug.integration.batch_schedule.SpecplugBatchDraftTreeAsyncScheduler")
+    runs = tree_one_size_per_step["runs"]
+    assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
+    for kind in ["json", *PATTERNS]:
+        _assert_exact(plain[kind], runs[kind])
+    _assert_schema_holds(_texts(runs["json"]))

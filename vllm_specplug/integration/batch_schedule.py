@@ -21,7 +21,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
 from vllm_specplug.integration.policy_channel import PolicyChannelWriter, channel_path
-from vllm_specplug.integration.scheduler import TreeGrammarScheduler
+from vllm_specplug.integration.scheduler import (SpecplugTreeAsyncScheduler,
+                                                 SpecplugTreeScheduler)
 from vllm_specplug.proposers.head_graphs import padded_batch
 
 logger = logging.getLogger("vllm_specplug.adaptive")
@@ -266,10 +267,12 @@ class SpecplugBatchDraftAsyncScheduler(BatchDraftSchedule, AsyncScheduler):
     """vLLM's `AsyncScheduler`, one draft length per step (Model Runner V2)."""
 
 
-class SpecplugBatchDraftTreeScheduler(BatchDraftSchedule, TreeGrammarScheduler, Scheduler):
+class SpecplugBatchDraftTreeScheduler(BatchDraftSchedule, SpecplugTreeScheduler):
     """Grammar-aware trees (scheduler.SpecplugTreeScheduler), one tree size per step."""
 
 
-class SpecplugBatchDraftTreeAsyncScheduler(BatchDraftSchedule, TreeGrammarScheduler,
-                                           AsyncScheduler):
-    """Grammar-aware trees under async scheduling, one tree size per step."""
+class SpecplugBatchDraftTreeAsyncScheduler(BatchDraftSchedule, SpecplugTreeAsyncScheduler):
+    """Grammar-aware trees under async scheduling (scheduler.SpecplugTreeAsyncScheduler:
+    its deferred step's overrides included; with `TreeGrammarScheduler` and
+    `AsyncScheduler` alone, a constrained tree was read as a list), one tree
+    size per step."""

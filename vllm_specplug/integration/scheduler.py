@@ -238,3 +238,15 @@ class SpecplugTreeAsyncScheduler(TreeGrammarScheduler, AsyncScheduler):
             return super().get_grammar_bitmask(scheduler_output)
         finally:
             self._grammar_trees().clear()
+
+
+def masks_rows_per_node(scheduler_config) -> bool:
+    """Whether the engine's scheduler checks and masks each tree node on its
+    own path: a `TreeGrammarScheduler`, and under async scheduling one with
+    the deferred step's part too (`SpecplugTreeAsyncScheduler`): a
+    `TreeGrammarScheduler` on vLLM's `AsyncScheduler` alone reads a
+    constrained tree as a list there. Without it, trees under structured
+    outputs verify what vLLM's chain rules allow."""
+    base = (SpecplugTreeAsyncScheduler if scheduler_config.async_scheduling
+            else TreeGrammarScheduler)
+    return issubclass(scheduler_config.get_scheduler_cls(), base)

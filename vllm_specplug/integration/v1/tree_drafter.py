@@ -25,6 +25,7 @@ from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.first_rank import first_rank_share
 from vllm_specplug.integration.grammar_drafting import DraftGrammars
 from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.scheduler import masks_rows_per_node
 from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.deferred_ingest import DeferredIngest
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
@@ -33,12 +34,6 @@ from vllm_specplug.integration.grammar_trees import chain_prefix_length
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.proposers.head_cache import NO_POSITION, HeadBlockStore
-
-
-def _checks_grammars_per_node(scheduler_config) -> bool:
-    from vllm_specplug.integration.scheduler import TreeGrammarScheduler
-
-    return issubclass(scheduler_config.get_scheduler_cls(), TreeGrammarScheduler)
 
 
 class TreeEagleDrafter(V1DrafterHooks):
@@ -67,7 +62,7 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.current_step: tree_step.TreeStep | None = None
         # a scheduler that checks grammars per tree node; under any other,
         # requests with structured output get the tree's chain prefix only
-        self.grammar_aware = _checks_grammars_per_node(vllm_config.scheduler_config)
+        self.grammar_aware = masks_rows_per_node(vllm_config.scheduler_config)
         # "adaptive": true: each step's tree sizes, down to no drafting pass
         self.adaptive = (TreeBudget(self.options.num_draft_tokens - 1)
                          if self.drafter.adaptive == "on" else None)

@@ -33,11 +33,11 @@ class TreeModelState(DefaultModelState):
         self.tree_slots = tree_slots
 
     def custom_sampler(self, sampler):
-        from vllm_specplug.integration.scheduler import TreeGrammarScheduler
+        from vllm_specplug.integration.scheduler import masks_rows_per_node
 
-        scheduler_cls = self.vllm_config.scheduler_config.get_scheduler_cls()
         return sampler, V2TreeRejectionSampler(
-            sampler, self, grammar_rows_per_node=issubclass(scheduler_cls, TreeGrammarScheduler))
+            sampler, self,
+            grammar_rows_per_node=masks_rows_per_node(self.vllm_config.scheduler_config))
 
     def initialize_kv_cache(self, kv_cache_config, block_tables) -> None:
         super().initialize_kv_cache(kv_cache_config, block_tables)

@@ -19,8 +19,9 @@ would see (the scheduler's pruning never cuts a node on the target's path).
 
     .venv/bin/python benchmarks/bench_grammar_drafting.py --out docs/results/grammar_drafting_cpu
 
-Reports per draft shape, under the schema masked and not, and without a
-schema (the same prompts, the target's own greedy output): tokens per step
+Reports per draft shape, under the schema unmasked, masked at every step,
+and masked at the first step only (the root's row: what one read of the
+sampled tokens would give a graphed pass), and without a schema (the same prompts, the target's own greedy output): tokens per step
 (the accepted length plus one), and the grammar's own time per drafting
 pass (xgrammar driven from Python here, node by node: an upper bound of
 what a batched walk would cost).

@@ -21,8 +21,9 @@ would see (the scheduler's pruning never cuts a node on the target's path).
 
 Reports per draft shape, under the schema unmasked, masked at every step,
 and masked at the first step only (the root's row: what one read of the
-sampled tokens would give a graphed pass), and without a schema (the same prompts, the target's own greedy output): tokens per step
-(the accepted length plus one), and the grammar's own time per drafting
+sampled tokens would give a graphed pass), and without a schema (the same
+prompts, the target's own greedy output): tokens per step (the accepted
+length plus one), and the grammar's own time per drafting
 pass (xgrammar driven from Python here, node by node: an upper bound of
 what a batched walk would cost).
 """

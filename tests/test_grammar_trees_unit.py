@@ -190,12 +190,13 @@ class _NoTraverse:
 # Drafts that know the grammar (integration/grammar_drafting.py): each
 # drafting step's logits masked per beam node to what the node's own path allows.
 
-def _masks(grammars: list, draft_to_target=None):
+def _masks(grammars: list, draft_to_target=None, first_step_only: bool = False):
     from vllm_specplug.integration.grammar_drafting import PathMasks
 
     ids = torch.arange(len(VOCAB)) if draft_to_target is None else draft_to_target
     return PathMasks([f"r{b}" for b in range(len(grammars))], grammars, ids,
-                     lambda rows: xgr.allocate_token_bitmask(rows, len(VOCAB)))
+                     lambda rows: xgr.allocate_token_bitmask(rows, len(VOCAB)),
+                     first_step_only)
 
 
 def _finite(row: torch.Tensor) -> set[int]:
@@ -223,6 +224,24 @@ def test_each_beam_node_drafts_what_its_own_path_allows():
     assert _finite(second[0, 2]) == set(range(len(VOCAB)))   # "c" was ruled out
     assert _finite(second[1, 0]) == set(range(len(VOCAB)))   # no grammar
     assert matcher.num_processed_tokens == 0                 # rolled back
+
+
+def test_first_step_masks_mask_the_roots_step_and_leave_the_later_ones_alone():
+    """`grammar_drafts: "first"`: the first step ranks what the request's
+    state allows, the later steps the whole vocabulary (their logits are
+    returned as given, the beam never read), the grammar unmoved."""
+    from vllm_specplug.verification.tree_build import extend_draft_pool
+
+    matcher = grammar()
+    masks = _masks([matcher], first_step_only=True)
+    first = masks(torch.zeros(1, len(VOCAB)), None, None, None)
+    assert _finite(first[0]) == {A, B}
+    pooled = extend_draft_pool(None, torch.tensor([[[A, B]]]), torch.tensor([[[-1.0, -2.0]]]),
+                               torch.full((1, 1), -1))
+    logits = torch.zeros(1, 2, len(VOCAB))
+    assert masks(logits, None, pooled, torch.tensor([[0, 1]])) is logits
+    assert _masks([matcher])(logits, None, pooled, torch.tensor([[0, 1]])) is not logits
+    assert matcher.num_processed_tokens == 0
 
 
 def test_a_path_the_grammar_refuses_is_left_alone_and_the_grammar_unmoved():

@@ -180,5 +180,11 @@ def test_head_drafts_know_the_grammar_by_default_on_the_v1_runner_only():
                                               {"model": "head", "grammar_drafts": value})
         assert options.masks_drafts(model_runner_v2=True) is value
         assert options.masks_drafts(model_runner_v2=False) is value
-    with pytest.raises(ProposerConfigError, match="grammar_drafts='yes' must be bool or NoneType"):
+    first = MtpTreeOptions.from_dict("specplug_mtp", {"grammar_drafts": "first"})
+    assert first.masks_drafts(model_runner_v2=True) and first.masks_drafts(model_runner_v2=False)
+    assert first.masks_first_step_only() and not default.masks_first_step_only()
+    with pytest.raises(ProposerConfigError,
+                       match="grammar_drafts='yes' must be true, false or 'first'"):
         Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": "yes"})
+    with pytest.raises(ProposerConfigError, match="grammar_drafts=1 must be bool or str"):
+        Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": 1})

@@ -54,6 +54,7 @@ class DraftGrammars:
     manager: object | None = None
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     num_masked_passes: int = 0  # drafting passes that masked at least one request
+    first_step_only: bool = False  # mask the first drafting step only (the root's row)
     # [V_draft] int64 on the host: the target id of each of the head's draft
     # ids (taken from the head's layer at the first masked pass)
     draft_to_target: torch.Tensor | None = None
@@ -129,7 +130,7 @@ class DraftGrammars:
             self.draft_to_target = layer.to_target(ids).cpu()
         self.num_masked_passes += 1
         return PathMasks(req_ids, grammars, self.draft_to_target,
-                         self.manager.backend.allocate_token_bitmask)
+                         self.manager.backend.allocate_token_bitmask, self.first_step_only)
 
 
 def is_constrained(sampling_params) -> bool:
@@ -147,14 +148,18 @@ class PathMasks:
     grammar forbids."""
 
     def __init__(self, req_ids: list[str], grammars: list, draft_to_target: torch.Tensor,
-                 allocate) -> None:
+                 allocate, first_step_only: bool = False) -> None:
         self.req_ids, self.grammars = req_ids, grammars
         self.draft_to_target = draft_to_target  # [V_draft] int64: target id of each draft id
         self.allocate = allocate  # rows -> [rows, words] int32 bitmask, all allowed
+        # the later steps' logits left alone: no read of the beam, no fill
+        self.first_step_only = first_step_only
 
     def __call__(self, logits: torch.Tensor, slots, pooled, beam) -> torch.Tensor:
         """logits [B, V_draft] (first step) or [B, k, V_draft]; pooled/beam:
         `HeadRuntime._draft_tree_pass`'s candidate pool and beam."""
+        if self.first_step_only and pooled is not None:
+            return logits
         batch = len(self.grammars)
         width = 1 if pooled is None else beam.shape[1]
         bitmask = self.allocate(batch * width)

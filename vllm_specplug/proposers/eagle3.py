@@ -30,6 +30,7 @@ DEFAULT_NUM_STEPS = 5
 METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TREE_ATTENTION_WAYS = ("split", "rewrite")
+FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,13 @@ class TreeOptions(ProposerOptions):
     # the grammar node by node between the head's steps: on SmolLM2 under a
     # JSON schema (H200) our chain ran so at a third of vLLM's eagle3's
     # tokens/s with the same head, for a few percent more tokens a step
-    # (docs/results/v2_grammar_smollm2_h200). Selection only: the scheduler
-    # still checks every node, so either way is lossless.
-    grammar_drafts: bool | None = None
+    # (docs/results/v2_grammar_smollm2_h200). "first": only the first
+    # drafting step is masked (the root's row; the later steps rank the whole
+    # vocabulary): on SmolLM2 all of the masks' gain at a tenth of the
+    # grammar's time, on the tiny model 30-57% of it
+    # (docs/results/grammar_drafting_cpu). Selection only: the scheduler
+    # still checks every node, so every way is lossless.
+    grammar_drafts: bool | str | None = None
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -77,6 +82,10 @@ class TreeOptions(ProposerOptions):
                 f"draft_dtype={self.draft_dtype!r} must be one of {', '.join(DRAFT_DTYPES)}")
         require(self.draft_temperature > 0, name,
                 f"draft_temperature={self.draft_temperature} must be > 0")
+        require(not isinstance(self.grammar_drafts, str)
+                or self.grammar_drafts == FIRST_STEP_MASKS, name,
+                f"grammar_drafts={self.grammar_drafts!r} must be true, false or "
+                f"{FIRST_STEP_MASKS!r} (the first drafting step only)")
         if self.num_steps is not None:
             require(self.num_steps >= 1, name, f"num_steps={self.num_steps} must be >= 1")
         if self.num_draft_tokens is not None and self.num_steps is not None:
@@ -87,7 +96,13 @@ class TreeOptions(ProposerOptions):
 
     def masks_drafts(self, model_runner_v2: bool) -> bool:
         """Whether drafts are ranked among grammar-valid tokens on this runner."""
-        return self.grammar_drafts if self.grammar_drafts is not None else not model_runner_v2
+        if self.grammar_drafts is None:
+            return not model_runner_v2
+        return bool(self.grammar_drafts)
+
+    def masks_first_step_only(self) -> bool:
+        """Whether only the first drafting step is masked (`grammar_drafts: "first"`)."""
+        return self.grammar_drafts == FIRST_STEP_MASKS
 
     def resolved(self, num_speculative_tokens: int | None):
         """Defaults filled: num_steps from num_speculative_tokens, the tree

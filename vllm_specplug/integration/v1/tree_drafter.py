@@ -74,7 +74,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.deferred = DeferredIngest()
         # the drafter's own grammar per structured request: drafts ranked
         # among the tokens each node's path allows (grammar_drafting.py)
-        self.grammars = (DraftGrammars(vllm_config)
+        self.grammars = (DraftGrammars(vllm_config,
+                                       first_step_only=self.options.masks_first_step_only())
                          if self.options.masks_drafts(model_runner_v2=False) else None)
         # under our batch policy: each step's accepted paths, which teach it
         # every smaller tree size (`take_path_ranks`)

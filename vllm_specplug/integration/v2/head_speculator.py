@@ -106,9 +106,10 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
                        else None)
         # structured requests' grammars: each drafting step of theirs ranks
         # only what its node's path allows (structured.py)
-        self.structured = (StructuredRequests(vllm_config)
-                           if self.drafter.options.masks_drafts(model_runner_v2=True)
-                           else None)
+        options = self.drafter.options
+        self.structured = (StructuredRequests(vllm_config,
+                                              first_step_only=options.masks_first_step_only())
+                           if options.masks_drafts(model_runner_v2=True) else None)
         # trees under our batch policy: each step's accepted paths' node
         # ranks go to the scheduler, which learns every smaller tree from them
         self.path_ranks = (PathRanks(self.max_num_reqs, num_nodes, device)

@@ -57,20 +57,16 @@ class TimedMasks:
 
         self.grammar = XgrammarGrammar(vocab_size=vocab_size, ctx=compiled,
                                        matcher=xgr.GrammarMatcher(compiled))
+        # first_step_only: the root's row alone (`grammar_drafts: "first"`)
         self.masks = PathMasks(["r"], [self.grammar], draft_to_target,
-                               lambda rows: xgr.allocate_token_bitmask(rows, vocab_size))
+                               lambda rows: xgr.allocate_token_bitmask(rows, vocab_size),
+                               first_step_only)
         self.seconds = 0.0
-        # the root's row alone: what a drafting pass could take from one read
-        # of the batch's sampled tokens, the later steps unmasked (graphable)
-        self.first_step_only = first_step_only
 
     def accept(self, token: int) -> None:
         self.grammar.accept_tokens("r", [token])
 
-    def __call__(self, logits, slots, pooled, beam) -> torch.Tensor:
-        if self.first_step_only and pooled is not None:
-            return logits
-        args = (logits, slots, pooled, beam)
+    def __call__(self, *args) -> torch.Tensor:
         started = time.perf_counter()
         try:
             return self.masks(*args)

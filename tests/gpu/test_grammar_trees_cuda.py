@@ -108,14 +108,19 @@ def plain(work, grammar_prompts):  # noqa: F811
         shutdown_llm(llm)
 
 
+def _head(work):  # noqa: F811
+    head = work / "tiny-eagle3"
+    if not (head / "model.safetensors").exists():
+        pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
+    return head
+
+
 @pytest.fixture(scope="module")
 def tree(work, grammar_prompts):  # noqa: F811
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 
-    head = work / "tiny-eagle3"
-    if not (head / "model.safetensors").exists():
-        pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
+    head = _head(work)
     llm = _engine(work, {**TREE, "model": str(head)}, dtype="float32")
     try:
         before = read_spec_decode_counts(llm)
@@ -187,9 +192,7 @@ def tree_one_size_per_step(work, grammar_prompts):  # noqa: F811
     must keep the grammar-aware trees' deferred step."""
     from vllm_specplug.engine import shutdown_llm
 
-    head = work / "tiny-eagle3"
-    if not (head / "model.safetensors").exists():
-        pytest.skip(f"{head} missing: run bench_tree_cuda.py prepare")
+    head = _head(work)
     spec = {key: value for key, value in TREE.items() if key != "grammar_drafts"}
     llm = _engine(work, {**spec, "model": str(head), "adaptive": True}, dtype="float32")
     try:

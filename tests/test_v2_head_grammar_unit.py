@@ -9,7 +9,7 @@ tests/gpu/test_grammar_trees_cuda.py."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import numpy as np
 import torch
@@ -68,10 +68,15 @@ def _speculator(structured: StructuredRequests):
         total_len=SimpleNamespace(gpu=torch.tensor([PROMPT_LEN + 1] * 2)),
         prompt_len=SimpleNamespace(np=np.array([PROMPT_LEN] * 2)),
         all_token_ids=SimpleNamespace(gpu=all_token_ids))
-    return SimpleNamespace(structured=structured, runtime=runtime, req_states=req_states,
-                           device=torch.device("cpu"),
-                           guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None,
-                           drafts=torch.zeros(2, TREE[2] - 1, dtype=torch.int64))
+    speculator = SimpleNamespace(
+        structured=structured, runtime=runtime, req_states=req_states,
+        device=torch.device("cpu"), root_masks=None, max_num_reqs=2,
+        vllm_config=structured.grammars.vllm_config,
+        guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None,
+        drafts=torch.zeros(2, TREE[2] - 1, dtype=torch.int64))
+    speculator._load_root_masks = MethodType(SpecplugV2HeadSpeculator._load_root_masks,
+                                             speculator)
+    return speculator
 
 
 def _batch(has_structured: bool = True):
@@ -119,3 +124,59 @@ def test_no_masks_without_structured_requests_in_the_batch(tiny_model_dir):
     assert SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch(False)) is None
     structured.schedule(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"digits"}))
     assert SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch()) is None
+
+
+def _allowed_after_one(structured) -> set[int]:
+    """The tiny model's tokens "digits" may take after "1" under [0-9]+."""
+    grammar = structured.grammars.tracked["digits"].holder.structured_output_request.grammar
+    bitmask = structured.grammars.manager.backend.allocate_token_bitmask(1)
+    grammar.fill_bitmask(bitmask, 0)
+    return {t for t in range(50) if (int(bitmask[0, t >> 5]) >> (t & 31)) & 1}
+
+
+def _children(tree, row: int) -> set[int]:
+    """Target ids of the root's children in a drafted tree's row."""
+    depth_one = tree.depths[row] == 1
+    return set(tree.token_ids[row][depth_one].tolist())
+
+
+def test_first_step_masks_load_rows_and_mask_the_roots_children_in_the_pass(tiny_model_dir):
+    """grammar_drafts "first" (`root_masks`): the batch's rows go into the
+    persistent bitmask, the pass runs without a hook (graphable), the
+    "digits" tree's depth-1 nodes are digits (or the end) where unmasked
+    they are not, the free request's tree is unchanged; a batch without a
+    grammar resets the rows."""
+    structured = _structured(tiny_model_dir)
+    speculator = _speculator(structured)
+
+    def tree():
+        return speculator.runtime.draft_slots(torch.tensor([0, 1]), torch.tensor([ONE, ONE]),
+                                              torch.tensor([PROMPT_LEN] * 2), 16, *TREE)
+
+    unmasked = tree()
+    SpecplugV2HeadSpeculator._attach_root_masks(speculator)
+    assert SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch()) is None
+    assert speculator.guard.num_failures == 0 and speculator.root_masks.num_masked_rows == 2
+    assert speculator.runtime.tree_logits_hook is None  # the pass may replay a graph
+    masked = tree()
+    allowed = _allowed_after_one(structured)
+    assert ONE in allowed and len(allowed) < 20
+    assert _children(unmasked, 0) - allowed, "unmasked children are digits already: no test"
+    assert _children(masked, 0) <= allowed, _children(masked, 0) - allowed
+    assert torch.equal(masked.token_ids[1], unmasked.token_ids[1])
+    assert structured.grammars.tracked["digits"].num_accepted == 1
+    SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch(False))
+    assert speculator.root_masks.num_masked_rows == 0
+    assert bool((speculator.root_masks.bitmask == -1).all())
+    assert torch.equal(tree().token_ids, unmasked.token_ids)
+
+
+def test_first_step_masks_hold_a_chains_first_draft_to_the_grammar(tiny_model_dir):
+    """A chain (topk 1) under first-step masks: its first draft is allowed."""
+    structured = _structured(tiny_model_dir)
+    speculator = _speculator(structured)
+    SpecplugV2HeadSpeculator._attach_root_masks(speculator)
+    SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch())
+    chain = speculator.runtime.draft_slots(torch.tensor([0, 1]), torch.tensor([ONE, ONE]),
+                                           torch.tensor([PROMPT_LEN] * 2), 16, 1, 5, 6)
+    assert int(chain.token_ids[0, 1]) in _allowed_after_one(structured)

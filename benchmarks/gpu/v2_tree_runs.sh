@@ -26,7 +26,8 @@
 #            first turns asking for an object, under its schema (--prompts mt-bench-json)
 #            and without it (mt-bench-json-free) on the same engines: none, vLLM ngram and
 #            eagle3 K=5, our chain K=5 and tree 16; batch SIZES (default 1 16 64); ADAPTIVE=1:
-#            plus our tree 16 sized per step ("adaptive": true)
+#            plus our tree 16 sized per step ("adaptive": true); SCHEMA_ROWS=first: vLLM
+#            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
 #            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
@@ -236,11 +237,20 @@ run() {
         --out "$RESULTS/${RUN_NAME:-$1}" ;;
     smollm2-schema)
       h=${HEAD:-.gpu/heads/smollm2-eagle3-demo}
+      tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+      if [ "${SCHEMA_ROWS:-all}" = first ]; then
+        # grammar_drafts "first" (the root's children masked in the graphed pass): vLLM's
+        # eagle3, our chain masked so, our tree 16 unmasked and masked so
+        mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}" \
+          --spec "ours-tree16={$tree}" --spec "ours-tree16-first={$tree, \"grammar_drafts\": \"first\"}")
+      else
       mapfile -t S < <(printf '%s\n' --spec 'vllm-ngram-K5={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
                        specs three "$h"
                        # ADAPTIVE=1: our tree 16 with one size per step, priced by
                        # measured step times (which hold the grammar's fill of its rows)
-                       [ "${ADAPTIVE:-0}" = 1 ] && printf '%s\n' --spec "ours-tree16-adaptive={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25, \"adaptive\": true}")
+                       [ "${ADAPTIVE:-0}" = 1 ] && printf '%s\n' --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}")
+      fi
       bash benchmarks/gpu/host.sh real-bench --prompts mt-bench-json --prompts mt-bench-json-free \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 \

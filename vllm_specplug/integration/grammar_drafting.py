@@ -176,7 +176,7 @@ class PathMasks:
         if not filled.any():
             return logits
         index = torch.from_numpy(np.flatnonzero(filled))
-        allowed = _draft_bits(bitmask[index], self.draft_to_target).to(logits.device)
+        allowed = draft_bits(bitmask[index], self.draft_to_target).to(logits.device)
         allowed |= ~allowed.any(-1, keepdim=True)  # no draft id allowed: the row stays
         index = index.to(logits.device)
         rows = logits.reshape(batch * width, -1).clone()
@@ -224,7 +224,7 @@ def _beam_paths(pooled, beam) -> list[list[list[int] | None]]:
     return paths
 
 
-def _draft_bits(bitmask: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
+def draft_bits(bitmask: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
     """[rows, V_draft] bool: whether each row's bitmask ([rows, words] int32,
     bit t of word w: target token 32w + t) allows each draft id's target
     token. Only the head's ids are read: a draft vocabulary of 8192 reads

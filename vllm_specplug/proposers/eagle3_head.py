@@ -105,6 +105,12 @@ class HeadRuntime:
         # to take the top-k of. What a grammar-aware drafter masks with
         # (benchmarks/bench_grammar_drafting.py).
         self.tree_logits_hook: Callable | None = None
+        # Applied in every drafting pass, graphed ones too, to the first
+        # step's logits [B, V_draft] (rows in the pass's batch order), returning
+        # the logits to rank: device work only, no sync. Model Runner V2's
+        # first-step grammar masks (integration/v2/root_masks.py). Set it
+        # before graphs are captured.
+        self.first_logits_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forget(self, req_id: str) -> None:
         if self.pool is not None:
@@ -362,7 +368,7 @@ class HeadRuntime:
         pool, layer, batch = self.pool, self.layer, slots.shape[0]
         ctx = self._context(slots, num_keys)
         tokens = [root_token_ids, layer.to_target(self._chain_logits(
-            pool.last_logits[slots], slots, 0).argmax(-1))]
+            self._first_logits(pool.last_logits[slots]), slots, 0).argmax(-1))]
         parent_out = pool.last_out[slots][:, None]  # [B, 1, H]
         path_kv = (pool.keys.new_zeros(batch, 1, layer.num_kv_heads, 0, layer.head_dim),) * 2
         positions, cos, sin = self._depth_rope(root_positions, num_draft_tokens - 2)
@@ -388,8 +394,8 @@ class HeadRuntime:
         pool, layer, batch = self.pool, self.layer, slots.shape[0]
         ctx = self._context(slots, num_keys)
         positions, cos, sin = self._depth_rope(root_positions, num_steps - 1)
-        logprobs, draft_ids = self._topk(self._tree_logits(pool.last_logits[slots], slots),
-                                         topk)  # [B, k]
+        logprobs, draft_ids = self._topk(
+            self._tree_logits(self._first_logits(pool.last_logits[slots]), slots), topk)  # [B, k]
         root = torch.full((batch, 1), ROOT_PARENT, dtype=torch.long, device=slots.device)
         pooled = extend_draft_pool(None, layer.to_target(draft_ids)[:, None],
                                    logprobs[:, None], root)
@@ -414,6 +420,9 @@ class HeadRuntime:
         if self.rank_nodes:
             tree.score_ranks = score_ranks(pooled.scores, tree.cand_ids)
         return tree
+
+    def _first_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.first_logits_mask is None else self.first_logits_mask(logits)
 
     def _tree_logits(self, logits, slots, pooled=None, beam=None) -> torch.Tensor:
         if self.tree_logits_hook is None:

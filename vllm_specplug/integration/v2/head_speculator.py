@@ -107,9 +107,11 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
         # structured requests' grammars: each drafting step of theirs ranks
         # only what its node's path allows (structured.py)
         options = self.drafter.options
-        self.structured = (StructuredRequests(vllm_config,
-                                              first_step_only=options.masks_first_step_only())
+        self.structured = (StructuredRequests(vllm_config)
                            if options.masks_drafts(model_runner_v2=True) else None)
+        # grammar_drafts "first": the first step's masks inside the graphed
+        # pass (root_masks.py), made at attach (they need the head's vocabulary)
+        self.root_masks = None
         # trees under our batch policy: each step's accepted paths' node
         # ranks go to the scheduler, which learns every smaller tree from them
         self.path_ranks = (PathRanks(self.max_num_reqs, num_nodes, device)
@@ -182,6 +184,8 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
                              int(HEAD_POOL_MEMORY_SHARE * total))
         if self.confidences is not None:
             self.runtime.draft_logits_hook = self.confidences.predict
+        if self.structured is not None and self.drafter.options.masks_first_step_only():
+            self._attach_root_masks()
         if self.tree_slots is None:
             return
         if self.path_ranks is not None:  # before any graph of the head is captured
@@ -194,6 +198,17 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
         model_state.bind(self.tree_slots)
         self.tree_slots.split_attention = self.drafter.options.tree_attention == "split"
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
+
+    def _attach_root_masks(self) -> None:
+        """The first step's masks, read by every drafting pass (graphs too)."""
+        from vllm_specplug.integration.v2.root_masks import RootMasks
+
+        layer = self.runtime.layer
+        draft_to_target = layer.to_target(torch.arange(layer.logits_size, device=self.device))
+        self.root_masks = RootMasks(padded_batch(self.max_num_reqs),
+                                    self.vllm_config.model_config.get_vocab_size(),
+                                    draft_to_target)
+        self.runtime.first_logits_mask = self.root_masks
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -351,16 +366,33 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
     def _grammar_masks(self, input_batch):
         """The drafting pass's logits hook when the batch has structured
         output (`StructuredRequests.path_masks`): its steps then run apart
-        and eagerly, the hook reading the pass on the host. A grammar's fault
-        costs the step its masks, never the engine."""
-        if self.structured is None or not self.structured \
-                or not input_batch.has_structured_output_reqs:
+        and eagerly, the hook reading the pass on the host. With first-step
+        masks (`root_masks`) the rows are loaded instead, and the pass stays
+        graphed (None). A grammar's fault costs the step its masks, never
+        the engine."""
+        structured = (self.structured is not None and bool(self.structured)
+                      and input_batch.has_structured_output_reqs)
+        if self.root_masks is not None:
+            if structured or self.root_masks.num_masked_rows:
+                self._load_root_masks(input_batch, structured)
+            return None
+        if not structured:
             return None
         ok, masks = self.guard.call("grammar_masks", input_batch.req_ids,
                                     self.structured.path_masks, input_batch, self.req_states,
                                     self.runtime.layer, self.device,
                                     effect="its drafts go unmasked this step")
         return masks if ok else None
+
+    def _load_root_masks(self, input_batch, structured: bool) -> None:
+        """The first step's rows of this batch (`RootMasks.load`); all
+        allowed where no request has a grammar, or its fill failed."""
+        if not structured:
+            return self.root_masks.clear()
+        ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
+                                      self.structured.root_bitmask, input_batch,
+                                      self.req_states, effect="its drafts go unmasked this step")
+        self.root_masks.load(bitmask if ok else None)
 
     def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,
                      max_position: int, shape: tuple[int, int, int]) -> None:

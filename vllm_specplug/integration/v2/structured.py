@@ -7,7 +7,8 @@ finish (a preempted request keeps its grammar, advanced as far as its
 output, which it keeps), and the drafter's own grammar of each
 (grammar_drafting.DraftGrammars, compiled by vLLM's manager in the worker).
 The host proposers read it as draft checks (speculator.py), the heads as
-masks of each drafting step (head_speculator.py).
+masks of each drafting step (head_speculator.py) or of the first one only
+(root_masks.py).
 """
 from __future__ import annotations
 
@@ -48,9 +49,31 @@ class StructuredRequests:
         (`DraftGrammars.masks`: each node's logits masked to what its path
         allows; `layer`: the head's draft layer, on `device`), each grammar
         advanced to the request's output; None when no request of the batch
-        has one. Reads those requests' output from the device after the
-        step's sampling: a sync, which only batches with structured output
-        pay."""
+        has one."""
+        found = self._grammars(input_batch, req_states)
+        return None if found is None else self.grammars.masks(*found, layer, device)
+
+    def root_bitmask(self, input_batch, req_states) -> torch.Tensor | None:
+        """[num_reqs, words] int32 on the host: each structured request's
+        bitmask in its root's state (its output so far), all bits set for
+        the others (the first drafting step's masks, root_masks.py); None
+        when no request of the batch has a grammar to draft under."""
+        found = self._grammars(input_batch, req_states)
+        if found is None or all(grammar is None for grammar in found[1]):
+            return None
+        bitmask = self.grammars.manager.backend.allocate_token_bitmask(len(found[1]))
+        for row, grammar in enumerate(found[1]):
+            if grammar is not None:
+                grammar.fill_bitmask(bitmask, row)
+        self.grammars.num_masked_passes += 1
+        return bitmask
+
+    def _grammars(self, input_batch, req_states) -> tuple[list[str], list] | None:
+        """(req_ids, grammars) of the batch (None where a request has none),
+        each grammar advanced to its request's output; None when no request
+        is structured. Reads those requests' output from the device after
+        the step's sampling: a sync, which only batches with structured
+        output pay."""
         num_reqs = input_batch.num_reqs
         req_ids = list(input_batch.req_ids[:num_reqs])
         rows = [b for b, req_id in enumerate(req_ids) if req_id in self.params]
@@ -62,7 +85,7 @@ class StructuredRequests:
         for b, output in zip(rows, outputs):
             if output is not None:  # None: before the request's first token
                 grammars[b] = self.grammar(req_ids[b], output)
-        return self.grammars.masks(req_ids, grammars, layer, device)
+        return req_ids, grammars
 
     @staticmethod
     def _outputs(req_states, slots: np.ndarray) -> list[np.ndarray | None]:

@@ -161,10 +161,12 @@ def test_suffix_offers_the_likeliest_path_the_grammar_allows():
     assert propose(hybrid, {1: _forbidding(4)}, HybridProposer) == drafts
 
 
-def test_head_drafts_know_the_grammar_by_default_on_the_v1_runner_only():
-    """`grammar_drafts` unset: masked drafting on the V1 runner, unmasked on
-    Model Runner V2 (where it made SmolLM2's chain 3x slower under a JSON
-    schema, docs/results/v2_grammar_smollm2_h200); set, it holds on both."""
+def test_head_drafts_know_the_grammar_by_default_every_step_on_v1_first_step_on_v2():
+    """`grammar_drafts` unset: every drafting step masked on the V1 runner,
+    the first one only on Model Runner V2 (its masks ride in the graphed
+    pass there, docs/results/v2_grammar_first_smollm2_h200; every step made
+    SmolLM2's chain 3x slower under a JSON schema,
+    docs/results/v2_grammar_smollm2_h200); set, it holds on both."""
     import pytest
 
     from vllm_specplug.proposers.base import ProposerConfigError
@@ -172,17 +174,21 @@ def test_head_drafts_know_the_grammar_by_default_on_the_v1_runner_only():
     from vllm_specplug.proposers.mtp import MtpTreeOptions
 
     default = Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head"})
-    assert default.masks_drafts(model_runner_v2=False)
-    assert not default.masks_drafts(model_runner_v2=True)
-    assert not MtpTreeOptions.from_dict("specplug_mtp", {}).masks_drafts(model_runner_v2=True)
+    mtp = MtpTreeOptions.from_dict("specplug_mtp", {})
+    for options in (default, mtp):
+        assert options.masks_drafts(model_runner_v2=False)
+        assert not options.masks_first_step_only(model_runner_v2=False)
+        assert options.masks_drafts(model_runner_v2=True)
+        assert options.masks_first_step_only(model_runner_v2=True)
     for value in (True, False):
         options = Eagle3TreeOptions.from_dict("specplug_eagle3",
                                               {"model": "head", "grammar_drafts": value})
-        assert options.masks_drafts(model_runner_v2=True) is value
-        assert options.masks_drafts(model_runner_v2=False) is value
+        for v2 in (True, False):
+            assert options.masks_drafts(model_runner_v2=v2) is value
+            assert not options.masks_first_step_only(model_runner_v2=v2)
     first = MtpTreeOptions.from_dict("specplug_mtp", {"grammar_drafts": "first"})
-    assert first.masks_drafts(model_runner_v2=True) and first.masks_drafts(model_runner_v2=False)
-    assert first.masks_first_step_only() and not default.masks_first_step_only()
+    for v2 in (True, False):
+        assert first.masks_drafts(model_runner_v2=v2) and first.masks_first_step_only(v2)
     with pytest.raises(ProposerConfigError,
                        match="grammar_drafts='yes' must be true, false or 'first'"):
         Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": "yes"})

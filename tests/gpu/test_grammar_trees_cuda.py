@@ -193,8 +193,8 @@ def test_sampled_outputs_hold_the_schema_with_drafts_accepted(tree):
 @pytest.fixture(scope="module")
 def tree_one_size_per_step(work, grammar_prompts):  # noqa: F811
     """Our tree with one size per step (`"adaptive": true`) and the V2
-    default of unmasked drafts: its scheduler is the batch policy's, which
-    must keep the grammar-aware trees' deferred step."""
+    default drafts (the first step masked): its scheduler is the batch
+    policy's, which must keep the grammar-aware trees' deferred step."""
     from vllm_specplug.engine import shutdown_llm
 
     head = _head(work)

@@ -59,18 +59,18 @@ class TreeOptions(ProposerOptions):
     # cache. Both are exact; other backends always rewrite.
     tree_attention: str = "split"
     # Under structured outputs, each drafting step ranks only the tokens the
-    # request's grammar allows on that node's path. None (the default): on
-    # the V1 runner, off on Model Runner V2: masked there, a batch with structured
-    # output drafts eagerly, apart from the fused pass, the host walking
-    # the grammar node by node between the head's steps: on SmolLM2 under a
-    # JSON schema (H200) our chain ran so at a third of vLLM's eagle3's
-    # tokens/s with the same head, for a few percent more tokens a step
-    # (docs/results/v2_grammar_smollm2_h200). "first": only the first
-    # drafting step is masked (the root's row; the later steps rank the whole
-    # vocabulary): on SmolLM2 all of the masks' gain at a tenth of the
-    # grammar's time, on the tiny model 30-57% of it
-    # (docs/results/grammar_drafting_cpu). Selection only: the scheduler
-    # still checks every node, so every way is lossless.
+    # request's grammar allows on that node's path. None (the default):
+    # every step on the V1 runner; the first step only ("first") on Model
+    # Runner V2, where its masks ride in the graphed pass
+    # (integration/v2/root_masks.py): on SmolLM2 under a JSON schema (H200)
+    # tree 16's τ rose 3-8% at the speed of unmasked drafting
+    # (docs/results/v2_grammar_first_smollm2_h200), where masking every step
+    # there drafts eagerly, the host walking the grammar node by node
+    # between the head's steps: our chain ran so at a third of vLLM's
+    # eagle3's tokens/s (docs/results/v2_grammar_smollm2_h200). true: every
+    # step on both; false: none; "first": the first step on both.
+    # Selection only: the scheduler still checks every node, so every way
+    # is lossless.
     grammar_drafts: bool | str | None = None
 
     def validate(self, name: str) -> None:
@@ -96,12 +96,13 @@ class TreeOptions(ProposerOptions):
 
     def masks_drafts(self, model_runner_v2: bool) -> bool:
         """Whether drafts are ranked among grammar-valid tokens on this runner."""
-        if self.grammar_drafts is None:
-            return not model_runner_v2
-        return bool(self.grammar_drafts)
+        return self.grammar_drafts is None or bool(self.grammar_drafts)
 
-    def masks_first_step_only(self) -> bool:
-        """Whether only the first drafting step is masked (`grammar_drafts: "first"`)."""
+    def masks_first_step_only(self, model_runner_v2: bool) -> bool:
+        """Whether only the first drafting step is masked on this runner
+        (`grammar_drafts: "first"`, the default on Model Runner V2)."""
+        if self.grammar_drafts is None:
+            return model_runner_v2
         return self.grammar_drafts == FIRST_STEP_MASKS
 
     def resolved(self, num_speculative_tokens: int | None):

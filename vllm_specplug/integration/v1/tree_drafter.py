@@ -75,7 +75,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         # the drafter's own grammar per structured request: drafts ranked
         # among the tokens each node's path allows (grammar_drafting.py)
         self.grammars = (DraftGrammars(vllm_config,
-                                       first_step_only=self.options.masks_first_step_only())
+                                       first_step_only=self.options.masks_first_step_only(
+                                           model_runner_v2=False))
                          if self.options.masks_drafts(model_runner_v2=False) else None)
         # under our batch policy: each step's accepted paths, which teach it
         # every smaller tree size (`take_path_ranks`)

@@ -184,7 +184,8 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
                              int(HEAD_POOL_MEMORY_SHARE * total))
         if self.confidences is not None:
             self.runtime.draft_logits_hook = self.confidences.predict
-        if self.structured is not None and self.drafter.options.masks_first_step_only():
+        if self.structured is not None \
+                and self.drafter.options.masks_first_step_only(model_runner_v2=True):
             self._attach_root_masks()
         if self.tree_slots is None:
             return

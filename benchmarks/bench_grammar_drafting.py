@@ -19,6 +19,9 @@ would see (the scheduler's pruning never cuts a node on the target's path).
 
     .venv/bin/python benchmarks/bench_grammar_drafting.py --out docs/results/grammar_drafting_cpu
 
+`--shape NAME=K,S,N` (repeatable) replays other shapes, `--variants` a
+subset of the replays (none,masked,first-masked,free).
+
 Reports per draft shape, under the schema unmasked, masked at every step,
 and masked at the first step only (the root's row: what one read of the
 sampled tokens would give a graphed pass), and without a schema (the same
@@ -151,6 +154,20 @@ def _accepted(tree, ids: list[int], root: int) -> int:
     return depth
 
 
+# --variants: (constraint, masks) of each replay
+VARIANTS = {"none": ("schema", ""), "masked": ("schema", "masked"),
+            "first-masked": ("schema", "first-masked"), "free": ("none", "")}
+
+
+def _shape(text: str) -> tuple[str, tuple[int, int, int]]:
+    """"NAME=K,S,N" -> (NAME, (topk, num_steps, num_draft_tokens))."""
+    name, _, numbers = text.partition("=")
+    values = tuple(int(v) for v in numbers.split(","))
+    if not name or len(values) != 3:
+        raise SystemExit(f"--shape {text!r}: expected NAME=topk,num_steps,num_draft_tokens")
+    return name, values
+
+
 def _label(name: str, constraint: str, masked: str) -> str:
     """masked: "" (no masks), "masked" (every step), "first-masked" (the first step's)."""
     return f"{name} {constraint}{' ' + masked if masked else ''}"
@@ -195,7 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--shape", action="append", default=[], metavar="NAME=K,S,N",
+                        help="a draft shape (topk, num_steps, num_draft_tokens), repeatable; "
+                             f"given, it replaces the defaults {SHAPES}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"which of {','.join(VARIANTS)} to replay")
     args = parser.parse_args(argv)
+    shapes = dict(_shape(text) for text in args.shape) or SHAPES
+    chosen = [VARIANTS[name] for name in args.variants.split(",")]
     model_dir, head_dir, prompts, schema = workload(args.target, args.prompts)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -205,13 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     head = load_head(head_dir).eval()
     runtime = HeadRuntime(head, model.get_input_embeddings())
     draft_to_target = runtime.layer.to_target(torch.arange(runtime.layer.logits_size))
-    variants = [(name, constraint, masked) for name in SHAPES
-                for constraint, masked in (("schema", ""), ("schema", "masked"),
-                                           ("schema", "first-masked"), ("none", ""))]
+    variants = [(name, constraint, masked) for name in shapes for constraint, masked in chosen]
     rows = {_label(*v): {"steps": [], "seconds": 0.0, "passes": 0}
             for v in variants}
     for prompt_ids in tqdm(prompts(tokenizer), desc="prompts"):
-        for constraint in ("schema", "none"):
+        for constraint in sorted({c for _, c, _ in variants}, reverse=True):
             output = greedy_under_schema(model, xgr, compiled if constraint == "schema" else None,
                                          prompt_ids, args.max_tokens)
             ids = prompt_ids + output
@@ -220,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 masks = (TimedMasks(xgr, compiled, vocab_size, draft_to_target,
                                     first_step_only=masked == "first-masked")
                          if masked else None)
-                steps = replay(runtime, aux, ids, len(prompt_ids), SHAPES[name], masks)
+                steps = replay(runtime, aux, ids, len(prompt_ids), shapes[name], masks)
                 _add(rows[_label(name, constraint, masked)], steps, masks)
     summary = {name: {"tokens_per_step": float(np.mean(r["steps"])), "steps": len(r["steps"]),
                       "grammar_ms_per_pass": 1e3 * r["seconds"] / max(r["passes"], 1)}

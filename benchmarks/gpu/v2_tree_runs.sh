@@ -27,7 +27,9 @@
 #            and without it (mt-bench-json-free) on the same engines: none, vLLM ngram and
 #            eagle3 K=5, our chain K=5 and tree 16; batch SIZES (default 1 16 64); ADAPTIVE=1:
 #            plus our tree 16 sized per step ("adaptive": true); SCHEMA_ROWS=first: vLLM
-#            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked
+#            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked;
+#            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
+#            nodes), both "first"; SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
 #            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
@@ -244,6 +246,13 @@ run() {
         mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}" \
           --spec "ours-tree16={$tree}" --spec "ours-tree16-first={$tree, \"grammar_drafts\": \"first\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = wide ]; then
+        # a wide tree (WIDE="topk num_steps num_draft_tokens", default 8 2 16) against our
+        # chain, both with the first drafting step masked
+        read -r wk ws wn <<< "${WIDE:-8 2 16}"
+        mapfile -t S < <(printf '%s\n' \
+          --spec "ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}" \
+          --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
       else
       mapfile -t S < <(printf '%s\n' --spec 'vllm-ngram-K5={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
                        specs three "$h"
@@ -251,7 +260,8 @@ run() {
                        # measured step times (which hold the grammar's fill of its rows)
                        [ "${ADAPTIVE:-0}" = 1 ] && printf '%s\n' --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}")
       fi
-      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench-json --prompts mt-bench-json-free \
+      mapfile -t P < <(for set in ${SCHEMA_SETS:-mt-bench-json mt-bench-json-free}; do printf '%s\n' --prompts "$set"; done)
+      bash benchmarks/gpu/host.sh real-bench "${P[@]}" \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \

@@ -49,6 +49,7 @@ from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
+from vllm_specplug.integration.v2.head_grammar import HeadGrammar
 from vllm_specplug.integration.v2.head_rows import HeadRows
 from vllm_specplug.integration.v2.path_ranks import PathRanks
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
@@ -72,7 +73,7 @@ HEAD_POOL_MEMORY_SHARE = 0.04
 WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
 
 
-class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
+class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
         self.vllm_config = vllm_config
         self.drafter = HeadDrafter(vllm_config)
@@ -200,17 +201,6 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
         self.tree_slots.split_attention = self.drafter.options.tree_attention == "split"
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
 
-    def _attach_root_masks(self) -> None:
-        """The first step's masks, read by every drafting pass (graphs too)."""
-        from vllm_specplug.integration.v2.root_masks import RootMasks
-
-        layer = self.runtime.layer
-        draft_to_target = layer.to_target(torch.arange(layer.logits_size, device=self.device))
-        self.root_masks = RootMasks(padded_batch(self.max_num_reqs),
-                                    self.vllm_config.model_config.get_vocab_size(),
-                                    draft_to_target)
-        self.runtime.first_logits_mask = self.root_masks
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Model Runner V2 captures its graphs: ours too, the fused decode
@@ -309,25 +299,9 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
         self.stats.num_steps += 1
         return drafts
 
-    def _keep_parents_for_grammar(self, input_batch) -> None:
-        """With structured output in the batch, the scheduler checks each
-        node of these trees in its own path's grammar state: their parents
-        go to the host beside vLLM's copy of the drafts (grammar_parents.py)."""
-        if not input_batch.has_structured_output_reqs:
-            self.grammar_parents.clear()
-            return
-        num_reqs = input_batch.num_reqs
-        self.grammar_parents.record(input_batch.req_ids[:num_reqs], self.tree_slots.parents[
-            input_batch.idx_mapping[:num_reqs]])
-
     def take_path_ranks(self):
         """(drafts per request, ranks) of a step before this one (PathRanks), or None."""
         return self.path_ranks.take() if self.path_ranks is not None else None
-
-    def take_tree_parents(self) -> dict[str, list[int]]:
-        """{req_id: parents, root included} of the trees last drafted for a
-        batch with structured output (`take_draft_token_ids`); {} otherwise."""
-        return self.grammar_parents.take() if self.grammar_parents is not None else {}
 
     def _step(self, input_batch, hidden, aux, num_rejected, last_sampled, next_prefill,
               drafts, shape: tuple[int, int, int], num_drafts: int | None) -> None:
@@ -363,37 +337,6 @@ class SpecplugV2HeadSpeculator(HeadRows, V2SpeculatorHooks):
                                       last_sampled, next_prefill)
         with record_function("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts, shape, masks)
-
-    def _grammar_masks(self, input_batch):
-        """The drafting pass's logits hook when the batch has structured
-        output (`StructuredRequests.path_masks`): its steps then run apart
-        and eagerly, the hook reading the pass on the host. With first-step
-        masks (`root_masks`) the rows are loaded instead, and the pass stays
-        graphed (None). A grammar's fault costs the step its masks, never
-        the engine."""
-        structured = (self.structured is not None and bool(self.structured)
-                      and input_batch.has_structured_output_reqs)
-        if self.root_masks is not None:
-            if structured or self.root_masks.num_masked_rows:
-                self._load_root_masks(input_batch, structured)
-            return None
-        if not structured:
-            return None
-        ok, masks = self.guard.call("grammar_masks", input_batch.req_ids,
-                                    self.structured.path_masks, input_batch, self.req_states,
-                                    self.runtime.layer, self.device,
-                                    effect="its drafts go unmasked this step")
-        return masks if ok else None
-
-    def _load_root_masks(self, input_batch, structured: bool) -> None:
-        """The first step's rows of this batch (`RootMasks.load`); all
-        allowed where no request has a grammar, or its fill failed."""
-        if not structured:
-            return self.root_masks.clear()
-        ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
-                                      self.structured.root_bitmask, input_batch,
-                                      self.req_states, effect="its drafts go unmasked this step")
-        self.root_masks.load(bitmask if ok else None)
 
     def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,
                      max_position: int, shape: tuple[int, int, int]) -> None:

@@ -1,0 +1,73 @@
+"""Structured-output requests as the EAGLE-3/MTP head's V2 speculator
+(`SpecplugV2HeadSpeculator`) meets them: the drafting pass's grammar masks
+(every step, eagerly: `StructuredRequests.path_masks`; the first step only,
+inside the graphs: `RootMasks`), and the parents of trees drafted for such
+a batch, for the scheduler's per-node checks (`GrammarParents`)."""
+from __future__ import annotations
+
+import torch
+
+from vllm_specplug.proposers.head_graphs import padded_batch
+
+
+class HeadGrammar:
+    """Mixin of `SpecplugV2HeadSpeculator`: reads its runtime, guard,
+    structured requests, root masks, grammar parents and tree slots."""
+
+    def _attach_root_masks(self) -> None:
+        """The first step's masks, read by every drafting pass (graphs too)."""
+        from vllm_specplug.integration.v2.root_masks import RootMasks
+
+        layer = self.runtime.layer
+        draft_to_target = layer.to_target(torch.arange(layer.logits_size, device=self.device))
+        self.root_masks = RootMasks(padded_batch(self.max_num_reqs),
+                                    self.vllm_config.model_config.get_vocab_size(),
+                                    draft_to_target)
+        self.runtime.first_logits_mask = self.root_masks
+
+    def _grammar_masks(self, input_batch):
+        """The drafting pass's logits hook when the batch has structured
+        output (`StructuredRequests.path_masks`): its steps then run apart
+        and eagerly, the hook reading the pass on the host. With first-step
+        masks (`root_masks`) the rows are loaded instead, and the pass stays
+        graphed (None). A grammar's fault costs the step its masks, never
+        the engine."""
+        structured = (self.structured is not None and bool(self.structured)
+                      and input_batch.has_structured_output_reqs)
+        if self.root_masks is not None:
+            if structured or self.root_masks.num_masked_rows:
+                self._load_root_masks(input_batch, structured)
+            return None
+        if not structured:
+            return None
+        ok, masks = self.guard.call("grammar_masks", input_batch.req_ids,
+                                    self.structured.path_masks, input_batch, self.req_states,
+                                    self.runtime.layer, self.device,
+                                    effect="its drafts go unmasked this step")
+        return masks if ok else None
+
+    def _load_root_masks(self, input_batch, structured: bool) -> None:
+        """The first step's rows of this batch (`RootMasks.load`); all
+        allowed where no request has a grammar, or its fill failed."""
+        if not structured:
+            return self.root_masks.clear()
+        ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
+                                      self.structured.root_bitmask, input_batch,
+                                      self.req_states, effect="its drafts go unmasked this step")
+        self.root_masks.load(bitmask if ok else None)
+
+    def _keep_parents_for_grammar(self, input_batch) -> None:
+        """With structured output in the batch, the scheduler checks each
+        node of these trees in its own path's grammar state: their parents
+        go to the host beside vLLM's copy of the drafts (grammar_parents.py)."""
+        if not input_batch.has_structured_output_reqs:
+            self.grammar_parents.clear()
+            return
+        num_reqs = input_batch.num_reqs
+        self.grammar_parents.record(input_batch.req_ids[:num_reqs], self.tree_slots.parents[
+            input_batch.idx_mapping[:num_reqs]])
+
+    def take_tree_parents(self) -> dict[str, list[int]]:
+        """{req_id: parents, root included} of the trees last drafted for a
+        batch with structured output (`take_draft_token_ids`); {} otherwise."""
+        return self.grammar_parents.take() if self.grammar_parents is not None else {}

@@ -180,3 +180,29 @@ def test_first_step_masks_hold_a_chains_first_draft_to_the_grammar(tiny_model_di
     chain = speculator.runtime.draft_slots(torch.tensor([0, 1]), torch.tensor([ONE, ONE]),
                                            torch.tensor([PROMPT_LEN] * 2), 16, 1, 5, 6)
     assert int(chain.token_ids[0, 1]) in _allowed_after_one(structured)
+
+
+def test_root_masks_keep_a_row_that_allows_no_draft_id_and_reset_rows_left_over():
+    """`RootMasks` on its own: a row allowing only tokens outside the head's
+    draft vocabulary keeps its logits (all -inf would make the log-softmax
+    NaN); a free row is all-allowed; a smaller batch after a bigger one
+    resets the rows past it (a padded pass reads them)."""
+    from vllm_specplug.integration.v2.root_masks import RootMasks
+
+    draft_to_target = torch.tensor([0, 3, 33, 40])  # 4 draft ids -> target ids
+    masks = RootMasks(num_rows=4, vocab_size=64, draft_to_target=draft_to_target)
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 3          # row 0: target 3 only (draft id 1)
+    bitmask[1, 0] = 1 << 5          # row 1: target 5 only, not a draft id: kept whole
+    bitmask[2] = -1                 # row 2: free
+    masks.load(bitmask)
+    logits = torch.arange(16, dtype=torch.float32).view(4, 4)
+    out = masks(logits)
+    inf = float("-inf")
+    assert out[0].tolist() == [inf, 1.0, inf, inf]
+    assert out[1].tolist() == logits[1].tolist()
+    assert out[2].tolist() == logits[2].tolist() and out[3].tolist() == logits[3].tolist()
+    masks.load(bitmask[:1])
+    assert masks.num_masked_rows == 1 and bool((masks.bitmask[1:] == -1).all())
+    masks.clear()
+    assert masks.num_masked_rows == 0 and bool((masks.bitmask == -1).all())

@@ -56,7 +56,7 @@ class RootMasks:
             self.bitmask[num_rows:self.num_masked_rows].fill_(ALL_ALLOWED)
         if bitmask is not None:
             words = min(bitmask.shape[1], self.bitmask.shape[1])
-            self.bitmask[:num_rows, :words].copy_(bitmask[:, :words], non_blocking=True)
+            self.bitmask[:num_rows, :words].copy_(bitmask[:, :words])  # host memory: done on return
         self.num_masked_rows = num_rows
 
     def clear(self) -> None:

@@ -2,7 +2,8 @@
 # Issue 26's measured runs on the staged GPU host (docs/gpu.md), each started
 # detached (`start NAME`) and polled (`wait NAME [N]`: N polls 5 s apart, 100 by
 # default; returns when its table is written or the run died, copies the results
-# to $OUT: keep 5 N under the call's timeout, or the call dies before the copy):
+# to $OUT: keep 5 N under the call's timeout, or the call dies before the copy;
+# `dry-run NAME` prints the host.sh arguments a bench run would pass, on any machine):
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3 (TP=2: the target
@@ -170,9 +171,13 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
   printf '%s\n' --spec "ours-tree16={$tree}" --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}"
 }
 
+host() {  # bash benchmarks/gpu/host.sh ARGS; under `dry-run` the arguments, one a line
+  if [ "${DRY_RUN:-0}" = 1 ]; then printf '%s\n' "$@"; else bash benchmarks/gpu/host.sh "$@"; fi
+}
+
 tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]: the tiny model's run
   mapfile -t S < <(specs "$2" "$W/tiny-eagle3")
-  bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
+  host tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
     --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
     --max-tokens "$6" --dtype float32 --phases \
     --engine-args "{${TP:+\"tensor_parallel_size\": $TP, }\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
@@ -193,7 +198,7 @@ run() {
     tiny-batchk)
       mapfile -t S < <(batchk_specs "${BATCHK:-heads}" "$W/tiny-eagle3")
       # SIZES / MAX_TOKENS: fewer for a run that fits one lease (BATCHK=lean)
-      bash benchmarks/gpu/host.sh tiny-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64 128 256} \
+      host tiny-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64 128 256} \
         --limit-prompts 1=6 --limit-prompts 4=16 --limit-prompts 16=48 --limit-prompts 64=128 \
         --limit-prompts 128=256 --limit-prompts 256=320 --repeats "${REPEATS:-3}" --max-tokens "${MAX_TOKENS:-96}" \
         --dtype float32 ${PHASES---phases} \
@@ -203,14 +208,14 @@ run() {
       # issue 27 on the real target: SmolLM2 + its head (HEAD), MT-Bench, the lean rows
       # by default (an engine starts in about 2 minutes here); no phases unless PHASES=--phases
       mapfile -t S < <(batchk_specs "${BATCHK:-lean}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
-      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64} \
+      host real-bench --prompts mt-bench "${S[@]}" --batch-sizes ${SIZES:-1 4 16 64} \
         --limit-prompts 1=8 --limit-prompts 4=16 --limit-prompts 16=32 --limit-prompts 64=64 \
         --repeats "${REPEATS:-3}" --max-tokens "${MAX_TOKENS:-128}" ${PHASES-} \
         --engine-args "{${JIT_VERBOSE:+\"jit_monitor_verbose\": true, }\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
         --out "$RESULTS/${RUN_NAME:-smollm2-batchk}" ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
-      bash benchmarks/gpu/host.sh tiny-bench --model "$W/tiny-mtp" \
+      host tiny-bench --model "$W/tiny-mtp" \
         --spec 'vllm-mtp-K5={"method": "mtp", "num_speculative_tokens": 5}' \
         --spec 'ours-mtp-chain-K5={"method": "specplug_mtp", "topk": 1, "num_steps": 5}' \
         --spec "ours-mtp-tree16={$mtp_tree, \"num_draft_tokens\": 16}" \
@@ -222,7 +227,7 @@ run() {
       # smollm2: MT-Bench (both turns); smollm2-humaneval: HumanEval
       local prompts=mt-bench; [ "$1" = smollm2-humaneval ] && prompts=humaneval
       mapfile -t S < <(specs "${ROWS:-three}" "${HEAD:-.gpu/heads/smollm2-eagle3}")
-      bash benchmarks/gpu/host.sh real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
+      host real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases ${HOST_PROFILE:+--host-profile} \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
@@ -232,7 +237,7 @@ run() {
       # than its generations here); ROWS=full (default): vLLM's eagle3 at K 3/5/7,
       # our chain and trees of 8-64 nodes; ROWS=free: the model-free rows
       mapfile -t S < <(specs "${ROWS:-full}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
-      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
+      host real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
@@ -261,7 +266,7 @@ run() {
                        [ "${ADAPTIVE:-0}" = 1 ] && printf '%s\n' --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}")
       fi
       mapfile -t P < <(for set in ${SCHEMA_SETS:-mt-bench-json mt-bench-json-free}; do printf '%s\n' --prompts "$set"; done)
-      bash benchmarks/gpu/host.sh real-bench "${P[@]}" \
+      host real-bench "${P[@]}" \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
@@ -269,7 +274,7 @@ run() {
     smollm2-tp)
       # the head rows of `smollm2` and the n-gram rows of smollm2-sets, on a sharded target
       mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3-demo}"; full_specs ngram -)
-      bash benchmarks/gpu/host.sh real-bench --prompts mt-bench "${S[@]}" \
+      host real-bench --prompts mt-bench "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
         --engine-args "{\"tensor_parallel_size\": ${TP:-3}, \"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
@@ -318,6 +323,10 @@ case "$1" in
   # extra arguments after the name reach the run (steps8b passes them to bench_v2_steps.py)
   run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "${@:2}"; echo "DONE $2 rc=$?" ;;
   run) mkdir -p "$RESULTS" "$OUT"; run "${@:2}"; cp -r "$RESULTS/$2" "$OUT/" ;;
+  # the host.sh call a bench run would make, printed one argument a line, run
+  # nowhere: its specs are checked on CPU before they cost device time
+  # (tests/test_gpu_runs.py)
+  dry-run) DRY_RUN=1 run "${@:2}" ;;
   wait)
     for _ in $(seq "${3:-100}"); do
       grep -q "^DONE $2" "$HOME/$2.log" 2>/dev/null && break

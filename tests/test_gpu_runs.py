@@ -1,0 +1,70 @@
+"""The GPU runs' speculative configs, checked here before they cost device
+time: `benchmarks/gpu/v2_tree_runs.sh dry-run NAME` prints the arguments its
+bench call would pass to `host.sh` (one a line) and runs nothing; every
+`--spec` of them must parse as the bench parses it (`bench.specs.parse_spec`:
+JSON, a method, our methods' options validated), names unique. A typo in a
+hand-written JSON spec there once cost a lease's run at start-up."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_specplug.bench.specs import named_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "v2_tree_runs.sh"
+
+# (run name, environment): every bench run of the script and its row sets
+RUNS = [
+    ("tiny", {}), ("tiny3", {}), ("tiny3-schema", {}), ("tiny-mtp", {}),
+    *[("tiny-batchk", {"BATCHK": rows}) for rows in
+      ("heads", "lean", "free", "tree", "zero", "floor", "pin", "shapes")],
+    ("smollm2", {}), ("smollm2", {"ROWS": "sized"}), ("smollm2", {"ROWS": "adaptive"}),
+    ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
+    ("smollm2-batchk", {}), ("smollm2-tp", {}),
+    ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "first"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "wide", "WIDE": "8 1 9",
+                        "SCHEMA_SETS": "mt-bench-json"}),
+]
+
+
+def _dry_run(name: str, env: dict, tmp_path: Path) -> list[str]:
+    """The arguments the run's `host.sh` call would get."""
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "dry-run", name], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "HOME": str(tmp_path), "OUT": str(tmp_path / "out"), **env},
+        timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def _specs(arguments: list[str]) -> list[str]:
+    return [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--spec"]
+
+
+@pytest.mark.parametrize("name, env", RUNS,
+                         ids=[f"{n}{''.join('-' + v.split()[0] for v in e.values())}"
+                              for n, e in RUNS])
+def test_every_spec_of_a_gpu_run_parses_as_the_bench_reads_it(name, env, tmp_path):
+    arguments = _dry_run(name, env, tmp_path)
+    assert arguments[0] in ("tiny-bench", "real-bench"), arguments[:3]
+    specs = _specs(arguments)
+    assert specs, f"{name}: no --spec in {arguments}"
+    rows = named_specs(specs)  # raises SpecError naming the bad spec
+    assert len(rows) == len(specs) + 1
+
+
+def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_path):
+    arguments = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide", "WIDE": "8 1 9",
+                                            "SCHEMA_SETS": "mt-bench-json"}, tmp_path)
+    names = [row.name for row in named_specs(_specs(arguments))]
+    assert names == ["none", "ours-chain-K5-first", "ours-tree-8-1-9-first"]
+    sets = [arguments[i + 1] for i, a in enumerate(arguments) if a == "--prompts"]
+    assert sets == ["mt-bench-json"]
+    config = named_specs(_specs(arguments))[2].config
+    assert (config["topk"], config["num_steps"], config["num_draft_tokens"]) == (8, 1, 9)
+    assert config["grammar_drafts"] == "first"

@@ -108,8 +108,7 @@ def fill_tree_rows(grammar, req_id: str, draft_token_ids: Sequence[int],
     in_vocab = not drafts or (min(drafts) >= 0  # xgrammar reads the parent's bit
                               and max(drafts) < rows.shape[1] * 32)
     if traverse is not None and in_vocab and not grammar.is_terminated():
-        valid = _traverse(traverse, parents, [0] + drafts, rows,
-                          set(matcher.stop_token_ids))
+        valid = _traverse(traverse, parents, [0] + drafts, rows, _stop_token_ids(grammar))
     else:
         valid = walk_tree(grammar, req_id, draft_token_ids, parents, fill_row, rows)
     if not all(valid):
@@ -123,8 +122,22 @@ def fill_tree_rows(grammar, req_id: str, draft_token_ids: Sequence[int],
     return valid
 
 
+STOP_IDS_ATTR = "_specplug_stop_token_ids"  # cached on vLLM's grammar object
+
+
+def _stop_token_ids(grammar) -> frozenset[int]:
+    """The xgrammar matcher's stop tokens, read once per request's grammar:
+    the property builds a new list each call, 8 µs of a 16-node tree's
+    50 µs walk on this CPU."""
+    stops = getattr(grammar, STOP_IDS_ATTR, None)
+    if stops is None:
+        stops = frozenset(grammar.matcher.stop_token_ids)
+        setattr(grammar, STOP_IDS_ATTR, stops)
+    return stops
+
+
 def _traverse(traverse, parents: Sequence[int], tokens: list[int], rows: torch.Tensor,
-              stop_token_ids: set[int]) -> list[bool]:
+              stop_token_ids: frozenset[int]) -> list[bool]:
     """xgrammar's walk: it fills the rows of the nodes its parent's row
     allows and leaves the others alone. A node that ends the grammar (an
     accepted stop token) gets vLLM's full row for a terminated grammar here,

@@ -232,6 +232,32 @@ def test_ours_on_cuda_gets_v2_runner_and_async_scheduling(tiny_model_dir,
     assert ours.scheduler_config.scheduler_cls == OUR_SCHEDULER
 
 
+@pytest.mark.parametrize("asked", [None, True])
+def test_no_warning_that_async_scheduling_is_unsupported_where_it_runs(
+        tiny_model_dir, as_if_cuda_with_v2, asked):
+    """vLLM warned "Async scheduling not supported with custom_class-based
+    speculative decoding and will be disabled" on Model Runner V2, where our
+    patch then turns it on: asked for (and in every engine core, whose
+    config is post-initialized again with it on). (On the CPU platform it is
+    turned off: the warning is true there.)"""
+    import logging
+
+    import vllm.logger
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("vllm.config.vllm")
+    logger.addHandler(handler)
+    vllm.logger._print_warning_once.cache_clear()  # logged once a process otherwise
+    try:
+        config = _config(tiny_model_dir, OUR_SPEC, async_scheduling=asked)
+    finally:
+        logger.removeHandler(handler)
+    assert config.scheduler_config.async_scheduling
+    assert not [m for m in messages if "Async scheduling not supported" in m], messages
+
+
 def test_explicit_choices_are_kept(tiny_model_dir, as_if_cuda_with_v2):
     sync = _config(tiny_model_dir, OUR_SPEC, async_scheduling=False)
     assert not sync.scheduler_config.async_scheduling

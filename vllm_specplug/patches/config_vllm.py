@@ -65,9 +65,12 @@ def _post_init(original):
     def post_init(self):
         wanted = NOT_OURS
         if _v2_capable_selection(self) is not None:
+            # vLLM refuses custom_class with async scheduling, and unset it
+            # warns that async is "not supported" before turning it off: off
+            # through its post-init, which then runs as for an explicit False
+            # (the state it leaves is the same), and we decide below
             wanted = self.scheduler_config.async_scheduling
-            if wanted:  # vLLM refuses custom_class with async: we decide below
-                self.scheduler_config.async_scheduling = None
+            self.scheduler_config.async_scheduling = False
         original(self)
         if wanted is not NOT_OURS:
             _decide_async(self, wanted)

@@ -167,7 +167,7 @@ def test_first_step_masks_load_rows_and_mask_the_roots_children_in_the_pass(tiny
     assert structured.grammars.tracked["digits"].num_accepted == 1
     SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch(False))
     assert speculator.root_masks.num_masked_rows == 0
-    assert bool((speculator.root_masks.bitmask == -1).all())
+    assert bool(speculator.root_masks.allowed.all())
     assert torch.equal(tree().token_ids, unmasked.token_ids)
 
 
@@ -203,6 +203,7 @@ def test_root_masks_keep_a_row_that_allows_no_draft_id_and_reset_rows_left_over(
     assert out[1].tolist() == logits[1].tolist()
     assert out[2].tolist() == logits[2].tolist() and out[3].tolist() == logits[3].tolist()
     masks.load(bitmask[:1])
-    assert masks.num_masked_rows == 1 and bool((masks.bitmask[1:] == -1).all())
+    assert masks.num_masked_rows == 1 and bool(masks.allowed[1:].all())
+    assert not bool(masks.allowed[0].all())
     masks.clear()
-    assert masks.num_masked_rows == 0 and bool((masks.bitmask == -1).all())
+    assert masks.num_masked_rows == 0 and bool(masks.allowed.all())

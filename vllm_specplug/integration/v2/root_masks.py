@@ -7,11 +7,12 @@ request's output (on SmolLM2 under a JSON schema, tree 16 made 1.34 tokens a
 step so, 1.33 with every step masked, 1.22 unmasked:
 docs/results/grammar_drafting_cpu). Those masks need no read of the drafting
 pass: the host fills each structured request's bitmask in its root's state
-(`StructuredRequests.root_bitmask`, one read of the batch's outputs), copies
-it into a persistent device buffer, and the pass (fused decode step or
+(`StructuredRequests.root_bitmask`, one read of the batch's outputs), unpacks
+it into a persistent device buffer of allowed draft ids, and the pass (fused decode step or
 drafting pass, replayed from their CUDA graphs) masks its first step's logits
-from that buffer (`HeadRuntime.first_logits_mask`). Free requests' rows keep
-every bit set, so graphs captured with the mask serve every batch.
+from that buffer (`HeadRuntime.first_logits_mask`). Free requests' rows allow
+every draft id, so graphs captured with the mask serve every batch, at one
+elementwise kernel a pass.
 
 Selection only, like every draft mask: the scheduler still checks each node
 against its path's grammar, so any mask, stale or wrong, is lossless.
@@ -26,7 +27,10 @@ ALL_ALLOWED = -1  # an int32 word with every bit set
 
 
 class RootMasks:
-    """A graph-safe first-step mask over a persistent bitmask.
+    """A graph-safe first-step mask over a persistent buffer of allowed
+    draft ids: one kernel inside the graphs (free rows allow every id), the
+    bitmask's unpacking done at `load`, outside them, for batches with a
+    grammar only.
 
     num_rows: the padded batch's most rows; vocab_size: the target's (the
     grammar's bitmask covers it, 32 tokens a word); draft_to_target
@@ -34,29 +38,35 @@ class RootMasks:
 
     def __init__(self, num_rows: int, vocab_size: int, draft_to_target: torch.Tensor) -> None:
         self.draft_to_target = draft_to_target
-        # [num_rows, words] int32: row b's bits are batch row b's allowed tokens
-        self.bitmask = torch.full((num_rows, (vocab_size + 31) // 32), ALL_ALLOWED,
-                                  dtype=torch.int32, device=draft_to_target.device)
+        self.num_words = (vocab_size + 31) // 32
+        # [num_rows, V_draft] bool: row b's draft ids the grammar allows (a
+        # byte an id: 8 MB at 256 rows of a 32k draft vocabulary, 131 MB at
+        # 1024 rows of a full 128k one; the bitmask would be 1/8 of it but
+        # cost about six kernels a pass to unpack in the graphs)
+        self.allowed = torch.ones(num_rows, draft_to_target.shape[0], dtype=torch.bool,
+                                  device=draft_to_target.device)
         self.num_masked_rows = 0  # leading rows that hold a grammar's bits
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V_draft] of the first drafting step -> the same, -inf
-        where a row's grammar forbids the token. A row whose grammar allows
-        no draft id keeps its logits (all -inf would make the log-softmax NaN)."""
-        allowed = draft_bits(self.bitmask[:logits.shape[0]], self.draft_to_target)
-        allowed |= ~allowed.any(-1, keepdim=True)
-        return logits.masked_fill(~allowed, float("-inf"))
+        where a row's grammar forbids the token."""
+        return torch.where(self.allowed[:logits.shape[0]], logits, float("-inf"))
 
     def load(self, bitmask: torch.Tensor | None) -> None:
-        """The step's rows ([num_reqs, words] int32 on the host, batch order;
-        None: no grammar in the batch). Rows a previous step masked past
+        """The step's rows ([num_reqs, words] int32 on the host, batch order,
+        ALL_ALLOWED words for free requests; None: no grammar in the batch).
+        A row whose grammar allows no draft id allows them all (all -inf
+        would make the log-softmax NaN). Rows a previous step masked past
         these are reset: a padded pass would read them."""
         num_rows = 0 if bitmask is None else bitmask.shape[0]
         if self.num_masked_rows > num_rows:
-            self.bitmask[num_rows:self.num_masked_rows].fill_(ALL_ALLOWED)
+            self.allowed[num_rows:self.num_masked_rows] = True
         if bitmask is not None:
-            words = min(bitmask.shape[1], self.bitmask.shape[1])
-            self.bitmask[:num_rows, :words].copy_(bitmask[:, :words])  # host memory: done on return
+            words = torch.full((num_rows, self.num_words), ALL_ALLOWED, dtype=torch.int32)
+            num_words = min(bitmask.shape[1], self.num_words)
+            words[:, :num_words] = bitmask[:, :num_words]
+            allowed = draft_bits(words.to(self.allowed.device), self.draft_to_target)
+            self.allowed[:num_rows] = allowed | ~allowed.any(-1, keepdim=True)
         self.num_masked_rows = num_rows
 
     def clear(self) -> None:

@@ -176,19 +176,18 @@ def test_head_drafts_know_the_grammar_by_default_every_step_on_v1_first_step_on_
     default = Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head"})
     mtp = MtpTreeOptions.from_dict("specplug_mtp", {})
     for options in (default, mtp):
-        assert options.masks_drafts(model_runner_v2=False)
+        assert options.masks_drafts()
         assert not options.masks_first_step_only(model_runner_v2=False)
-        assert options.masks_drafts(model_runner_v2=True)
         assert options.masks_first_step_only(model_runner_v2=True)
     for value in (True, False):
         options = Eagle3TreeOptions.from_dict("specplug_eagle3",
                                               {"model": "head", "grammar_drafts": value})
+        assert options.masks_drafts() is value
         for v2 in (True, False):
-            assert options.masks_drafts(model_runner_v2=v2) is value
             assert not options.masks_first_step_only(model_runner_v2=v2)
     first = MtpTreeOptions.from_dict("specplug_mtp", {"grammar_drafts": "first"})
     for v2 in (True, False):
-        assert first.masks_drafts(model_runner_v2=v2) and first.masks_first_step_only(v2)
+        assert first.masks_drafts() and first.masks_first_step_only(v2)
     with pytest.raises(ProposerConfigError,
                        match="grammar_drafts='yes' must be true, false or 'first'"):
         Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": "yes"})

@@ -245,18 +245,19 @@ run() {
     smollm2-schema)
       h=${HEAD:-.gpu/heads/smollm2-eagle3-demo}
       tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+      chain_first="ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}"
       if [ "${SCHEMA_ROWS:-all}" = first ]; then
         # grammar_drafts "first" (the root's children masked in the graphed pass): vLLM's
         # eagle3, our chain masked so, our tree 16 unmasked and masked so
         mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
-          --spec "ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}" \
+          --spec "$chain_first" \
           --spec "ours-tree16={$tree}" --spec "ours-tree16-first={$tree, \"grammar_drafts\": \"first\"}")
       elif [ "${SCHEMA_ROWS:-all}" = wide ]; then
         # a wide tree (WIDE="topk num_steps num_draft_tokens", default 8 2 16) against our
         # chain, both with the first drafting step masked
         read -r wk ws wn <<< "${WIDE:-8 2 16}"
         mapfile -t S < <(printf '%s\n' \
-          --spec "ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}" \
+          --spec "$chain_first" \
           --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
       else
       mapfile -t S < <(printf '%s\n' --spec 'vllm-ngram-K5={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'

@@ -94,8 +94,9 @@ class TreeOptions(ProposerOptions):
                     f"num_draft_tokens={self.num_draft_tokens} must be in [2, 1 + topk * "
                     f"num_steps = {most}]: raise topk or num_steps, or lower it")
 
-    def masks_drafts(self, model_runner_v2: bool) -> bool:
-        """Whether drafts are ranked among grammar-valid tokens on this runner."""
+    def masks_drafts(self) -> bool:
+        """Whether drafts are ranked among grammar-valid tokens (on either
+        runner; how many steps: `masks_first_step_only`)."""
         return self.grammar_drafts is None or bool(self.grammar_drafts)
 
     def masks_first_step_only(self, model_runner_v2: bool) -> bool:

@@ -77,7 +77,7 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.grammars = (DraftGrammars(vllm_config,
                                        first_step_only=self.options.masks_first_step_only(
                                            model_runner_v2=False))
-                         if self.options.masks_drafts(model_runner_v2=False) else None)
+                         if self.options.masks_drafts() else None)
         # under our batch policy: each step's accepted paths, which teach it
         # every smaller tree size (`take_path_ranks`)
         self.report_paths = batch_draft_scheduled(vllm_config)

@@ -109,7 +109,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # only what its node's path allows (structured.py)
         options = self.drafter.options
         self.structured = (StructuredRequests(vllm_config)
-                           if options.masks_drafts(model_runner_v2=True) else None)
+                           if options.masks_drafts() else None)
         # grammar_drafts "first": the first step's masks inside the graphed
         # pass (root_masks.py), made at attach (they need the head's vocabulary)
         self.root_masks = None

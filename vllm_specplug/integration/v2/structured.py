@@ -19,8 +19,8 @@ from vllm_specplug.integration.grammar_drafting import DraftGrammars, is_constra
 
 
 class StructuredRequests:
-    def __init__(self, vllm_config, first_step_only: bool = False) -> None:
-        self.grammars = DraftGrammars(vllm_config, first_step_only=first_step_only)
+    def __init__(self, vllm_config) -> None:
+        self.grammars = DraftGrammars(vllm_config)
         self.params: dict[str, object] = {}  # req_id -> sampling params
 
     def __bool__(self) -> bool:

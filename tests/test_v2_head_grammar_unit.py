@@ -72,7 +72,8 @@ def _speculator(structured: StructuredRequests):
         structured=structured, runtime=runtime, req_states=req_states,
         device=torch.device("cpu"), root_masks=None, max_num_reqs=2,
         vllm_config=structured.grammars.vllm_config,
-        guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None,
+        guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None, rows_in_worker=False,
+        drafter=SimpleNamespace(options=SimpleNamespace(masks_drafts=lambda: True)),
         drafts=torch.zeros(2, TREE[2] - 1, dtype=torch.int64))
     speculator._load_root_masks = MethodType(SpecplugV2HeadSpeculator._load_root_masks,
                                              speculator)

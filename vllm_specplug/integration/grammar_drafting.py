@@ -22,6 +22,7 @@ unmasked (the drafter does not track where reasoning ends).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -63,7 +64,20 @@ class DraftGrammars:
                    output_token_ids: np.ndarray):
         """The request's grammar advanced to `output_token_ids` (all its
         output so far, the root of its next tree last); None: unconstrained,
-        not compiled yet, or broken."""
+        not compiled yet, broken or terminated."""
+        grammar = self._advanced(req_id, sampling_params, output_token_ids, wait=False)
+        return None if grammar is None or grammar.is_terminated() else grammar
+
+    def verifying_grammar(self, req_id: str, sampling_params,
+                          output_token_ids: np.ndarray | None):
+        """`grammar_of` for a step's verification rows (worker_rows.py): it
+        waits for the compile, and a terminated grammar is returned too (its
+        rows allow everything, as vLLM's); None: unconstrained or broken.
+        `output_token_ids` None: as far as the grammar was advanced."""
+        return self._advanced(req_id, sampling_params, output_token_ids, wait=True)
+
+    def _advanced(self, req_id: str, sampling_params, output_token_ids: np.ndarray | None,
+                  wait: bool):
         tracked = self.tracked.get(req_id)
         if tracked is None:
             if not is_constrained(sampling_params) or not self._start(req_id, sampling_params):
@@ -71,12 +85,17 @@ class DraftGrammars:
             tracked = self.tracked[req_id]
         if tracked.broken:
             return None
-        grammar = tracked.holder.structured_output_request.grammar
+        holder = tracked.holder.structured_output_request
+        if wait and isinstance(holder._grammar, Future):
+            holder._grammar.exception()  # blocks until compiled (or failed)
+        grammar = holder.grammar
         if grammar is None:  # still compiling: its tokens wait
             return None
         if isinstance(grammar, Exception):
             tracked.broken = True
             return None
+        if output_token_ids is None:
+            return grammar
         new = output_token_ids[tracked.num_accepted:].tolist()
         if new and not grammar.accept_tokens(req_id, new):
             logger.warning("vllm-specplug: request %s: the drafter's grammar refused a "
@@ -84,7 +103,7 @@ class DraftGrammars:
             tracked.broken = True
             return None
         tracked.num_accepted = len(output_token_ids)
-        return None if grammar.is_terminated() else grammar
+        return grammar
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)

@@ -21,6 +21,7 @@ SpecplugAsyncScheduler"`; it behaves as `AsyncScheduler` for everything else.
 """
 from __future__ import annotations
 
+import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -31,6 +32,7 @@ from vllm.v1.structured_output.utils import strip_speculative_padding
 from vllm_specplug.integration.grammar_trees import (TREE_PARENTS_ATTR, chain_prefix_length,
                                                      fill_tree_rows, num_drafts_to_keep,
                                                      walk_tree)
+from vllm_specplug.integration.worker_rows import WORKER, WORKER_ROWS_ATTR
 
 DRAFT_LENGTHS_ATTR = "specplug_draft_lengths"
 # AsyncScheduler marks a speculative slot whose draft token is not known yet
@@ -230,14 +232,56 @@ class SpecplugTreeAsyncScheduler(TreeGrammarScheduler, AsyncScheduler):
                 scheduled[req_id] = drafts
         super().update_draft_token_ids_in_output(DraftTokenIds(*rest), scheduler_output)
 
+    def _update_after_schedule(self, scheduler_output) -> None:
+        """With the rows in the worker (integration/worker_rows.py), a step
+        whose constrained requests have tokens in flight is not deferred:
+        those requests are named for the worker, which fills their rows."""
+        super()._update_after_schedule(scheduler_output)
+        if not self._rows_in_worker():
+            return
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        in_flight = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if not request.use_structured_output or request.is_prefill_chunk:
+                continue
+            # vLLM's test, before this step's own placeholders were added
+            added = self.num_sampled_tokens_per_step + len(spec.get(req_id, ()))
+            if request.num_output_placeholders > added:
+                in_flight.append(req_id)
+        setattr(scheduler_output, WORKER_ROWS_ATTR, in_flight)
+        scheduler_output.pending_structured_output_tokens = False
+
+    def _rows_in_worker(self) -> bool:
+        if not hasattr(self, "_specplug_rows_in_worker"):
+            self._specplug_rows_in_worker = rows_in_worker(self.vllm_config)
+        return self._specplug_rows_in_worker
+
     def get_grammar_bitmask(self, scheduler_output):
         # The trees serve the deferred step they came with, only: a later
         # bitmask built before its drafts arrive (placeholder slots, which
         # vLLM leaves unacceptable) must not read a stale tree.
         try:
+            in_worker = getattr(scheduler_output, WORKER_ROWS_ATTR, None)
+            if in_worker:
+                return self._rows_of_others(scheduler_output, set(in_worker))
             return super().get_grammar_bitmask(scheduler_output)
         finally:
             self._grammar_trees().clear()
+
+    def _rows_of_others(self, scheduler_output, in_worker: set[str]):
+        """vLLM's `get_grammar_bitmask` for the requests the worker does not
+        fill (None: none left)."""
+        req_ids = [req_id for req_id in scheduler_output.num_scheduled_tokens
+                   if req_id not in in_worker and (request := self.requests.get(req_id))
+                   and request.use_structured_output and not request.is_prefill_chunk]
+        if not req_ids:
+            return None
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, req_ids, spec)
+        return GrammarOutput(req_ids, bitmask,
+                             [len(strip_speculative_padding(spec.get(req_id, [])))
+                              for req_id in req_ids])
 
 
 def masks_rows_per_node(scheduler_config) -> bool:
@@ -250,3 +294,41 @@ def masks_rows_per_node(scheduler_config) -> bool:
     base = (SpecplugTreeAsyncScheduler if scheduler_config.async_scheduling
             else TreeGrammarScheduler)
     return issubclass(scheduler_config.get_scheduler_cls(), base)
+
+
+def rows_in_worker(vllm_config) -> bool:
+    """Whether the worker fills constrained steps' verification rows
+    (integration/worker_rows.py): our tree methods with `grammar_rows:
+    "worker"` (the default) on Model Runner V2 under async scheduling, with
+    a scheduler that hands the rows over (`SpecplugTreeAsyncScheduler`), and
+    no reasoning parser (a grammar that starts after a reasoning section
+    keeps vLLM's chain rules)."""
+    from vllm_specplug.integration.config import selection_of
+    from vllm_specplug.registry import get_proposer_class
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    selection = selection_of(spec) if spec is not None else None
+    scheduler = vllm_config.scheduler_config
+    structured = vllm_config.structured_outputs_config
+    if (selection is None or not scheduler.async_scheduling
+            or not getattr(vllm_config, "use_v2_model_runner", False)
+            or structured.reasoning_parser or structured.reasoning_parser_plugin):
+        return False
+    options = get_proposer_class(selection.method).options_cls(**selection.options)
+    return (getattr(options, "grammar_rows", None) == WORKER
+            and issubclass(scheduler.get_scheduler_cls(), SpecplugTreeAsyncScheduler))
+
+
+def merged_grammar_output(scheduler_rows, req_ids: list[str], bitmask: np.ndarray,
+                          num_acceptable: list[int]):
+    """The scheduler's `GrammarOutput` (None: it filled no row) with the
+    worker's requests and rows after its own (the worker maps rows to
+    requests by the id list, in any order)."""
+    if scheduler_rows is None:
+        return GrammarOutput(req_ids, bitmask, num_acceptable)
+    theirs = scheduler_rows.num_acceptable_drafts
+    if theirs is None:  # an older scheduler's: none of its drafts acceptable
+        theirs = [0] * len(scheduler_rows.structured_output_request_ids)
+    return GrammarOutput(list(scheduler_rows.structured_output_request_ids) + req_ids,
+                         np.concatenate([scheduler_rows.grammar_bitmask, bitmask]),
+                         list(theirs) + num_acceptable)

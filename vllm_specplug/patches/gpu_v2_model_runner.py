@@ -9,7 +9,10 @@ speculative config selects one of our proposers we build ours instead:
 for tree methods (`specplug_eagle3`, `specplug_mtp`). For the first we report
 the true draft lengths: to the sync scheduler as the drafts themselves
 (`take_draft_token_ids`), to the async one on the step output
-(`sample_tokens`, read by `SpecplugAsyncScheduler`); trees go to the
+(`sample_tokens`, read by `SpecplugAsyncScheduler`), and before a tree
+head's step samples, the rows of its constrained requests that the
+scheduler left to the worker are filled (`sample_tokens`,
+integration/worker_rows.py); trees go to the
 scheduler with their parents (`take_draft_token_ids`, for the grammar check
 of `SpecplugTreeAsyncScheduler`). The second needs the
 target: `load_model` hands it over once loaded (vLLM does so only for its own
@@ -92,11 +95,13 @@ def _sample_tokens(original):
     def sample_tokens(self, grammar_output):
         from vllm_specplug.integration.v2.speculator import V2SpeculatorHooks
 
+        speculator = getattr(self, "speculator", None)
+        if getattr(speculator, "rows_in_worker", False):  # tree heads: worker_rows.py
+            grammar_output = speculator.verification_rows(self, grammar_output)
         output = original(self, grammar_output)
         # either of ours: the model-free one reports its draft lengths, the
         # head's trees their accepted paths' ranks (was: the model-free one
         # only, so no tree's paths reached the batch policy on the GPU)
-        speculator = getattr(self, "speculator", None)
         if not isinstance(speculator, V2SpeculatorHooks) or output is None:
             return output
         runner_output = getattr(output, "model_runner_output", output)
@@ -166,7 +171,8 @@ def install() -> list[str]:
                                 "trees with their parents")
     patch_registry.apply(GPUModelRunner, "sample_tokens",
                          _sample_tokens(GPUModelRunner.sample_tokens),
-                         reason="draft lengths for SpecplugAsyncScheduler")
+                         reason="draft lengths for SpecplugAsyncScheduler; constrained "
+                                "steps' rows filled in the worker")
     patch_registry.apply(GPUModelRunner, "load_model", _load_model(GPUModelRunner.load_model),
                          reason="hand the target to vllm-specplug's tree drafter")
     patch_registry.apply(GPUModelRunner, "execute_model",

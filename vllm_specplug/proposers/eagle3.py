@@ -31,6 +31,7 @@ METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TREE_ATTENTION_WAYS = ("split", "rewrite")
 FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
+GRAMMAR_ROWS_WAYS = ("worker", "scheduler")  # who fills a constrained step's verification rows
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,15 @@ class TreeOptions(ProposerOptions):
     # Selection only: the scheduler still checks every node, so every way
     # is lossless.
     grammar_drafts: bool | str | None = None
+    # Who fills the verification rows of a constrained request's step under
+    # async scheduling on Model Runner V2 (integration/worker_rows.py):
+    # "worker" (the default) fills them in the worker, from its own grammar
+    # and the drafts it just made, while the step's forward runs; the engine
+    # core then defers no step. "scheduler" is vLLM's way: the engine core
+    # waits for the previous step's output and drafts, then fills them.
+    # Both are exact; elsewhere (the V1 runner, a reasoning parser) the
+    # scheduler fills them.
+    grammar_rows: str = "worker"
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -86,6 +96,9 @@ class TreeOptions(ProposerOptions):
                 or self.grammar_drafts == FIRST_STEP_MASKS, name,
                 f"grammar_drafts={self.grammar_drafts!r} must be true, false or "
                 f"{FIRST_STEP_MASKS!r} (the first drafting step only)")
+        require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
+                f"grammar_rows={self.grammar_rows!r} must be one of "
+                f"{', '.join(GRAMMAR_ROWS_WAYS)}")
         if self.num_steps is not None:
             require(self.num_steps >= 1, name, f"num_steps={self.num_steps} must be >= 1")
         if self.num_draft_tokens is not None and self.num_steps is not None:

@@ -5,9 +5,17 @@ inside the graphs: `RootMasks`), and the parents of trees drafted for such
 a batch, for the scheduler's per-node checks (`GrammarParents`)."""
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
+from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+from vllm_specplug.integration.scheduler import merged_grammar_output
+from vllm_specplug.integration.worker_rows import fill_request_rows, num_grammar_rows
 from vllm_specplug.proposers.head_graphs import padded_batch
+
+logger = logging.getLogger("vllm_specplug.tree_drafter")
 
 
 class HeadGrammar:
@@ -34,6 +42,10 @@ class HeadGrammar:
         the engine."""
         structured = (self.structured is not None and bool(self.structured)
                       and input_batch.has_structured_output_reqs)
+        if not self.drafter.options.masks_drafts():
+            if structured and self.rows_in_worker:  # the next step's rows need them
+                self.structured.advance(input_batch, self.req_states)
+            return None
         if self.root_masks is not None:
             if structured or self.root_masks.num_masked_rows:
                 self._load_root_masks(input_batch, structured)
@@ -71,3 +83,39 @@ class HeadGrammar:
         """{req_id: parents, root included} of the trees last drafted for a
         batch with structured output (`take_draft_token_ids`); {} otherwise."""
         return self.grammar_parents.take() if self.grammar_parents is not None else {}
+
+    def verification_rows(self, runner, grammar_output):
+        """Before Model Runner V2 samples (our runner patch calls it): the
+        scheduler's `GrammarOutput` with the rows of the requests it left to
+        the worker (worker_rows.py), each filled from the request's grammar
+        and the drafts this step verifies."""
+        req_ids, self.worker_rows_req_ids = self.worker_rows_req_ids, []
+        state = runner.execute_model_state
+        if not req_ids or state is None:
+            return grammar_output
+        started = time.perf_counter()
+        input_batch = state.input_batch
+        taken = runner.take_draft_token_ids()  # vLLM's host copy, trees' parents beside
+        drafts = {} if taken is None else dict(zip(taken.req_ids, taken.draft_token_ids))
+        parents = getattr(taken, TREE_PARENTS_ATTR, None) or {}
+        grammars = self.structured.verifying_grammars(req_ids, input_batch, self.req_states)
+        ids = [req_id for req_id in req_ids if req_id in grammars]
+        if self.tree_slots is not None:  # a tree's drafts without its parents are unknown
+            drafts = {req_id: d for req_id, d in drafts.items() if req_id in parents}
+        if len(ids) < len(req_ids):
+            logger.warning("vllm-specplug: requests %s have no grammar in the worker: "
+                           "sampled unconstrained this step", sorted(set(req_ids) - set(ids)))
+            if not ids:
+                return grammar_output
+        row_of = {req_id: b for b, req_id in enumerate(input_batch.req_ids[:input_batch.num_reqs])}
+        num_rows = [num_grammar_rows(input_batch, row_of[req_id]) for req_id in ids]
+        bitmask = self.structured.grammars.manager.backend.allocate_token_bitmask(sum(num_rows))
+        num_acceptable, offset = [], 0
+        for req_id, rows in zip(ids, num_rows):
+            num_acceptable.append(fill_request_rows(
+                grammars[req_id], req_id, bitmask[offset:offset + rows], drafts.get(req_id),
+                parents.get(req_id)))
+            offset += rows
+        self.stats.worker_rows += (len(ids), sum(1 for req_id in ids if req_id in drafts))
+        self.stats.worker_rows_seconds += time.perf_counter() - started
+        return merged_grammar_output(grammar_output, ids, bitmask.numpy(), num_acceptable)

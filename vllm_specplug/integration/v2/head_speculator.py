@@ -55,6 +55,8 @@ from vllm_specplug.integration.v2.path_ranks import PathRanks
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
 from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
+from vllm_specplug.integration.scheduler import rows_in_worker
+from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
 from vllm_specplug.proposers.head_graphs import padded_batch
@@ -108,8 +110,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # structured requests' grammars: each drafting step of theirs ranks
         # only what its node's path allows (structured.py)
         options = self.drafter.options
+        # and a constrained step's verification rows filled here, from
+        # those grammars, instead of in a deferred step (worker_rows.py)
+        self.rows_in_worker = rows_in_worker(vllm_config)
+        self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
         self.structured = (StructuredRequests(vllm_config)
-                           if options.masks_drafts() else None)
+                           if options.masks_drafts() or self.rows_in_worker else None)
         # grammar_drafts "first": the first step's masks inside the graphed
         # pass (root_masks.py), made at attach (they need the head's vocabulary)
         self.root_masks = None
@@ -185,7 +191,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                              int(HEAD_POOL_MEMORY_SHARE * total))
         if self.confidences is not None:
             self.runtime.draft_logits_hook = self.confidences.predict
-        if self.structured is not None \
+        if self.drafter.options.masks_drafts() \
                 and self.drafter.options.masks_first_step_only(model_runner_v2=True):
             self._attach_root_masks()
         if self.tree_slots is None:
@@ -248,6 +254,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         blocks' bookkeeping."""
         if self.structured is not None:
             self.structured.schedule(scheduler_output)
+        self.worker_rows_req_ids = list(getattr(scheduler_output, WORKER_ROWS_ATTR, None) or ())
         if self.prefix is None or self.runtime is None or self.guard.disabled:
             return
         finished = scheduler_output.finished_req_ids
@@ -278,6 +285,8 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             self.guard.call("path_ranks", input_batch.req_ids, self.path_ranks.record_step,
                             input_batch, self.tree_slots, effect="the batch policy learns "
                             "this step's smaller tree sizes from their own steps only")
+        if self.structured is not None:
+            self.structured.begin_step()
         if self.confidences is not None and not self.guard.disabled:
             self.guard.call("observe_verification", input_batch.req_ids,
                             self.confidences.observe, input_batch.idx_mapping, num_sampled,

@@ -381,6 +381,11 @@ class SpeculatorStats:
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
         self.host_counts = np.zeros(2, dtype=np.int64)
         self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
+        # constrained requests' verification rows filled in the worker
+        # (worker_rows.py): of them, those whose drafts were known (else
+        # none of their drafts may be accepted), and the host time it took
+        self.worker_rows = np.zeros(2, dtype=np.int64)
+        self.worker_rows_seconds = 0.0
 
     def add_host(self, drafts: list[list[int]], num_sampled: np.ndarray, k: int) -> None:
         self.host_counts += (sum(len(d) for d in drafts), int((num_sampled > 0).sum()) * k)
@@ -389,7 +394,10 @@ class SpeculatorStats:
         tokens, slots = self.host_counts + self.device_counts.cpu().numpy()
         stats = {"num_steps": self.num_steps, "host_seconds": self.host_seconds,
                  "wait_seconds": self.wait_seconds,
-                 "num_draft_tokens": int(tokens), "num_draft_slots": int(slots)}
+                 "num_draft_tokens": int(tokens), "num_draft_slots": int(slots),
+                 "num_worker_rows_requests": int(self.worker_rows[0]),
+                 "num_worker_rows_with_drafts": int(self.worker_rows[1]),
+                 "worker_rows_seconds": self.worker_rows_seconds}
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,
                          num_kept_by_graph=self.deferred.num_replayed,

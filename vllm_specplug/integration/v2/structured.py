@@ -22,6 +22,10 @@ class StructuredRequests:
     def __init__(self, vllm_config) -> None:
         self.grammars = DraftGrammars(vllm_config)
         self.params: dict[str, object] = {}  # req_id -> sampling params
+        # (step, req_ids): the requests whose grammars the last read of the
+        # batch's outputs advanced, and in which drafting step (`begin_step`)
+        self.step = 0
+        self.last_read: tuple[int, frozenset[str]] = (-1, frozenset())
 
     def __bool__(self) -> bool:
         return bool(self.params)
@@ -34,6 +38,38 @@ class StructuredRequests:
         for req_id in scheduler_output.finished_req_ids:
             if self.params.pop(req_id, None) is not None:
                 self.grammars.forget(req_id)
+
+    def begin_step(self) -> None:
+        """A drafting step starts (the grammars read before it are its
+        verified step's, `verifying_grammars`)."""
+        self.step += 1
+
+    def verifying_grammars(self, req_ids: list[str], input_batch,
+                           req_states) -> dict[str, object]:
+        """{req_id: grammar} for a step's verification rows (worker_rows.py),
+        each advanced to its request's output before this step: the
+        drafting pass's read of the last step left them so, unless a request
+        was not in it, or its grammar was still compiling; those are read
+        from the device here (a wait for this step's forward). A request
+        without a usable grammar (broken) is left out."""
+        step, fresh = self.last_read
+        fresh = fresh if step == self.step else frozenset()
+        stale = [req_id for req_id in req_ids if req_id not in fresh]
+        outputs = {}
+        if stale:
+            batch_ids = list(input_batch.req_ids[:input_batch.num_reqs])
+            rows = [batch_ids.index(req_id) for req_id in stale]
+            slots = input_batch.idx_mapping_np[:input_batch.num_reqs][rows]
+            outputs = dict(zip(stale, self._outputs(req_states, slots)))
+        found = {}
+        for req_id in req_ids:
+            if req_id not in self.params or (req_id in outputs and outputs[req_id] is None):
+                continue  # unconstrained, or no output yet
+            grammar = self.grammars.verifying_grammar(req_id, self.params[req_id],
+                                                      outputs.get(req_id))
+            if grammar is not None:
+                found[req_id] = grammar
+        return found
 
     def grammar(self, req_id: str, output_token_ids: np.ndarray):
         """The request's grammar advanced to `output_token_ids` (its output
@@ -52,6 +88,11 @@ class StructuredRequests:
         has one."""
         found = self._grammars(input_batch, req_states)
         return None if found is None else self.grammars.masks(*found, layer, device)
+
+    def advance(self, input_batch, req_states) -> None:
+        """Each structured request's grammar advanced to its output (one
+        read of the batch's outputs), for the next step's rows."""
+        self._grammars(input_batch, req_states)
 
     def root_bitmask(self, input_batch, req_states) -> torch.Tensor | None:
         """[num_reqs, words] int32 on the host: each structured request's
@@ -85,7 +126,15 @@ class StructuredRequests:
         for b, output in zip(rows, outputs):
             if output is not None:  # None: before the request's first token
                 grammars[b] = self.grammar(req_ids[b], output)
+        self.last_read = (self.step, frozenset(
+            req_ids[b] for b, output in zip(rows, outputs) if output is not None
+            and self._advanced_to(req_ids[b], len(output))))
         return req_ids, grammars
+
+    def _advanced_to(self, req_id: str, num_tokens: int) -> bool:
+        tracked = self.grammars.tracked.get(req_id)
+        return (tracked is not None and not tracked.broken
+                and tracked.num_accepted == num_tokens)
 
     @staticmethod
     def _outputs(req_states, slots: np.ndarray) -> list[np.ndarray | None]:

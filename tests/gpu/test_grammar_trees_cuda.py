@@ -3,7 +3,9 @@
 With async scheduling a step's drafts reach the scheduler after the step was
 scheduled; `SpecplugTreeAsyncScheduler` (the default for our tree methods
 there) checks each node in the grammar state of its own path and masks its
-row there, and the tree sampler walks the trees over those rows. Before it,
+row there, or leaves that to the worker, which fills the rows from its own
+grammar (`grammar_rows: "worker"`, the default), and the tree sampler walks
+the trees over those rows. Before it,
 every batch with a grammar sampled its roots only: exact, without a single
 accepted draft. These tests fail on that: they ask for output equal to no
 speculation's under the constraint, valid under it, and accepted drafts.
@@ -135,6 +137,7 @@ def tree(work, grammar_prompts):  # noqa: F811
         scheduler = llm.llm_engine.vllm_config.scheduler_config
         return {"runs": runs, "counts": counts, "sampled": sampled,
                 "sampled_counts": read_spec_decode_counts(llm) - before - counts,
+                "stats": llm.collective_rpc("specplug_speculator_stats")[0],
                 "scheduler": (scheduler.async_scheduling, scheduler.scheduler_cls),
                 "runner": llm.collective_rpc("specplug_runner_state")[0]}
     finally:
@@ -222,17 +225,20 @@ def test_one_tree_size_per_step_keeps_each_node_on_its_own_path(tree_one_size_pe
 
 @pytest.fixture(scope="module")
 def tree_first_step(work, grammar_prompts):  # noqa: F811
-    """Our tree with only the first drafting step masked, in the graphs."""
+    """Our tree with only the first drafting step masked, in the graphs,
+    and the verification rows the scheduler's (vLLM's deferred step: the
+    other engines here fill them in the worker, the default)."""
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 
     head = _head(work)
-    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first"},
-                  dtype="float32")
+    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first",
+                         "grammar_rows": "scheduler"}, dtype="float32")
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
-        return {"runs": runs, "counts": read_spec_decode_counts(llm) - before}
+        return {"runs": runs, "counts": read_spec_decode_counts(llm) - before,
+                "stats": llm.collective_rpc("specplug_speculator_stats")[0]}
     finally:
         shutdown_llm(llm)
 
@@ -248,3 +254,17 @@ def test_first_step_masks_in_the_graphs_are_exact_and_lift_the_tree(tree_first_s
     num_tokens = sum(len(ids) for outputs in runs.values() for ids in _tokens(outputs))
     steps = num_tokens - counts.num_accepted_tokens
     assert num_tokens / steps > MIN_TOKENS_PER_STEP_FIRST_STEP_MASKS, (num_tokens, counts)
+
+
+def test_constrained_rows_are_filled_in_the_worker_with_the_drafts_they_verify(
+        tree, tree_first_step):
+    """`grammar_rows: "worker"` (the default; integration/worker_rows.py):
+    the scheduler named the constrained requests of the steps it did not
+    defer and the worker filled their rows, knowing each one's drafts on
+    nearly every step (a request whose drafts it does not know verifies its
+    root only); with "scheduler" the worker filled none. The exactness of
+    both is the tests above."""
+    stats = tree["stats"]
+    assert stats["num_worker_rows_requests"] > 0, stats
+    assert stats["num_worker_rows_with_drafts"] >= 0.9 * stats["num_worker_rows_requests"], stats
+    assert tree_first_step["stats"]["num_worker_rows_requests"] == 0, tree_first_step["stats"]

@@ -30,7 +30,10 @@
 #            plus our tree 16 sized per step ("adaptive": true); SCHEMA_ROWS=first: vLLM
 #            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked;
 #            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
-#            nodes), both "first"; SCHEMA_SETS="mt-bench-json" runs the schema set alone
+#            nodes), both "first"; SCHEMA_ROWS=worker: vLLM eagle3 K=5, our chain K=5 with
+#            its constrained rows filled in the worker (the default) and by the scheduler
+#            (grammar_rows "scheduler"), the wide tree; SCHEMA_SETS="mt-bench-json" runs the
+#            schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
 #            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
@@ -258,6 +261,15 @@ run() {
         read -r wk ws wn <<< "${WIDE:-8 2 16}"
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
+          --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = worker ]; then
+        # the constrained rows filled in the worker (grammar_rows "worker", the default)
+        # against vLLM's deferred step ("scheduler") on our chain, beside vLLM's eagle3
+        # and a wide tree (WIDE, default 8 2 16), all first-step masked
+        read -r wk ws wn <<< "${WIDE:-8 2 16}"
+        mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "$chain_first" \
+          --spec "ours-chain-K5-first-scheduler-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"scheduler\"}" \
           --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
       else
       mapfile -t S < <(printf '%s\n' --spec 'vllm-ngram-K5={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'

@@ -128,14 +128,17 @@ def test_a_chains_rows_hold_its_valid_prefix_on_its_path_and_forbid_the_rest(
 
 
 def test_drafts_the_worker_does_not_know_get_the_roots_row_and_none_is_acceptable(
-        tiny_model_dir):
+        tiny_model_dir, tokens):
     scheduler = _ours(tiny_model_dir, False)
     request = _add(scheduler, "unknown")
     rows = _bitmask(scheduler, K + 1)
     grammar = request.structured_output_request.grammar
-    assert fill_request_rows(grammar, "unknown", rows, None, None) == 0
     root = _path_row(scheduler, request, [])
-    assert all(torch.equal(row, root) for row in rows)
+    # none; fewer than the slots; vLLM's placeholders (a batch it copied none of)
+    for drafts in (None, [tokens["a"]] * (K - 1), [-1] * K):
+        rows.zero_()
+        assert fill_request_rows(grammar, "unknown", rows, drafts, None) == 0
+        assert all(torch.equal(row, root) for row in rows)
 
 
 def test_a_terminated_grammars_rows_allow_everything_as_vllms(tiny_model_dir, tokens):

@@ -53,13 +53,17 @@ def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
     bitmask): every node's in its own path's state (`parents` None: a
     chain). Returns how many of its drafts may be accepted: all its slots,
     since an invalid node's row forbids it, or 0 where its drafts are not
-    known here (each slot then gets the root's row, and vLLM's sampler
-    accepts none of them: `num_acceptable_drafts`)."""
+    known here (missing, too few, or vLLM's -1 placeholders: each slot then
+    gets the root's row, and vLLM's sampler accepts none of them,
+    `num_acceptable_drafts`; rows built from placeholders would let the
+    device's real drafts through on the wrong path's rows)."""
     from vllm_specplug.integration.grammar_trees import fill_tree_rows
 
     num_slots = rows.shape[0] - 1
     fill = _row_filler(grammar, rows)
-    if num_slots and (draft_token_ids is None or len(draft_token_ids) < num_slots):
+    known = draft_token_ids is not None and len(draft_token_ids) >= num_slots and all(
+        int(token) >= 0 for token in draft_token_ids[:num_slots])  # -1: vLLM's "unknown"
+    if num_slots and not known:
         fill(0)
         rows[1:] = rows[0]
         return 0

@@ -32,7 +32,8 @@
 #            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
 #            nodes), both "first"; SCHEMA_ROWS=worker: vLLM eagle3 K=5, our chain K=5 with
 #            its constrained rows filled in the worker (the default) and by the scheduler
-#            (grammar_rows "scheduler"), the wide tree; SCHEMA_SETS="mt-bench-json" runs the
+#            (grammar_rows "scheduler"), the wide tree; SCHEMA_ROWS=ab: those two chains
+#            alone; SCHEMA_SETS="mt-bench-json" runs the
 #            schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
@@ -262,6 +263,10 @@ run() {
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
           --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = ab ]; then
+        # the worker's rows against the scheduler's on our chain alone (fits a short lease)
+        mapfile -t S < <(printf '%s\n' --spec "$chain_first" \
+          --spec "ours-chain-K5-first-scheduler-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"scheduler\"}")
       elif [ "${SCHEMA_ROWS:-all}" = worker ]; then
         # the constrained rows filled in the worker (grammar_rows "worker", the default)
         # against vLLM's deferred step ("scheduler") on our chain, beside vLLM's eagle3

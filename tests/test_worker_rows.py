@@ -263,8 +263,8 @@ def _speculator(tiny_model_dir, tokens):
     speculator = SimpleNamespace(structured=structured, req_states=req_states,
                                  tree_slots=object(), stats=SpeculatorStats("cpu"),
                                  worker_rows_req_ids=["tree"])
-    speculator.verification_rows = MethodType(SpecplugV2HeadSpeculator.verification_rows,
-                                              speculator)
+    for name in ("verification_rows", "_verification_rows"):
+        setattr(speculator, name, MethodType(getattr(SpecplugV2HeadSpeculator, name), speculator))
     return speculator, runner
 
 

@@ -33,7 +33,7 @@
 #            nodes), both "first"; SCHEMA_ROWS=worker: vLLM eagle3 K=5, our chain K=5 with
 #            its constrained rows filled in the worker (the default) and by the scheduler
 #            (grammar_rows "scheduler"), the wide tree; SCHEMA_ROWS=ab: those two chains
-#            alone; SCHEMA_SETS="mt-bench-json" runs the
+#            alone; PHASES=--phases: where each step's time goes; SCHEMA_SETS="mt-bench-json" runs the
 #            schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
@@ -288,7 +288,7 @@ run() {
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
-        --out "$RESULTS/${RUN_NAME:-$1}" ;;
+        ${PHASES-} --out "$RESULTS/${RUN_NAME:-$1}" ;;
     smollm2-tp)
       # the head rows of `smollm2` and the n-gram rows of smollm2-sets, on a sharded target
       mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3-demo}"; full_specs ngram -)

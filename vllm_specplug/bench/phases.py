@@ -15,7 +15,9 @@ probe runs, so nothing of vLLM's code changes):
 
 Our own code marks finer ranges (`specplug::compact_kv`, `specplug::ingest`,
 `specplug::draft_tree`, `specplug::decode_step`, `specplug::keep_rows`,
-`specplug::ingest_kept`) with `torch.profiler.record_function`; the profiler
+`specplug::ingest_kept`; under structured outputs `specplug::root_masks`,
+the first drafting step's masks, and `specplug::worker_rows`, the
+verification rows filled in the worker) with `torch.profiler.record_function`; the profiler
 reports them too. Under async scheduling the host runs ahead of the GPU, so
 a phase's host time and its GPU time are different things: both are given.
 

@@ -9,6 +9,7 @@ import logging
 import time
 
 import torch
+from torch.profiler import record_function
 
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
 from vllm_specplug.integration.scheduler import merged_grammar_output
@@ -63,10 +64,12 @@ class HeadGrammar:
         allowed where no request has a grammar, or its fill failed."""
         if not structured:
             return self.root_masks.clear()
-        ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
-                                      self.structured.root_bitmask, input_batch,
-                                      self.req_states, effect="its drafts go unmasked this step")
-        self.root_masks.load(bitmask if ok else None)
+        with record_function("specplug::root_masks"):
+            ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
+                                          self.structured.root_bitmask, input_batch,
+                                          self.req_states,
+                                          effect="its drafts go unmasked this step")
+            self.root_masks.load(bitmask if ok else None)
 
     def _keep_parents_for_grammar(self, input_batch) -> None:
         """With structured output in the batch, the scheduler checks each
@@ -93,8 +96,11 @@ class HeadGrammar:
         state = runner.execute_model_state
         if not req_ids or state is None:
             return grammar_output
+        with record_function("specplug::worker_rows"):  # a range of `bench offline --phases`
+            return self._verification_rows(runner, state.input_batch, req_ids, grammar_output)
+
+    def _verification_rows(self, runner, input_batch, req_ids: list[str], grammar_output):
         started = time.perf_counter()
-        input_batch = state.input_batch
         taken = runner.take_draft_token_ids()  # vLLM's host copy, trees' parents beside
         drafts = {} if taken is None else dict(zip(taken.req_ids, taken.draft_token_ids))
         parents = getattr(taken, TREE_PARENTS_ATTR, None) or {}

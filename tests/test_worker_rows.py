@@ -173,7 +173,7 @@ def test_merged_rows_keep_the_schedulers_first_and_map_by_ids():
 
 def test_rows_go_to_the_worker_only_where_every_condition_holds(tiny_model_dir,
                                                                tiny_eagle3_dir, monkeypatch):
-    """Our tree methods with `grammar_rows` "worker" (the default), Model
+    """Our tree methods with `grammar_rows` "worker" (not the default), Model
     Runner V2, async scheduling, a scheduler that hands the rows over, and
     no reasoning parser."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -199,8 +199,8 @@ def test_rows_go_to_the_worker_only_where_every_condition_holds(tiny_model_dir,
         config.structured_outputs_config.reasoning_parser = reasoning
         return rows_in_worker(config)
 
-    assert verdict() and verdict("worker")
-    assert not verdict("scheduler")
+    assert verdict("worker")
+    assert not verdict() and not verdict("scheduler")
     assert not verdict(method="specplug_ngram")
     assert not verdict(v2=False)
     assert not verdict(async_=False)

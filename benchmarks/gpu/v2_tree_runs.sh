@@ -30,11 +30,11 @@
 #            plus our tree 16 sized per step ("adaptive": true); SCHEMA_ROWS=first: vLLM
 #            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked;
 #            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
-#            nodes), both "first"; SCHEMA_ROWS=worker: vLLM eagle3 K=5, our chain K=5 with
-#            its constrained rows filled in the worker (the default) and by the scheduler
-#            (grammar_rows "scheduler"), the wide tree; SCHEMA_ROWS=ab: those two chains
-#            alone; PHASES=--phases: where each step's time goes; SCHEMA_SETS="mt-bench-json" runs the
-#            schema set alone
+#            nodes), both "first"; SCHEMA_ROWS=ab: our chain K=5 with its constrained
+#            rows filled by the scheduler (the default) and in the worker (grammar_rows
+#            "worker"); SCHEMA_ROWS=worker: the same plus vLLM eagle3 K=5 and the wide tree
+#            (rows in the worker); PHASES=--phases: where each step's time goes;
+#            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
 #            K=5 and ngram against our chain, tree 16 and specplug_ngram, MT-Bench (HEAD as
@@ -263,19 +263,17 @@ run() {
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
           --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
-      elif [ "${SCHEMA_ROWS:-all}" = ab ]; then
-        # the worker's rows against the scheduler's on our chain alone (fits a short lease)
-        mapfile -t S < <(printf '%s\n' --spec "$chain_first" \
-          --spec "ours-chain-K5-first-scheduler-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"scheduler\"}")
-      elif [ "${SCHEMA_ROWS:-all}" = worker ]; then
-        # the constrained rows filled in the worker (grammar_rows "worker", the default)
-        # against vLLM's deferred step ("scheduler") on our chain, beside vLLM's eagle3
-        # and a wide tree (WIDE, default 8 2 16), all first-step masked
+      elif [ "${SCHEMA_ROWS:-all}" = ab ] || [ "${SCHEMA_ROWS:-all}" = worker ]; then
+        # our chain with its constrained rows filled in the worker (grammar_rows "worker")
+        # against vLLM's deferred step (the default; the run of 2026-12-02 named that row
+        # -scheduler-rows and the default chain's the worker's); SCHEMA_ROWS=worker adds
+        # vLLM's eagle3 and a wide tree (WIDE, default 8 2 16) with the worker's rows
+        chain_worker="ours-chain-K5-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}"
         read -r wk ws wn <<< "${WIDE:-8 2 16}"
-        mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
-          --spec "$chain_first" \
-          --spec "ours-chain-K5-first-scheduler-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"scheduler\"}" \
-          --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
+        mapfile -t S < <(printf '%s\n' --spec "$chain_first" --spec "$chain_worker"
+          [ "$SCHEMA_ROWS" = worker ] && printf '%s\n' \
+            --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+            --spec "ours-tree-$wk-$ws-$wn-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}")
       else
       mapfile -t S < <(printf '%s\n' --spec 'vllm-ngram-K5={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
                        specs three "$h"

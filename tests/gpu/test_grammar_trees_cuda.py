@@ -4,7 +4,7 @@ With async scheduling a step's drafts reach the scheduler after the step was
 scheduled; `SpecplugTreeAsyncScheduler` (the default for our tree methods
 there) checks each node in the grammar state of its own path and masks its
 row there, or leaves that to the worker, which fills the rows from its own
-grammar (`grammar_rows: "worker"`, the default), and the tree sampler walks
+grammar (`grammar_rows: "worker"`), and the tree sampler walks
 the trees over those rows. Before it,
 every batch with a grammar sampled its roots only: exact, without a single
 accepted draft. These tests fail on that: they ask for output equal to no
@@ -34,6 +34,8 @@ pytestmark = pytest.mark.skipif(
 # masked drafts asked for: off by default on Model Runner V2 (proposers/eagle3.py)
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25, "grammar_drafts": True}
+# the verification rows filled in the worker (integration/worker_rows.py)
+WORKER_ROWS = {"grammar_rows": "worker"}
 # Drafts masked per node on their path's grammar (integration/v2/structured.py)
 # and pruned by the scheduler: on the V1 runner tree 16 made 4.20 tokens a
 # step masked and 2.43 unmasked on the same schema, and Model Runner V2
@@ -128,7 +130,7 @@ def tree(work, grammar_prompts):  # noqa: F811
     from vllm_specplug.metrics import read_spec_decode_counts
 
     head = _head(work)
-    llm = _engine(work, {**TREE, "model": str(head)}, dtype="float32")
+    llm = _engine(work, {**TREE, **WORKER_ROWS, "model": str(head)}, dtype="float32")
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
@@ -202,7 +204,8 @@ def tree_one_size_per_step(work, grammar_prompts):  # noqa: F811
 
     head = _head(work)
     spec = {key: value for key, value in TREE.items() if key != "grammar_drafts"}
-    llm = _engine(work, {**spec, "model": str(head), "adaptive": True}, dtype="float32")
+    llm = _engine(work, {**spec, **WORKER_ROWS, "model": str(head), "adaptive": True},
+                  dtype="float32")
     try:
         scheduler = llm.llm_engine.vllm_config.scheduler_config
         return {"runs": _runs(llm, grammar_prompts), "scheduler": scheduler.scheduler_cls}
@@ -226,14 +229,14 @@ def test_one_tree_size_per_step_keeps_each_node_on_its_own_path(tree_one_size_pe
 @pytest.fixture(scope="module")
 def tree_first_step(work, grammar_prompts):  # noqa: F811
     """Our tree with only the first drafting step masked, in the graphs,
-    and the verification rows the scheduler's (vLLM's deferred step: the
-    other engines here fill them in the worker, the default)."""
+    and the verification rows the scheduler's (vLLM's deferred step, the
+    default: the other engines here fill them in the worker)."""
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 
     head = _head(work)
-    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first",
-                         "grammar_rows": "scheduler"}, dtype="float32")
+    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first"},
+                  dtype="float32")
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
@@ -258,11 +261,11 @@ def test_first_step_masks_in_the_graphs_are_exact_and_lift_the_tree(tree_first_s
 
 def test_constrained_rows_are_filled_in_the_worker_with_the_drafts_they_verify(
         tree, tree_first_step):
-    """`grammar_rows: "worker"` (the default; integration/worker_rows.py):
+    """`grammar_rows: "worker"` (integration/worker_rows.py):
     the scheduler named the constrained requests of the steps it did not
     defer and the worker filled their rows, knowing each one's drafts on
     nearly every step (a request whose drafts it does not know verifies its
-    root only); with "scheduler" the worker filled none. The exactness of
+    root only); with the default ("scheduler") the worker filled none. The exactness of
     both is the tests above."""
     stats = tree["stats"]
     assert stats["num_worker_rows_requests"] > 0, stats

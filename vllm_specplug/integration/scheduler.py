@@ -299,7 +299,7 @@ def masks_rows_per_node(scheduler_config) -> bool:
 def rows_in_worker(vllm_config) -> bool:
     """Whether the worker fills constrained steps' verification rows
     (integration/worker_rows.py): our tree methods with `grammar_rows:
-    "worker"` (the default) on Model Runner V2 under async scheduling, with
+    "worker"` on Model Runner V2 under async scheduling, with
     a scheduler that hands the rows over (`SpecplugTreeAsyncScheduler`), and
     no reasoning parser (a grammar that starts after a reasoning section
     keeps vLLM's chain rules)."""

@@ -1,5 +1,7 @@
 """A constrained step's verification rows, filled in the worker
-(`grammar_rows: "worker"`, Model Runner V2 under async scheduling).
+(`grammar_rows: "worker"`, Model Runner V2 under async scheduling; exact
+on the H200, not yet measured faster than vLLM's deferred step, so not
+the default: docs/results/v2_worker_rows_h200).
 
 Under async scheduling vLLM's engine core defers the bitmask of a step in
 which a request with structured output still has tokens in flight

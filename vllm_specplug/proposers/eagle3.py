@@ -75,13 +75,14 @@ class TreeOptions(ProposerOptions):
     grammar_drafts: bool | str | None = None
     # Who fills the verification rows of a constrained request's step under
     # async scheduling on Model Runner V2 (integration/worker_rows.py):
-    # "worker" (the default) fills them in the worker, from its own grammar
-    # and the drafts it just made, while the step's forward runs; the engine
-    # core then defers no step. "scheduler" is vLLM's way: the engine core
-    # waits for the previous step's output and drafts, then fills them.
-    # Both are exact; elsewhere (the V1 runner, a reasoning parser) the
-    # scheduler fills them.
-    grammar_rows: str = "worker"
+    # "scheduler" (the default) is vLLM's way: the engine core waits for the
+    # previous step's output and drafts, then fills them; "worker" fills
+    # them in the worker, from its own grammar and the drafts it just made,
+    # and the engine core defers no step. Both are exact on the H200
+    # (tests/gpu/test_grammar_trees_cuda.py); "worker" has no measured gain
+    # yet (docs/results/v2_worker_rows_h200), so it is not the default.
+    # Elsewhere (the V1 runner, a reasoning parser) the scheduler fills them.
+    grammar_rows: str = "scheduler"
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")

@@ -110,8 +110,9 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # structured requests' grammars: each drafting step of theirs ranks
         # only what its node's path allows (structured.py)
         options = self.drafter.options
-        # and a constrained step's verification rows filled here, from
-        # those grammars, instead of in a deferred step (worker_rows.py)
+        # and, with grammar_rows "worker", a constrained step's verification
+        # rows filled here from those grammars, not in a deferred step
+        # (worker_rows.py)
         self.rows_in_worker = rows_in_worker(vllm_config)
         self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
         self.structured = (StructuredRequests(vllm_config)

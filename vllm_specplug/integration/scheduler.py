@@ -149,9 +149,7 @@ class TreeGrammarScheduler:
         # filled here: workers map rows to requests by the id list, in any
         # order. (Handing the trees to vLLM too cost a fill per tree slot,
         # every one of them overwritten.)
-        req_ids = [req_id for req_id in scheduler_output.num_scheduled_tokens
-                   if (request := self.requests.get(req_id)) is not None
-                   and request.use_structured_output and not request.is_prefill_chunk]
+        req_ids = self._constrained_req_ids(scheduler_output)
         others = [req_id for req_id in req_ids if req_id not in ours]
         tree_ids = [req_id for req_id in req_ids if req_id in ours]
         manager = self.structured_output_manager
@@ -163,10 +161,18 @@ class TreeGrammarScheduler:
                 * (1 + self.vllm_config.num_speculative_tokens))
         offset = sum(len(spec.get(req_id, ())) + 1 for req_id in others)
         end = self._fill_trees(tree_ids, ours, spec, offset)
-        num_acceptable_drafts = [len(strip_speculative_padding(spec.get(req_id, [])))
-                                 for req_id in others] + [len(spec[r]) for r in tree_ids]
+        num_acceptable_drafts = (_vllm_num_acceptable(spec, others)
+                                 + [len(spec[r]) for r in tree_ids])
         return GrammarOutput(others + tree_ids, manager._grammar_bitmask[:end].numpy(),
                              num_acceptable_drafts)
+
+    def _constrained_req_ids(self, scheduler_output, leave_out=frozenset()) -> list[str]:
+        """The step's requests that sample under a grammar (vLLM's
+        `get_grammar_bitmask` list), but for `leave_out`."""
+        return [req_id for req_id in scheduler_output.num_scheduled_tokens
+                if req_id not in leave_out and (request := self.requests.get(req_id))
+                is not None and request.use_structured_output
+                and not request.is_prefill_chunk]
 
     def _fill_trees(self, tree_ids: list[str], ours: dict, spec: dict, offset: int) -> int:
         """Fill each tree's rows from `offset` on, one tree after the other in
@@ -272,16 +278,18 @@ class SpecplugTreeAsyncScheduler(TreeGrammarScheduler, AsyncScheduler):
     def _rows_of_others(self, scheduler_output, in_worker: set[str]):
         """vLLM's `get_grammar_bitmask` for the requests the worker does not
         fill (None: none left)."""
-        req_ids = [req_id for req_id in scheduler_output.num_scheduled_tokens
-                   if req_id not in in_worker and (request := self.requests.get(req_id))
-                   and request.use_structured_output and not request.is_prefill_chunk]
+        req_ids = self._constrained_req_ids(scheduler_output, in_worker)
         if not req_ids:
             return None
         spec = scheduler_output.scheduled_spec_decode_tokens
         bitmask = self.structured_output_manager.grammar_bitmask(self.requests, req_ids, spec)
-        return GrammarOutput(req_ids, bitmask,
-                             [len(strip_speculative_padding(spec.get(req_id, [])))
-                              for req_id in req_ids])
+        return GrammarOutput(req_ids, bitmask, _vllm_num_acceptable(spec, req_ids))
+
+
+def _vllm_num_acceptable(spec: dict, req_ids: list[str]) -> list[int]:
+    """vLLM's `num_acceptable_drafts` for requests it filled as chains: the
+    drafts before the first -1 placeholder."""
+    return [len(strip_speculative_padding(spec.get(req_id, []))) for req_id in req_ids]
 
 
 def masks_rows_per_node(scheduler_config) -> bool:

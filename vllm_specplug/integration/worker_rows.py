@@ -38,14 +38,12 @@ from collections.abc import Sequence
 
 import torch
 
+from vllm_specplug.integration.grammar_trees import fill_tree_rows
+from vllm_specplug.proposers.eagle3 import chain_parents
+
 # on a SchedulerOutput: [req_id] of the requests whose rows the worker fills
 WORKER_ROWS_ATTR = "specplug_worker_rows"
 WORKER = "worker"
-
-
-def chain_parents(num_drafts: int) -> list[int]:
-    """A chain's parents, root included: node i follows node i - 1."""
-    return list(range(-1, num_drafts))
 
 
 def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
@@ -59,8 +57,6 @@ def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
     gets the root's row, and vLLM's sampler accepts none of them,
     `num_acceptable_drafts`; rows built from placeholders would let the
     device's real drafts through on the wrong path's rows)."""
-    from vllm_specplug.integration.grammar_trees import fill_tree_rows
-
     num_slots = rows.shape[0] - 1
     fill = _row_filler(grammar, rows)
     known = draft_token_ids is not None and len(draft_token_ids) >= num_slots and all(
@@ -69,7 +65,8 @@ def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
         fill(0)
         rows[1:] = rows[0]
         return 0
-    parents = chain_parents(num_slots) if parents is None else list(parents[:num_slots + 1])
+    parents = (chain_parents(num_slots + 1).tolist() if parents is None
+               else list(parents[:num_slots + 1]))
     fill_tree_rows(grammar, req_id, list(draft_token_ids or ())[:num_slots], parents, rows,
                    fill)
     return num_slots

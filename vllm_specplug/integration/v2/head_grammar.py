@@ -109,8 +109,9 @@ class HeadGrammar:
         if self.tree_slots is not None:  # a tree's drafts without its parents are unknown
             drafts = {req_id: d for req_id, d in drafts.items() if req_id in parents}
         if len(ids) < len(req_ids):
-            logger.warning("vllm-specplug: requests %s have no grammar in the worker: "
-                           "sampled unconstrained this step", sorted(set(req_ids) - set(ids)))
+            logger.error("vllm-specplug: requests %s have no usable grammar in the worker "
+                         "(grammar_rows \"worker\"): sampled UNCONSTRAINED this step; "
+                         "use grammar_rows \"scheduler\"", sorted(set(req_ids) - set(ids)))
             if not ids:
                 return grammar_output
         row_of = {req_id: b for b, req_id in enumerate(input_batch.req_ids[:input_batch.num_reqs])}

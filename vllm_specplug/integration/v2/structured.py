@@ -57,8 +57,9 @@ class StructuredRequests:
         stale = [req_id for req_id in req_ids if req_id not in fresh]
         outputs = {}
         if stale:
-            batch_ids = list(input_batch.req_ids[:input_batch.num_reqs])
-            rows = [batch_ids.index(req_id) for req_id in stale]
+            row_of = {req_id: b for b, req_id in
+                      enumerate(input_batch.req_ids[:input_batch.num_reqs])}
+            rows = [row_of[req_id] for req_id in stale]
             slots = input_batch.idx_mapping_np[:input_batch.num_reqs][rows]
             outputs = dict(zip(stale, self._outputs(req_states, slots)))
         found = {}

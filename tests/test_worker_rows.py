@@ -173,7 +173,7 @@ def test_merged_rows_keep_the_schedulers_first_and_map_by_ids():
 
 def test_rows_go_to_the_worker_only_where_every_condition_holds(tiny_model_dir,
                                                                tiny_eagle3_dir, monkeypatch):
-    """Our tree methods with `grammar_rows` "worker" (not the default), Model
+    """Our tree methods with `grammar_rows` "worker" (the default), Model
     Runner V2, async scheduling, a scheduler that hands the rows over, and
     no reasoning parser."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -199,8 +199,8 @@ def test_rows_go_to_the_worker_only_where_every_condition_holds(tiny_model_dir,
         config.structured_outputs_config.reasoning_parser = reasoning
         return rows_in_worker(config)
 
-    assert verdict("worker")
-    assert not verdict() and not verdict("scheduler")
+    assert verdict("worker") and verdict()
+    assert not verdict("scheduler")
     assert not verdict(method="specplug_ngram")
     assert not verdict(v2=False)
     assert not verdict(async_=False)
@@ -301,14 +301,14 @@ def test_the_worker_fills_its_requests_rows_from_its_grammar_and_the_last_drafts
     grammar = _worker_grammar(speculator)
     assert grammar.num_processed_tokens == 1  # advanced to "b"; the walk rolled back
     _assert_rows_of_the_worker_tree(rows, grammar, tokens)
-    assert speculator.stats.worker_rows.tolist() == [1, 1]
+    assert speculator.stats.worker_rows.tolist() == [1, 1, 1]  # read from the device
     # the list is used once: the next step names nobody, rows stay the scheduler's
     assert speculator.verification_rows(runner, "theirs") == "theirs"
 
 
 def test_a_grammar_the_drafting_pass_advanced_is_not_read_again(tiny_model_dir, tokens):
-    """After the drafting pass of the step before read the outputs
-    (`advance`), the rows need no read of the device: the stand-in's
+    """After the drafting pass of the step before read the outputs (for
+    the first step's masks, `root_bitmask`), the rows need no read of the device: the stand-in's
     outputs are then broken on purpose, and the rows are still right. A
     drafting step that began without a read makes them stale again."""
     speculator, runner = _speculator(tiny_model_dir, tokens)
@@ -317,8 +317,8 @@ def test_a_grammar_the_drafting_pass_advanced_is_not_read_again(tiny_model_dir, 
     holder = structured.grammars.tracked["tree"].holder.structured_output_request
     holder._grammar.result(timeout=60)  # a drafting pass during the compile reads nothing
     structured.begin_step()
-    structured.advance(SimpleNamespace(req_ids=["tree"], num_reqs=1,
-                                       idx_mapping_np=np.array([0])), states)
+    structured.root_bitmask(SimpleNamespace(req_ids=["tree"], num_reqs=1,
+                                            idx_mapping_np=np.array([0])), states)
     states.total_len.gpu = None  # a read now fails
     grammar_output = speculator.verification_rows(runner, None)
     _assert_rows_of_the_worker_tree(torch.from_numpy(grammar_output.grammar_bitmask),
@@ -327,6 +327,51 @@ def test_a_grammar_the_drafting_pass_advanced_is_not_read_again(tiny_model_dir, 
     speculator.worker_rows_req_ids = ["tree"]
     with pytest.raises(TypeError):  # it reads the device
         speculator.verification_rows(runner, None)
+
+
+def _drafting_batch():
+    """The drafting pass's batch: "free" and "tree" decoding (slots 1 and
+    0), each with K drafts verified and the sample after them to come."""
+    return SimpleNamespace(req_ids=["free", "tree"], num_reqs=2, idx_mapping_np=np.array([1, 0]),
+                           idx_mapping=torch.tensor([1, 0]),
+                           seq_lens_cpu_upper_bound=np.array([len(PROMPT) + K] * 2))
+
+
+def test_outputs_the_drafting_pass_queued_are_what_the_rows_read(tiny_model_dir, tokens):
+    """With nothing masked in the drafting pass, it only queues a copy of
+    the batch's outputs (`queue_outputs`): the rows of the next step read
+    that copy, not the device (its stand-in broken after the copy), and a
+    copy from an older drafting step is not used."""
+    speculator, runner = _speculator(tiny_model_dir, tokens)
+    structured, states = speculator.structured, speculator.req_states
+    structured.begin_step()
+    structured.queue_outputs(_drafting_batch(), states)
+    states.total_len.gpu = None  # a read now fails
+    grammar_output = speculator.verification_rows(runner, None)
+    _assert_rows_of_the_worker_tree(torch.from_numpy(grammar_output.grammar_bitmask),
+                                    _worker_grammar(speculator), tokens)
+    assert speculator.stats.worker_rows.tolist() == [1, 1, 0]
+    structured.begin_step()
+    speculator.worker_rows_req_ids = ["tree"]
+    with pytest.raises(TypeError):  # the copy is the step before's: it reads the device
+        speculator.verification_rows(runner, None)
+
+
+def test_an_output_past_the_copied_width_is_read_from_the_device(tiny_model_dir, tokens):
+    """The copy holds the columns the step could have written; an output
+    that ends past them (a bound the host got wrong) is not cut short but
+    read from the device, and the rows are still the right ones."""
+    speculator, runner = _speculator(tiny_model_dir, tokens)
+    structured, states = speculator.structured, speculator.req_states
+    batch = _drafting_batch()
+    batch.seq_lens_cpu_upper_bound = np.array([len(PROMPT) - 1] * 2)  # width: the prompt
+    structured.begin_step()
+    structured.queue_outputs(batch, states)
+    assert structured.queued.width == len(PROMPT)
+    grammar_output = speculator.verification_rows(runner, None)
+    _assert_rows_of_the_worker_tree(torch.from_numpy(grammar_output.grammar_bitmask),
+                                    _worker_grammar(speculator), tokens)
+    assert speculator.stats.worker_rows.tolist() == [1, 1, 1]
 
 
 def test_a_tree_whose_parents_did_not_come_gets_no_acceptable_draft(tiny_model_dir, tokens):
@@ -340,7 +385,7 @@ def test_a_tree_whose_parents_did_not_come_gets_no_acceptable_draft(tiny_model_d
     assert grammar_output.num_acceptable_drafts == [0]
     rows = torch.from_numpy(grammar_output.grammar_bitmask)
     assert all(torch.equal(row, rows[0]) for row in rows)
-    assert speculator.stats.worker_rows.tolist() == [1, 0]
+    assert speculator.stats.worker_rows.tolist() == [1, 0, 1]
 
 
 def _bitmask_after(grammar, paths: list[list[int]]) -> torch.Tensor:

@@ -31,9 +31,12 @@
 #            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked;
 #            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
 #            nodes), both "first"; SCHEMA_ROWS=ab: our chain K=5 with its constrained
-#            rows filled by the scheduler (the default) and in the worker (grammar_rows
-#            "worker"); SCHEMA_ROWS=worker: the same plus vLLM eagle3 K=5 and the wide tree
-#            (rows in the worker); PHASES=--phases: where each step's time goes;
+#            rows filled by the scheduler and in the worker (grammar_rows "worker", the
+#            default); SCHEMA_ROWS=worker: the same plus vLLM eagle3 K=5 and the wide tree
+#            (rows in the worker); SCHEMA_ROWS=queued: vLLM eagle3 K=5, our chain K=5
+#            with rows in the worker after first-step masks and with unmasked drafts (the
+#            rows read outputs the drafting pass queued, no device read in the step);
+#            PHASES=--phases: where each step's time goes;
 #            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
 #            its 9 attention heads shard over 3 or 9, not 2, so a 4-GPU kind): vLLM eagle3
@@ -263,14 +266,24 @@ run() {
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
           --spec "ours-tree-$wk-$ws-$wn-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = queued ]; then
+        # rows in the worker from the outputs the drafting pass queued (drafts unmasked,
+        # no read of the device in the step) against rows in the worker after the first
+        # step's masks (which read it) and vLLM's eagle3; both of ours chains K=5
+        mapfile -t S < <(printf '%s\n' \
+          --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-chain-K5-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}" \
+          --spec "ours-chain-K5-queued-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\"}")
       elif [ "${SCHEMA_ROWS:-all}" = ab ] || [ "${SCHEMA_ROWS:-all}" = worker ]; then
-        # our chain with its constrained rows filled in the worker (grammar_rows "worker")
-        # against vLLM's deferred step (the default; the run of 2026-12-02 named that row
-        # -scheduler-rows and the default chain's the worker's); SCHEMA_ROWS=worker adds
-        # vLLM's eagle3 and a wide tree (WIDE, default 8 2 16) with the worker's rows
+        # our chain with its constrained rows filled by the scheduler (vLLM's deferred
+        # step) against the worker (grammar_rows "worker", the default since 2026-12-02:
+        # the runs of that day named the scheduler's row ours-chain-K5-first);
+        # SCHEMA_ROWS=worker adds vLLM's eagle3 and a wide tree (WIDE, default 8 2 16)
+        # with the worker's rows
+        chain_scheduler="ours-chain-K5-first-scheduler-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"scheduler\"}"
         chain_worker="ours-chain-K5-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}"
         read -r wk ws wn <<< "${WIDE:-8 2 16}"
-        mapfile -t S < <(printf '%s\n' --spec "$chain_first" --spec "$chain_worker"
+        mapfile -t S < <(printf '%s\n' --spec "$chain_scheduler" --spec "$chain_worker"
           [ "$SCHEMA_ROWS" = worker ] && printf '%s\n' \
             --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
             --spec "ours-tree-$wk-$ws-$wn-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}")

@@ -197,18 +197,19 @@ def test_sampled_outputs_hold_the_schema_with_drafts_accepted(tree):
 
 @pytest.fixture(scope="module")
 def tree_one_size_per_step(work, grammar_prompts):  # noqa: F811
-    """Our tree with one size per step (`"adaptive": true`) and the V2
-    default drafts (the first step masked): its scheduler is the batch
-    policy's, which must keep the grammar-aware trees' deferred step."""
+    """Our tree with one size per step (`"adaptive": true`), its drafts
+    unmasked and its rows filled in the worker from the outputs each
+    drafting pass queued (`StructuredRequests.queue_outputs`): its scheduler
+    is the batch policy's, which must hand the rows over as ours does."""
     from vllm_specplug.engine import shutdown_llm
 
     head = _head(work)
-    spec = {key: value for key, value in TREE.items() if key != "grammar_drafts"}
-    llm = _engine(work, {**spec, **WORKER_ROWS, "model": str(head), "adaptive": True},
-                  dtype="float32")
+    llm = _engine(work, {**TREE, **WORKER_ROWS, "grammar_drafts": False, "model": str(head),
+                         "adaptive": True}, dtype="float32")
     try:
         scheduler = llm.llm_engine.vllm_config.scheduler_config
-        return {"runs": _runs(llm, grammar_prompts), "scheduler": scheduler.scheduler_cls}
+        return {"runs": _runs(llm, grammar_prompts), "scheduler": scheduler.scheduler_cls,
+                "stats": llm.collective_rpc("specplug_speculator_stats")[0]}
     finally:
         shutdown_llm(llm)
 
@@ -229,14 +230,14 @@ def test_one_tree_size_per_step_keeps_each_node_on_its_own_path(tree_one_size_pe
 @pytest.fixture(scope="module")
 def tree_first_step(work, grammar_prompts):  # noqa: F811
     """Our tree with only the first drafting step masked, in the graphs,
-    and the verification rows the scheduler's (vLLM's deferred step, the
-    default: the other engines here fill them in the worker)."""
+    and the verification rows the scheduler's (vLLM's deferred step: the
+    other engines here fill them in the worker, the default)."""
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 
     head = _head(work)
-    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first"},
-                  dtype="float32")
+    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first",
+                         "grammar_rows": "scheduler"}, dtype="float32")
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
@@ -265,9 +266,18 @@ def test_constrained_rows_are_filled_in_the_worker_with_the_drafts_they_verify(
     the scheduler named the constrained requests of the steps it did not
     defer and the worker filled their rows, knowing each one's drafts on
     nearly every step (a request whose drafts it does not know verifies its
-    root only); with the default ("scheduler") the worker filled none. The exactness of
+    root only); with "scheduler" the worker filled none. The exactness of
     both is the tests above."""
     stats = tree["stats"]
     assert stats["num_worker_rows_requests"] > 0, stats
     assert stats["num_worker_rows_with_drafts"] >= 0.9 * stats["num_worker_rows_requests"], stats
     assert tree_first_step["stats"]["num_worker_rows_requests"] == 0, tree_first_step["stats"]
+
+
+def test_unmasked_drafting_queues_every_output_the_workers_rows_read(tree_one_size_per_step):
+    """With nothing masked in the drafting pass, each one queues a copy of
+    the batch's outputs and the next step's rows read it: no request's
+    output is read from the device then (a wait for the step's forward)."""
+    stats = tree_one_size_per_step["stats"]
+    assert stats["num_worker_rows_requests"] > 0, stats
+    assert stats["num_worker_rows_device_reads"] == 0, stats

@@ -1,7 +1,8 @@
 """A constrained step's verification rows, filled in the worker
-(`grammar_rows: "worker"`, Model Runner V2 under async scheduling; exact
-on the H200, not yet measured faster than vLLM's deferred step, so not
-the default: docs/results/v2_worker_rows_h200).
+(`grammar_rows: "worker"`, the default of our tree methods on Model Runner
+V2 under async scheduling; exact on the H200, 1.13x vLLM's deferred step
+at batch 16 and 64 on SmolLM2 under a JSON schema:
+docs/results/v2_worker_rows_h200_run2).
 
 Under async scheduling vLLM's engine core defers the bitmask of a step in
 which a request with structured output still has tokens in flight
@@ -21,7 +22,9 @@ worker fills their rows before it samples, while the step's forward runs:
 it has the drafts (copied to the host on a side stream after the drafting
 pass: vLLM's `DraftTokensHandler`, our `GrammarParents` for trees) and its
 own grammar per request (`StructuredRequests`, advanced to each step's
-output when the drafting pass reads it for the root masks). Each tree node,
+output when the drafting pass reads it for the root masks, or from a copy
+of the outputs that pass queued without waiting when it masks nothing:
+`StructuredRequests.queue_outputs`). Each tree node,
 or chain position, gets the row of its own path's grammar state, an invalid
 node its nearest valid ancestor's row, which forbids it (grammar_trees.py:
 the scheduler's own fill, the same code): exact, as the scheduler's rows

@@ -75,14 +75,16 @@ class TreeOptions(ProposerOptions):
     grammar_drafts: bool | str | None = None
     # Who fills the verification rows of a constrained request's step under
     # async scheduling on Model Runner V2 (integration/worker_rows.py):
-    # "scheduler" (the default) is vLLM's way: the engine core waits for the
-    # previous step's output and drafts, then fills them; "worker" fills
-    # them in the worker, from its own grammar and the drafts it just made,
-    # and the engine core defers no step. Both are exact on the H200
-    # (tests/gpu/test_grammar_trees_cuda.py); "worker" has no measured gain
-    # yet (docs/results/v2_worker_rows_h200), so it is not the default.
-    # Elsewhere (the V1 runner, a reasoning parser) the scheduler fills them.
-    grammar_rows: str = "scheduler"
+    # "worker" (the default) fills them in the worker, from its own grammar
+    # and the drafts it just made, and the engine core defers no step;
+    # "scheduler" is vLLM's way: the engine core waits for the previous
+    # step's output and drafts, then fills them. Both are exact on the H200
+    # (tests/gpu/test_grammar_trees_cuda.py); on SmolLM2 under a JSON
+    # schema the worker's rows ran 1.13x the scheduler's at batch 16 and 64
+    # (every repeat faster), within the noise at batch 1
+    # (docs/results/v2_worker_rows_h200_run2). Elsewhere (the V1 runner, a
+    # reasoning parser, a scheduler of the user's) the scheduler fills them.
+    grammar_rows: str = "worker"
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")

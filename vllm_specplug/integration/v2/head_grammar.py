@@ -44,8 +44,7 @@ class HeadGrammar:
         structured = (self.structured is not None and bool(self.structured)
                       and input_batch.has_structured_output_reqs)
         if not self.drafter.options.masks_drafts():
-            if structured and self.rows_in_worker:  # the next step's rows need them
-                self.structured.advance(input_batch, self.req_states)
+            self.queue_for_rows(input_batch)
             return None
         if self.root_masks is not None:
             if structured or self.root_masks.num_masked_rows:
@@ -58,6 +57,14 @@ class HeadGrammar:
                                     self.runtime.layer, self.device,
                                     effect="its drafts go unmasked this step")
         return masks if ok else None
+
+    def queue_for_rows(self, input_batch) -> None:
+        """With the rows in the worker, a drafting pass that reads no output
+        (unmasked, or a step without drafts) queues their copy for the next
+        step's rows (`StructuredRequests.queue_outputs`)."""
+        if (self.rows_in_worker and self.structured is not None and bool(self.structured)
+                and input_batch.has_structured_output_reqs):
+            self.structured.queue_outputs(input_batch, self.req_states)
 
     def _load_root_masks(self, input_batch, structured: bool) -> None:
         """The first step's rows of this batch (`RootMasks.load`); all
@@ -104,6 +111,7 @@ class HeadGrammar:
         taken = runner.take_draft_token_ids()  # vLLM's host copy, trees' parents beside
         drafts = {} if taken is None else dict(zip(taken.req_ids, taken.draft_token_ids))
         parents = getattr(taken, TREE_PARENTS_ATTR, None) or {}
+        num_reads = self.structured.num_device_reads
         grammars = self.structured.verifying_grammars(req_ids, input_batch, self.req_states)
         ids = [req_id for req_id in req_ids if req_id in grammars]
         if self.tree_slots is not None:  # a tree's drafts without its parents are unknown
@@ -123,6 +131,7 @@ class HeadGrammar:
                 grammars[req_id], req_id, bitmask[offset:offset + rows], drafts.get(req_id),
                 parents.get(req_id)))
             offset += rows
-        self.stats.worker_rows += (len(ids), sum(1 for req_id in ids if req_id in drafts))
+        self.stats.worker_rows += (len(ids), sum(1 for req_id in ids if req_id in drafts),
+                                   self.structured.num_device_reads - num_reads)
         self.stats.worker_rows_seconds += time.perf_counter() - started
         return merged_grammar_output(grammar_output, ids, bitmask.numpy(), num_acceptable)

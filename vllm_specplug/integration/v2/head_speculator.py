@@ -328,6 +328,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         if self.deferred is not None:
             self.deferred.drop(slots_np[prefill])  # a prefill ingests its own positions
             if num_drafts == 0:  # nothing to draft: keep the decodes' rows for later
+                self.queue_for_rows(input_batch)
                 with record_function("specplug::keep_rows"):
                     return self._keep_step(input_batch, prefill, new, hidden, aux, num_rejected,
                                            last_sampled, next_prefill)

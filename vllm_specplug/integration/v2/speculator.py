@@ -383,8 +383,10 @@ class SpeculatorStats:
         self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
         # constrained requests' verification rows filled in the worker
         # (worker_rows.py): of them, those whose drafts were known (else
-        # none of their drafts may be accepted), and the host time it took
-        self.worker_rows = np.zeros(2, dtype=np.int64)
+        # none of their drafts may be accepted), those whose output was read
+        # from the device then (a wait for the step's forward), and the host
+        # time it took
+        self.worker_rows = np.zeros(3, dtype=np.int64)
         self.worker_rows_seconds = 0.0
 
     def add_host(self, drafts: list[list[int]], num_sampled: np.ndarray, k: int) -> None:
@@ -397,6 +399,7 @@ class SpeculatorStats:
                  "num_draft_tokens": int(tokens), "num_draft_slots": int(slots),
                  "num_worker_rows_requests": int(self.worker_rows[0]),
                  "num_worker_rows_with_drafts": int(self.worker_rows[1]),
+                 "num_worker_rows_device_reads": int(self.worker_rows[2]),
                  "worker_rows_seconds": self.worker_rows_seconds}
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,

@@ -12,6 +12,8 @@ masks of each drafting step (head_speculator.py) or of the first one only
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -26,6 +28,9 @@ class StructuredRequests:
         # batch's outputs advanced, and in which drafting step (`begin_step`)
         self.step = 0
         self.last_read: tuple[int, frozenset[str]] = (-1, frozenset())
+        self.queued: QueuedOutputs | None = None  # the last `queue_outputs`
+        self.num_device_reads = 0  # requests `verifying_grammars` read from the device
+        self.copy_stream = None  # `queue_outputs`'s, made at its first copy on CUDA
 
     def __bool__(self) -> bool:
         return bool(self.params)
@@ -50,18 +55,21 @@ class StructuredRequests:
         each advanced to its request's output before this step: the
         drafting pass's read of the last step left them so, unless a request
         was not in it, or its grammar was still compiling; those are read
-        from the device here (a wait for this step's forward). A request
+        from the device here (a wait for this step's forward), unless the
+        drafting pass queued their copy (`queue_outputs`). A request
         without a usable grammar (broken) is left out."""
         step, fresh = self.last_read
         fresh = fresh if step == self.step else frozenset()
         stale = [req_id for req_id in req_ids if req_id not in fresh]
-        outputs = {}
-        if stale:
+        outputs = self._queued_outputs(stale)
+        unread = [req_id for req_id in stale if req_id not in outputs]
+        if unread:
             row_of = {req_id: b for b, req_id in
                       enumerate(input_batch.req_ids[:input_batch.num_reqs])}
-            rows = [row_of[req_id] for req_id in stale]
+            rows = [row_of[req_id] for req_id in unread]
             slots = input_batch.idx_mapping_np[:input_batch.num_reqs][rows]
-            outputs = dict(zip(stale, self._outputs(req_states, slots)))
+            outputs.update(zip(unread, self._outputs(req_states, slots)))
+            self.num_device_reads += len(unread)
         found = {}
         for req_id in req_ids:
             if req_id not in self.params or (req_id in outputs and outputs[req_id] is None):
@@ -90,10 +98,45 @@ class StructuredRequests:
         found = self._grammars(input_batch, req_states)
         return None if found is None else self.grammars.masks(*found, layer, device)
 
-    def advance(self, input_batch, req_states) -> None:
-        """Each structured request's grammar advanced to its output (one
-        read of the batch's outputs), for the next step's rows."""
-        self._grammars(input_batch, req_states)
+    def queue_outputs(self, input_batch, req_states) -> None:
+        """The drafting pass's part when it masks nothing and the worker
+        fills the next step's rows: the batch's outputs copied to the host
+        behind this step's sampling, not waited for; `verifying_grammars`
+        reads them after the next forward is queued. (A read of them here,
+        as the first step's masks make, holds the host until the GPU has
+        finished the step: on SmolLM2 under a JSON schema, H200, our
+        drafting host time was 2.0-3.2 ms a step with those masks against
+        0.9 without: docs/results/v2_worker_rows_h200_run2.)"""
+        num_reqs = input_batch.num_reqs
+        req_ids = list(input_batch.req_ids[:num_reqs])
+        if not any(req_id in self.params for req_id in req_ids):
+            self.queued = None
+            return
+        slots = input_batch.idx_mapping_np[:num_reqs]
+        all_token_ids = req_states.all_token_ids.gpu
+        # no output ends past the positions the step computed, plus its sample
+        width = int(min(all_token_ids.shape[1],
+                        input_batch.seq_lens_cpu_upper_bound[:num_reqs].max() + 1))
+        index = input_batch.idx_mapping[:num_reqs]
+        # gathered on the step's stream: later steps write these tensors
+        ends, tokens = req_states.total_len.gpu[index], all_token_ids[index, :width]
+        self.queued = QueuedOutputs(self.step, req_ids, req_states.prompt_len.np[slots].copy(),
+                                    width, *_to_host(self._copy_stream(ends), ends, tokens))
+
+    def _copy_stream(self, tensor: torch.Tensor):
+        """A side stream for `queue_outputs`'s copies (as vLLM's
+        DraftTokensHandler has one); None off CUDA."""
+        if tensor.is_cuda and self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(tensor.device)
+        return self.copy_stream
+
+    def _queued_outputs(self, req_ids: list[str]) -> dict[str, np.ndarray | None]:
+        """The outputs this drafting step queued for `req_ids` (those it has)."""
+        queued = self.queued
+        if queued is None or queued.step != self.step or not req_ids:
+            return {}
+        found = queued.outputs()
+        return {req_id: found[req_id] for req_id in req_ids if req_id in found}
 
     def root_bitmask(self, input_batch, req_states) -> torch.Tensor | None:
         """[num_reqs, words] int32 on the host: each structured request's
@@ -148,3 +191,46 @@ class StructuredRequests:
         tokens = req_states.all_token_ids.gpu[index, :width].cpu().numpy()
         return [tokens[i, start:end] if end > start else None
                 for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist()))]
+
+
+@dataclass
+class QueuedOutputs:
+    """A drafting step's batch outputs on their way to the host
+    (`StructuredRequests.queue_outputs`)."""
+    step: int                # the drafting step (`StructuredRequests.step`)
+    req_ids: list[str]       # the batch's, in batch order
+    starts: np.ndarray       # [num_reqs] int32: each prompt's length
+    width: int               # columns copied: an output ending past them is not here
+    ends: torch.Tensor       # [num_reqs] int32 on the host: each total length
+    tokens: torch.Tensor     # [num_reqs, width] int32 on the host
+    event: object | None     # the copy's CUDA event; None: copied already
+
+    def outputs(self) -> dict[str, np.ndarray | None]:
+        """{req_id: output so far (None: none yet)}, once copied; a request
+        whose output ends past `width` is left out (read from the device)."""
+        if self.event is not None:
+            self.event.synchronize()
+        ends, tokens = self.ends.numpy(), self.tokens.numpy()
+        found = {}
+        for i, req_id in enumerate(self.req_ids):
+            start, end = int(self.starts[i]), int(ends[i])
+            if end <= self.width:
+                found[req_id] = tokens[i, start:end] if end > start else None
+        return found
+
+
+def _to_host(stream, *tensors: torch.Tensor) -> tuple:
+    """(host copies..., event): on CUDA copied on the side `stream` into
+    pinned memory and not waited for (the event says when); elsewhere
+    copied now (event None)."""
+    if not tensors[0].is_cuda:
+        return (*(tensor.clone() for tensor in tensors), None)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        copies = tuple(tensor.to("cpu", non_blocking=True) for tensor in tensors)
+        for tensor in tensors:  # made on the step's stream, read on this one
+            tensor.record_stream(stream)
+        event = torch.cuda.Event(blocking=True)  # sleeps, not spins, when waited on
+        event.record()
+    return (*copies, event)
+

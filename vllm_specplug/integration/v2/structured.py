@@ -233,4 +233,3 @@ def _to_host(stream, *tensors: torch.Tensor) -> tuple:
         event = torch.cuda.Event(blocking=True)  # sleeps, not spins, when waited on
         event.record()
     return (*copies, event)
-

@@ -672,3 +672,56 @@ def test_a_ramps_stages_are_compared_repeat_by_repeat():
     assert ours[0].split()[1:] == ["3.00", "0.50", "1.50"]
     assert ours[1].split()[1:] == ["15.0", "8.0", "15.0"]
     assert format_stage_tables([OnlineRow("none", 4, 3)]) == ""  # a steady load: no stages
+
+
+def test_phase_probe_times_the_grammars_own_work_on_model_runner_v2():
+    """`--phases` (bench/phases.py): on Model Runner V2 the grammar's host work
+    in the worker (vLLM's bitmask, our rows and masks) is one phase,
+    "grammar", beside the step; a speculator without grammars is skipped,
+    and the probe leaves every method as it found it."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.phases import PhaseProbe
+
+    class Structured:
+        def root_bitmask(self):
+            _time.sleep(0.002)
+
+        def queue_outputs(self):
+            _time.sleep(0.001)
+
+    class Runner:
+        def execute_model(self):
+            self.speculator.verification_rows()
+            self.structured_outputs_worker.apply_grammar_bitmask()
+
+        def sample_tokens(self):
+            self.speculator.propose()
+
+    Runner.__module__ = "vllm.v1.worker.gpu.model_runner"  # what Model Runner V2's is
+    structured = Structured()
+    runner = Runner()
+    runner.structured_outputs_worker = SimpleNamespace(apply_grammar_bitmask=lambda: _time.sleep(0.001))
+    runner.speculator = SimpleNamespace(
+        structured=structured, verification_rows=lambda: _time.sleep(0.003),
+        propose=lambda: (structured.root_bitmask(), structured.queue_outputs()))
+    probe = PhaseProbe(runner, profile_gpu=False)
+    probe.start()
+    for _ in range(2):
+        runner.execute_model()
+        runner.sample_tokens()
+    phases = probe.stop()["phases"]
+    # 1 + 3 + 2 + 1 ms of grammar work a step, four calls: each method counted once
+    assert phases["grammar"]["calls"] == 4
+    assert 7.0 <= phases["grammar"]["host_ms"] < phases["step"]["host_ms"]
+    assert phases["draft"]["calls"] == 1 and phases["forward"]["calls"] == 1
+    assert not any(name in vars(structured) for name in ("root_bitmask", "queue_outputs"))
+    runner.speculator.verification_rows()  # an instance's own attribute: put back, not lost
+    # a speculator without grammars (vLLM's, or ours without structured requests)
+    runner.speculator = SimpleNamespace(propose=lambda: None)
+    probe = PhaseProbe(runner, profile_gpu=False)
+    probe.start()
+    runner.structured_outputs_worker.apply_grammar_bitmask()
+    runner.sample_tokens()
+    assert probe.stop()["phases"]["grammar"]["calls"] == 1  # vLLM's bitmask alone

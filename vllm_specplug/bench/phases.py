@@ -12,6 +12,10 @@ probe runs, so nothing of vLLM's code changes):
 | forward | `execute_model` (inputs, target forward) | `_model_forward` |
 | verify | `sample` (sampler / rejection sampler) | `_sample` |
 | draft | `speculator.propose` | `propose_draft_token_ids` |
+| grammar | inside the phases above: `structured_outputs_worker.apply_grammar_bitmask`, `speculator.verification_rows`, `speculator.structured.{root_bitmask, path_masks, queue_outputs}` | - |
+
+(The engine core's grammar work, the rows vLLM's scheduler fills, runs in
+another process: not in any phase.)
 
 Our own code marks finer ranges (`specplug::compact_kv`, `specplug::ingest`,
 `specplug::draft_tree`, `specplug::decode_step`, `specplug::keep_rows`,
@@ -40,11 +44,21 @@ import torch
 
 V2_PHASES = {"forward": ("", "execute_model"), "verify": ("", "sample"),
              "draft": ("speculator", "propose")}
+# the grammar's own host work in the worker under structured outputs, inside
+# the phases above (issue 30: its cost beside the step): vLLM's bitmask
+# applied to the logits, and ours: the verification rows the worker fills,
+# the first drafting step's masks, every step's masks, the outputs queued
+V2_GRAMMAR = (("structured_outputs_worker", "apply_grammar_bitmask"),
+              ("speculator", "verification_rows"),
+              ("speculator.structured", "root_bitmask"),
+              ("speculator.structured", "path_masks"),
+              ("speculator.structured", "queue_outputs"))
 V1_PHASES = {"forward": ("", "_model_forward"), "verify": ("", "_sample"),
              "draft": ("", "propose_draft_token_ids")}
 STEP_METHODS = ("execute_model", "sample_tokens")
 MARK_PREFIX = "specplug::"
 LAUNCH_NAMES = ("LaunchKernel", "GraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+_NOT_OWN = object()  # a wrapped method that was the class's, not the instance's
 NUM_TOP_FUNCTIONS = 150  # per ranking of a host profile (the table shows the first few)
 
 
@@ -56,13 +70,13 @@ class PhaseProbe:
     profile_host: bool = False
     host_seconds: dict = field(default_factory=lambda: defaultdict(float))
     num_calls: dict = field(default_factory=lambda: defaultdict(int))
-    wrapped: list = field(default_factory=list)  # (object, method name)
+    wrapped: list = field(default_factory=list)  # (object, method name, its own attribute)
     profiler: object = None
     host_profiler: cProfile.Profile | None = None
     started: float = 0.0
 
     def start(self) -> None:
-        for (target, method), phases in _phase_methods(self.runner).items():
+        for target, method, phases in _phase_methods(self.runner):
             self._wrap(target, method, phases)
         if self.profile_gpu:
             self.profiler = torch.profiler.profile(activities=_activities())
@@ -82,8 +96,11 @@ class PhaseProbe:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.profiler.__exit__(None, None, None)
-        for target, method in self.wrapped:
-            del target.__dict__[method]  # the class's method again
+        for target, method, own in self.wrapped:
+            if own is _NOT_OWN:
+                del target.__dict__[method]  # the class's method again
+            else:
+                setattr(target, method, own)  # the instance's own attribute back
         num_steps = max(self.num_calls["sample_tokens"], 1)
         result = {"num_steps": self.num_calls["sample_tokens"],
                   "wall_ms": 1e3 * wall / num_steps, "phases": {}}
@@ -118,20 +135,32 @@ class PhaseProbe:
                         probe.num_calls[phase] += 1
                     probe.num_calls[method] += 1
 
+        own = vars(target).get(method, _NOT_OWN) if hasattr(target, "__dict__") else _NOT_OWN
         setattr(target, method, timed)  # on the instance: shadows the class's
-        self.wrapped.append((target, method))
+        self.wrapped.append((target, method, own))
 
 
-def _phase_methods(runner) -> dict[tuple, list[str]]:
-    """{(object, method name): the phases its calls count for}."""
+def _phase_methods(runner) -> list[tuple[object, str, list[str]]]:
+    """[(object, method name, the phases its calls count for)] (keyed by the
+    object's id: a speculator's parts need not be hashable)."""
     v2 = type(runner).__module__.startswith("vllm.v1.worker.gpu.")
-    methods: dict[tuple, list[str]] = {}
+    methods: dict[tuple, tuple] = {}
     for phase, (owner, method) in [("step", ("", m)) for m in STEP_METHODS] + list(
-            (V2_PHASES if v2 else V1_PHASES).items()):
-        target = getattr(runner, owner, None) if owner else runner
+            (V2_PHASES if v2 else V1_PHASES).items()) + [
+            ("grammar", where) for where in (V2_GRAMMAR if v2 else ())]:
+        target = _owner(runner, owner)
         if target is not None and hasattr(target, method):
-            methods.setdefault((target, method), []).append(phase)
-    return methods
+            methods.setdefault((id(target), method), (target, method, []))[2].append(phase)
+    return list(methods.values())
+
+
+def _owner(runner, path: str):
+    """The object at dotted attribute `path` of `runner` ("": the runner);
+    None where a link is missing (a speculator without grammars)."""
+    target = runner
+    for name in filter(None, path.split(".")):
+        target = getattr(target, name, None)
+    return target
 
 
 def _activities():

@@ -725,3 +725,26 @@ def test_phase_probe_times_the_grammars_own_work_on_model_runner_v2():
     runner.structured_outputs_worker.apply_grammar_bitmask()
     runner.sample_tokens()
     assert probe.stop()["phases"]["grammar"]["calls"] == 1  # vLLM's bitmask alone
+
+
+def test_top_gpu_ops_keep_device_operations_by_time_per_step():
+    """The profiled pass's heaviest device operations (bench/phases.py): kernels
+    and copies by GPU time per step, host operations left out (their time
+    would count their kernels twice)."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.phases import top_gpu_ops
+
+    def avg(key, device_type, count, us):
+        return SimpleNamespace(key=key, device_type=device_type, count=count,
+                               self_device_time_total=us)
+
+    averages = [avg("aten::mm", "DeviceType.CPU", 8, 900.0),
+                avg("_apply_grammar_bitmask_kernel", "DeviceType.CUDA", 4, 400.0),
+                avg("Memcpy HtoD (Pageable -> Device)", "DeviceType.CUDA", 4, 1200.0),
+                avg("idle", "DeviceType.CUDA", 4, 0.0)]
+    rows = top_gpu_ops(averages, num_steps=4, num_ops=5)
+    assert [row["name"] for row in rows] == ["Memcpy HtoD (Pageable -> Device)",
+                                            "_apply_grammar_bitmask_kernel"]
+    assert rows[0]["gpu_ms"] == 0.3 and rows[1]["calls"] == 1.0
+    assert len(top_gpu_ops(averages, num_steps=4, num_ops=1)) == 1

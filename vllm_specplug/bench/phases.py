@@ -60,6 +60,7 @@ MARK_PREFIX = "specplug::"
 LAUNCH_NAMES = ("LaunchKernel", "GraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 _NOT_OWN = object()  # a wrapped method that was the class's, not the instance's
 NUM_TOP_FUNCTIONS = 150  # per ranking of a host profile (the table shows the first few)
+NUM_TOP_GPU_OPS = 25  # device operations kept per profiled pass
 
 
 @dataclass
@@ -112,6 +113,7 @@ class PhaseProbe:
                 entry = result["phases"].setdefault(phase, {})
                 entry["gpu_ms"] = gpu_us / 1e3 / num_steps
                 entry["launches"] = launches / num_steps
+            result["top_gpu_ops"] = top_gpu_ops(self.profiler.key_averages(), num_steps)
         if self.host_profiler is not None:
             result["host_profile"] = host_profile_summary(self.host_profiler, num_steps)
         return result
@@ -181,6 +183,19 @@ def _profiled(profiler) -> dict[str, tuple[float, int]]:
         total[0] += event.device_time_total
         total[1] += _num_launches(event)
     return {phase: tuple(total) for phase, total in totals.items()}
+
+
+def top_gpu_ops(averages, num_steps: int, num_ops: int = NUM_TOP_GPU_OPS) -> list[dict]:
+    """The device operations (kernels, copies) with the most GPU time over a
+    profiled pass, each {"name", "calls", "gpu_ms"} per step: what a phase's
+    GPU time is made of (the profiler's averages by name; host ops left out,
+    they would count their kernels twice)."""
+    rows = [{"name": avg.key[:160], "calls": avg.count / num_steps,
+             "gpu_ms": avg.self_device_time_total / 1e3 / num_steps}
+            for avg in averages
+            if str(getattr(avg, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+            and avg.self_device_time_total > 0]
+    return sorted(rows, key=lambda row: -row["gpu_ms"])[:num_ops]
 
 
 def _num_launches(event) -> int:

@@ -189,12 +189,15 @@ def top_gpu_ops(averages, num_steps: int, num_ops: int = NUM_TOP_GPU_OPS) -> lis
     """The device operations (kernels, copies) with the most GPU time over a
     profiled pass, each {"name", "calls", "gpu_ms"} per step: what a phase's
     GPU time is made of (the profiler's averages by name; host ops left out,
-    they would count their kernels twice)."""
+    they would count their kernels twice, and so are annotated ranges such
+    as our phases: on the device those span the idle time between their
+    kernels too)."""
     rows = [{"name": avg.key[:160], "calls": avg.count / num_steps,
              "gpu_ms": avg.self_device_time_total / 1e3 / num_steps}
             for avg in averages
             if str(getattr(avg, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
-            and avg.self_device_time_total > 0]
+            and not getattr(avg, "is_user_annotation", False)
+            and not avg.key.startswith(MARK_PREFIX) and avg.self_device_time_total > 0]
     return sorted(rows, key=lambda row: -row["gpu_ms"])[:num_ops]
 
 

@@ -262,8 +262,8 @@ def _speculator(tiny_model_dir, tokens):
                              take_draft_token_ids=lambda: drafts)
     speculator = SimpleNamespace(structured=structured, req_states=req_states,
                                  tree_slots=object(), stats=SpeculatorStats("cpu"),
-                                 worker_rows_req_ids=["tree"])
-    for name in ("verification_rows", "_verification_rows"):
+                                 worker_rows_req_ids=["tree"], row_depth=None)
+    for name in ("verification_rows", "_verification_rows", "_fill_rows"):
         setattr(speculator, name, MethodType(getattr(SpecplugV2HeadSpeculator, name), speculator))
     return speculator, runner
 
@@ -301,7 +301,7 @@ def test_the_worker_fills_its_requests_rows_from_its_grammar_and_the_last_drafts
     grammar = _worker_grammar(speculator)
     assert grammar.num_processed_tokens == 1  # advanced to "b"; the walk rolled back
     _assert_rows_of_the_worker_tree(rows, grammar, tokens)
-    assert speculator.stats.worker_rows.tolist() == [1, 1, 1]  # read from the device
+    assert speculator.stats.worker_rows.tolist() == [1, 1, 1, 0]  # read from the device
     # the list is used once: the next step names nobody, rows stay the scheduler's
     assert speculator.verification_rows(runner, "theirs") == "theirs"
 
@@ -350,7 +350,7 @@ def test_outputs_the_drafting_pass_queued_are_what_the_rows_read(tiny_model_dir,
     grammar_output = speculator.verification_rows(runner, None)
     _assert_rows_of_the_worker_tree(torch.from_numpy(grammar_output.grammar_bitmask),
                                     _worker_grammar(speculator), tokens)
-    assert speculator.stats.worker_rows.tolist() == [1, 1, 0]
+    assert speculator.stats.worker_rows.tolist() == [1, 1, 0, 0]
     structured.begin_step()
     speculator.worker_rows_req_ids = ["tree"]
     with pytest.raises(TypeError):  # the copy is the step before's: it reads the device
@@ -371,7 +371,7 @@ def test_an_output_past_the_copied_width_is_read_from_the_device(tiny_model_dir,
     grammar_output = speculator.verification_rows(runner, None)
     _assert_rows_of_the_worker_tree(torch.from_numpy(grammar_output.grammar_bitmask),
                                     _worker_grammar(speculator), tokens)
-    assert speculator.stats.worker_rows.tolist() == [1, 1, 1]
+    assert speculator.stats.worker_rows.tolist() == [1, 1, 1, 0]
 
 
 def test_a_tree_whose_parents_did_not_come_gets_no_acceptable_draft(tiny_model_dir, tokens):
@@ -385,7 +385,7 @@ def test_a_tree_whose_parents_did_not_come_gets_no_acceptable_draft(tiny_model_d
     assert grammar_output.num_acceptable_drafts == [0]
     rows = torch.from_numpy(grammar_output.grammar_bitmask)
     assert all(torch.equal(row, rows[0]) for row in rows)
-    assert speculator.stats.worker_rows.tolist() == [1, 0, 1]
+    assert speculator.stats.worker_rows.tolist() == [1, 0, 1, K]  # no draft's row filled
 
 
 def _bitmask_after(grammar, paths: list[list[int]]) -> torch.Tensor:

@@ -281,3 +281,33 @@ def test_unmasked_drafting_queues_every_output_the_workers_rows_read(tree_one_si
     stats = tree_one_size_per_step["stats"]
     assert stats["num_worker_rows_requests"] > 0, stats
     assert stats["num_worker_rows_device_reads"] == 0, stats
+
+
+@pytest.fixture(scope="module")
+def chain_worker_rows(work, grammar_prompts):  # noqa: F811
+    """Our chain (topk 1, K=5), drafts unmasked, its rows filled in the
+    worker only as deep as its drafts get accepted (`grammar_row_depth`
+    "auto", the default; `RowDepth`): the trees above fill every node's."""
+    from vllm_specplug.engine import shutdown_llm
+
+    head = _head(work)
+    llm = _engine(work, {"method": "specplug_eagle3", "topk": 1, "num_steps": 5,
+                         "grammar_drafts": False, **WORKER_ROWS, "model": str(head)},
+                  dtype="float32")
+    try:
+        return {"runs": _runs(llm, grammar_prompts),
+                "stats": llm.collective_rpc("specplug_speculator_stats")[0]}
+    finally:
+        shutdown_llm(llm)
+
+
+def test_a_chains_rows_as_deep_as_its_drafts_get_accepted_are_exact(chain_worker_rows, plain):
+    """Every constraint, alone and batched, equal to no speculation (near-tie
+    flips aside), the schema held, the rows the worker's, from queued outputs."""
+    runs, stats = chain_worker_rows["runs"], chain_worker_rows["stats"]
+    assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
+    for kind in ["json", *PATTERNS]:
+        _assert_exact(plain[kind], runs[kind])
+    _assert_schema_holds(_texts(runs["json"]))
+    assert stats["num_worker_rows_requests"] > 0, stats
+    assert stats["num_worker_rows_device_reads"] == 0, stats

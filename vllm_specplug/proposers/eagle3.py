@@ -32,6 +32,8 @@ DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TREE_ATTENTION_WAYS = ("split", "rewrite")
 FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
 GRAMMAR_ROWS_WAYS = ("worker", "scheduler")  # who fills a constrained step's verification rows
+AUTO_ROW_DEPTH = "auto"
+ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,11 @@ class TreeOptions(ProposerOptions):
     # (docs/results/v2_worker_rows_h200_run2). Elsewhere (the V1 runner, a
     # reasoning parser, a scheduler of the user's) the scheduler fills them.
     grammar_rows: str = "worker"
+    # How deep a chain's rows filled in the worker go (integration/worker_rows.py
+    # `RowDepth`): "auto" (the default) only as deep as drafts get accepted,
+    # from the acceptance the worker sees (every row one step in 16); "full":
+    # every draft's. Exact either way: a draft without its row is rejected.
+    grammar_row_depth: str = AUTO_ROW_DEPTH
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -99,6 +106,9 @@ class TreeOptions(ProposerOptions):
                 or self.grammar_drafts == FIRST_STEP_MASKS, name,
                 f"grammar_drafts={self.grammar_drafts!r} must be true, false or "
                 f"{FIRST_STEP_MASKS!r} (the first drafting step only)")
+        require(self.grammar_row_depth in ROW_DEPTHS, name,
+                f"grammar_row_depth={self.grammar_row_depth!r} must be one of "
+                f"{', '.join(ROW_DEPTHS)}")
         require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
                 f"grammar_rows={self.grammar_rows!r} must be one of "
                 f"{', '.join(GRAMMAR_ROWS_WAYS)}")

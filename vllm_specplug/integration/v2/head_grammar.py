@@ -125,13 +125,29 @@ class HeadGrammar:
         row_of = {req_id: b for b, req_id in enumerate(input_batch.req_ids[:input_batch.num_reqs])}
         num_rows = [num_grammar_rows(input_batch, row_of[req_id]) for req_id in ids]
         bitmask = self.structured.grammars.manager.backend.allocate_token_bitmask(sum(num_rows))
-        num_acceptable, offset = [], 0
-        for req_id, rows in zip(ids, num_rows):
-            num_acceptable.append(fill_request_rows(
-                grammars[req_id], req_id, bitmask[offset:offset + rows], drafts.get(req_id),
-                parents.get(req_id)))
-            offset += rows
+        num_acceptable = self._fill_rows(ids, grammars, drafts, parents, num_rows, bitmask)
         self.stats.worker_rows += (len(ids), sum(1 for req_id in ids if req_id in drafts),
-                                   self.structured.num_device_reads - num_reads)
+                                   self.structured.num_device_reads - num_reads,
+                                   sum(num_rows) - len(ids) - sum(num_acceptable))
         self.stats.worker_rows_seconds += time.perf_counter() - started
         return merged_grammar_output(grammar_output, ids, bitmask.numpy(), num_acceptable)
+
+    def _fill_rows(self, req_ids: list[str], grammars: dict, drafts: dict, parents: dict,
+                   num_rows: list[int], bitmask) -> list[int]:
+        """Each request's rows, a chain's only as deep as `RowDepth` says
+        drafts get accepted (`row_depth` None: every row); its acceptable
+        drafts per request."""
+        depth = self.row_depth.begin_step() if self.row_depth is not None else None
+        tracked = self.structured.grammars.tracked
+        num_acceptable, offset = [], 0
+        for req_id, rows in zip(req_ids, num_rows):
+            output_len = tracked[req_id].num_accepted
+            if depth is not None:
+                self.row_depth.observe(req_id, output_len)
+            num_acceptable.append(fill_request_rows(
+                grammars[req_id], req_id, bitmask[offset:offset + rows], drafts.get(req_id),
+                parents.get(req_id), depth))
+            if depth is not None:
+                self.row_depth.filled(req_id, output_len, num_acceptable[-1])
+            offset += rows
+        return num_acceptable

@@ -58,7 +58,8 @@ from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
-from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR
+from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR, RowDepth
+from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
 
@@ -117,6 +118,10 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
         self.structured = (StructuredRequests(vllm_config)
                            if options.masks_drafts() or self.rows_in_worker else None)
+        # a chain's worker rows only as deep as its drafts get accepted
+        self.row_depth = (RowDepth(vllm_config.speculative_config.num_speculative_tokens)
+                          if self.rows_in_worker and self.tree_slots is None
+                          and options.grammar_row_depth == AUTO_ROW_DEPTH else None)
         # grammar_drafts "first": the first step's masks inside the graphed
         # pass (root_masks.py), made at attach (they need the head's vocabulary)
         self.root_masks = None

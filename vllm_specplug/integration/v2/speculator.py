@@ -384,9 +384,10 @@ class SpeculatorStats:
         # constrained requests' verification rows filled in the worker
         # (worker_rows.py): of them, those whose drafts were known (else
         # none of their drafts may be accepted), those whose output was read
-        # from the device then (a wait for the step's forward), and the host
-        # time it took
-        self.worker_rows = np.zeros(3, dtype=np.int64)
+        # from the device then (a wait for the step's forward), the draft
+        # rows left unfilled (past what was known or `RowDepth`'s depth),
+        # and the host time it took
+        self.worker_rows = np.zeros(4, dtype=np.int64)
         self.worker_rows_seconds = 0.0
 
     def add_host(self, drafts: list[list[int]], num_sampled: np.ndarray, k: int) -> None:
@@ -400,6 +401,7 @@ class SpeculatorStats:
                  "num_worker_rows_requests": int(self.worker_rows[0]),
                  "num_worker_rows_with_drafts": int(self.worker_rows[1]),
                  "num_worker_rows_device_reads": int(self.worker_rows[2]),
+                 "num_worker_draft_rows_unfilled": int(self.worker_rows[3]),
                  "worker_rows_seconds": self.worker_rows_seconds}
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,

@@ -106,7 +106,7 @@ def _row_filler(grammar, rows: torch.Tensor):
 
 
 # `RowDepth`: a chain's rows are filled for draft j while at least this share
-# of chains reach it (drafts 1..j all accepted): a position past the depth
+# of chains reach it (drafts 1..j all accepted): each position past the depth
 # costs at most that share of a token a request-step
 MIN_REACH = 0.01
 MIN_OBSERVED = 64.0  # chains with a row for draft j before its share is trusted
@@ -124,8 +124,9 @@ class RowDepth:
     batch 16 and 5.2 ms at 64, half the step
     (docs/results/v2_queued_rows_h200). Rows past the depth are not filled
     and their drafts not acceptable (`num_acceptable_drafts`): output is
-    unchanged (a draft not acceptable is a draft rejected), and tokens a
-    step fall by at most the share of chains that would have gone past it.
+    unchanged (a draft not acceptable is a draft rejected), and each
+    position left out costs at most the share of chains that reach it
+    (under MIN_REACH) of a token a request-step.
 
     The shares come from the worker's own grammars: a request's output
     grows by its accepted drafts plus one between two steps' rows."""

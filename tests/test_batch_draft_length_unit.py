@@ -1020,3 +1020,25 @@ def test_a_settled_policy_reads_one_step_in_sample_every():
     for _ in range(DECIDE_EVERY):  # the next weighing moves it, unsettled
         policy[1]
     assert policy.current < 15 and policy.sample_every == 1, policy.as_dict()
+
+
+def test_no_speculation_is_timed_at_each_batch_not_carried_from_another():
+    """SmolLM2 on CPU (docs/results/suffix_drift_cpu): at batch 8 drafting cost
+    little over no speculation (59 vs 48 ms a step), at 16 much more (92 vs
+    56); the policy carried no speculation's time at 16 over from batch 8 by
+    that ratio, never timed it there (one step in 573) and kept K=5, where no
+    speculation ran 1.3x faster. Here every length costs the same at batch 8
+    (a latency-bound step), and at 16 a step's tokens cost: after batch 8,
+    at batch 16 the policy must reach the best static length."""
+    candidates = draft_length_candidates(5)
+    engine_args = dict(rates=[0.3, 0.2, 0.1, 0.1, 0.1], fixed=1e-3, per_token=1e-3,
+                       per_draft=0.0, floor=48e-3)
+    static = {k: _run(_ChainEngine(**engine_args, seed=2), 16, 1500, lambda b, k=k: k)
+              for k in candidates}
+    policy = BatchDraftLength(candidates)
+    engine = _ChainEngine(**engine_args, seed=2)
+    _run(engine, 8, 400, policy)
+    adaptive = _run(engine, 16, 1500, policy)
+    best = max(static, key=static.get)
+    assert static[0] > 1.4 * static[5], static  # speculation's longest loses at 16
+    assert adaptive >= 0.97 * static[best], (best, static, adaptive, policy.as_dict())

@@ -339,12 +339,17 @@ class StepTimes:
         lower time, `ceiling`), or the `anchor`
         length's time there times their ratio in the nearest bucket where
         both were measured, `MAX_TRANSFER_BUCKETS` at most away (the three
-        errors combined); None otherwise (the policy then measures it)."""
+        errors combined); None otherwise (the policy then measures it).
+        No speculation (k = 0) is never carried over: its ratio to a
+        speculative length moves most with the batch (SmolLM2 on CPU: K=5
+        1.23x its time at batch 8, 1.64x at 16), and a carried time kept
+        the policy from ever timing it where it was the best length
+        (docs/results/suffix_drift_cpu)."""
         if self.pinned is not None:
             return self.pinned[0] + self.pinned[1] * batch_size * (k + 1), 0.0
         bucket = batch_bucket(batch_size)
         own = self._capped(k, bucket, batch_size)
-        if own is not None or k == anchor:
+        if own is not None or k == anchor or k == 0:
             return None if own is None else (own[0] * self.host, own[1])
         base = self._capped(anchor, bucket, batch_size)
         if base is None:

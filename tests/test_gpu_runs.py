@@ -28,6 +28,7 @@ RUNS = [
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "first"}), ("smollm2-schema", {"SCHEMA_ROWS": "worker"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "ab"}), ("smollm2-schema", {"SCHEMA_ROWS": "queued"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "depth"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide", "WIDE": "8 1 9",
                         "SCHEMA_SETS": "mt-bench-json"}),
 ]

@@ -36,6 +36,9 @@
 #            (rows in the worker); SCHEMA_ROWS=queued: vLLM eagle3 K=5, our chain K=5
 #            with rows in the worker after first-step masks and with unmasked drafts (the
 #            rows read outputs the drafting pass queued, no device read in the step);
+#            SCHEMA_ROWS=depth: vLLM eagle3 K=5 and our chain K=5 unmasked with its rows in
+#            the worker as deep as drafts get accepted (grammar_row_depth "auto", the
+#            default) and every row ("full");
 #            PHASES=--phases: where each step's time goes;
 #            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
@@ -274,6 +277,14 @@ run() {
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-chain-K5-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}" \
           --spec "ours-chain-K5-queued-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = depth ]; then
+        # a chain's rows in the worker only as deep as its drafts get accepted (RowDepth)
+        # against every row; both unmasked, the outputs queued
+        queued="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\""
+        mapfile -t S < <(printf '%s\n' \
+          --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-chain-K5-queued-depth-auto={$queued, \"grammar_row_depth\": \"auto\"}" \
+          --spec "ours-chain-K5-queued-depth-full={$queued, \"grammar_row_depth\": \"full\"}")
       elif [ "${SCHEMA_ROWS:-all}" = ab ] || [ "${SCHEMA_ROWS:-all}" = worker ]; then
         # our chain with its constrained rows filled by the scheduler (vLLM's deferred
         # step) against the worker (grammar_rows "worker", the default since 2026-12-02:

@@ -256,6 +256,8 @@ run() {
       h=${HEAD:-.gpu/heads/smollm2-eagle3-demo}
       tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
       chain_first="ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}"
+      # our chain K=5 drafting unmasked, its rows in the worker from the queued outputs
+      chain_queued="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\""
       if [ "${SCHEMA_ROWS:-all}" = first ]; then
         # grammar_drafts "first" (the root's children masked in the graphed pass): vLLM's
         # eagle3, our chain masked so, our tree 16 unmasked and masked so
@@ -276,15 +278,14 @@ run() {
         mapfile -t S < <(printf '%s\n' \
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-chain-K5-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}" \
-          --spec "ours-chain-K5-queued-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\"}")
+          --spec "ours-chain-K5-queued-rows={$chain_queued}")
       elif [ "${SCHEMA_ROWS:-all}" = depth ]; then
         # a chain's rows in the worker only as deep as its drafts get accepted (RowDepth)
         # against every row; both unmasked, the outputs queued
-        queued="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\""
         mapfile -t S < <(printf '%s\n' \
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
-          --spec "ours-chain-K5-queued-depth-auto={$queued, \"grammar_row_depth\": \"auto\"}" \
-          --spec "ours-chain-K5-queued-depth-full={$queued, \"grammar_row_depth\": \"full\"}")
+          --spec "ours-chain-K5-queued-depth-auto={$chain_queued, \"grammar_row_depth\": \"auto\"}" \
+          --spec "ours-chain-K5-queued-depth-full={$chain_queued, \"grammar_row_depth\": \"full\"}")
       elif [ "${SCHEMA_ROWS:-all}" = ab ] || [ "${SCHEMA_ROWS:-all}" = worker ]; then
         # our chain with its constrained rows filled by the scheduler (vLLM's deferred
         # step) against the worker (grammar_rows "worker", the default since 2026-12-02:

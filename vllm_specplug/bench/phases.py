@@ -137,7 +137,7 @@ class PhaseProbe:
                         probe.num_calls[phase] += 1
                     probe.num_calls[method] += 1
 
-        own = vars(target).get(method, _NOT_OWN) if hasattr(target, "__dict__") else _NOT_OWN
+        own = vars(target).get(method, _NOT_OWN)
         setattr(target, method, timed)  # on the instance: shadows the class's
         self.wrapped.append((target, method, own))
 

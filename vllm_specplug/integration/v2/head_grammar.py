@@ -141,13 +141,12 @@ class HeadGrammar:
         tracked = self.structured.grammars.tracked
         num_acceptable, offset = [], 0
         for req_id, rows in zip(req_ids, num_rows):
-            output_len = tracked[req_id].num_accepted
-            if depth is not None:
-                self.row_depth.observe(req_id, output_len)
             num_acceptable.append(fill_request_rows(
                 grammars[req_id], req_id, bitmask[offset:offset + rows], drafts.get(req_id),
                 parents.get(req_id), depth))
-            if depth is not None:
+            if depth is not None:  # what its last rows' drafts became, and these rows
+                output_len = tracked[req_id].num_accepted
+                self.row_depth.observe(req_id, output_len)
                 self.row_depth.filled(req_id, output_len, num_acceptable[-1])
             offset += rows
         return num_acceptable

@@ -677,8 +677,9 @@ def test_a_ramps_stages_are_compared_repeat_by_repeat():
 def test_phase_probe_times_the_grammars_own_work_on_model_runner_v2():
     """`--phases` (bench/phases.py): on Model Runner V2 the grammar's host work
     in the worker (vLLM's bitmask, our rows and masks) is one phase,
-    "grammar", beside the step; a speculator without grammars is skipped,
-    and the probe leaves every method as it found it."""
+    "grammar", beside the step, and its waits for the GPU (the drafts' and the
+    outputs' host copies) another, "grammar_wait"; a speculator without
+    grammars is skipped, and the probe leaves every method as it found it."""
     import time as _time
     from types import SimpleNamespace
 
@@ -691,10 +692,16 @@ def test_phase_probe_times_the_grammars_own_work_on_model_runner_v2():
         def queue_outputs(self):
             _time.sleep(0.001)
 
+        def _queued_outputs(self):
+            _time.sleep(0.001)
+
     class Runner:
         def execute_model(self):
             self.speculator.verification_rows()
             self.structured_outputs_worker.apply_grammar_bitmask()
+
+        def take_draft_token_ids(self):
+            _time.sleep(0.001)
 
         def sample_tokens(self):
             self.speculator.propose()
@@ -704,19 +711,25 @@ def test_phase_probe_times_the_grammars_own_work_on_model_runner_v2():
     runner = Runner()
     runner.structured_outputs_worker = SimpleNamespace(apply_grammar_bitmask=lambda: _time.sleep(0.001))
     runner.speculator = SimpleNamespace(
-        structured=structured, verification_rows=lambda: _time.sleep(0.003),
-        propose=lambda: (structured.root_bitmask(), structured.queue_outputs()))
+        structured=structured, propose=lambda: (structured.root_bitmask(),
+                                                structured.queue_outputs()),
+        verification_rows=lambda: (_time.sleep(0.001), runner.take_draft_token_ids(),
+                                   structured._queued_outputs()))
     probe = PhaseProbe(runner, profile_gpu=False)
     probe.start()
     for _ in range(2):
         runner.execute_model()
         runner.sample_tokens()
     phases = probe.stop()["phases"]
-    # 1 + 3 + 2 + 1 ms of grammar work a step, four calls: each method counted once
+    # 1 + 3 + 2 + 1 ms of grammar work a step, four calls: each method counted
+    # once; 2 ms of it waits (inside the rows' call), in two calls
     assert phases["grammar"]["calls"] == 4
     assert 7.0 <= phases["grammar"]["host_ms"] < phases["step"]["host_ms"]
+    assert phases["grammar_wait"]["calls"] == 2
+    assert 2.0 <= phases["grammar_wait"]["host_ms"] < 3.0
     assert phases["draft"]["calls"] == 1 and phases["forward"]["calls"] == 1
-    assert not any(name in vars(structured) for name in ("root_bitmask", "queue_outputs"))
+    assert not any(name in vars(structured) for name in ("root_bitmask", "queue_outputs",
+                                                          "_queued_outputs"))
     runner.speculator.verification_rows()  # an instance's own attribute: put back, not lost
     # a speculator without grammars (vLLM's, or ours without structured requests)
     runner.speculator = SimpleNamespace(propose=lambda: None)

@@ -13,6 +13,7 @@ probe runs, so nothing of vLLM's code changes):
 | verify | `sample` (sampler / rejection sampler) | `_sample` |
 | draft | `speculator.propose` | `propose_draft_token_ids` |
 | grammar | inside the phases above: `structured_outputs_worker.apply_grammar_bitmask`, `speculator.verification_rows`, `speculator.structured.{root_bitmask, path_masks, queue_outputs}` | - |
+| grammar_wait | the grammar's waits for the GPU: `take_draft_token_ids` (the drafts' host copy: inside our `verification_rows`, or vLLM's deferred step's RPC), `speculator.structured.{_queued_outputs, _outputs}` (the outputs' copy) | - |
 
 (The engine core's grammar work, the rows vLLM's scheduler fills, runs in
 another process: not in any phase.)
@@ -53,6 +54,12 @@ V2_GRAMMAR = (("structured_outputs_worker", "apply_grammar_bitmask"),
               ("speculator.structured", "root_bitmask"),
               ("speculator.structured", "path_masks"),
               ("speculator.structured", "queue_outputs"))
+# where that work waits for the GPU (the drafts' or the outputs' copy to the
+# host): on the H200 the worker's grammar phase was 7.5 ms a step at batch 64
+# with 2 rows a request filled, far over their fill (docs/results/v2_row_depth_h200)
+V2_GRAMMAR_WAIT = (("", "take_draft_token_ids"),
+                   ("speculator.structured", "_queued_outputs"),
+                   ("speculator.structured", "_outputs"))
 V1_PHASES = {"forward": ("", "_model_forward"), "verify": ("", "_sample"),
              "draft": ("", "propose_draft_token_ids")}
 STEP_METHODS = ("execute_model", "sample_tokens")
@@ -149,7 +156,8 @@ def _phase_methods(runner) -> list[tuple[object, str, list[str]]]:
     methods: dict[tuple, tuple] = {}
     for phase, (owner, method) in [("step", ("", m)) for m in STEP_METHODS] + list(
             (V2_PHASES if v2 else V1_PHASES).items()) + [
-            ("grammar", where) for where in (V2_GRAMMAR if v2 else ())]:
+            ("grammar", where) for where in (V2_GRAMMAR if v2 else ())] + [
+            ("grammar_wait", where) for where in (V2_GRAMMAR_WAIT if v2 else ())]:
         target = _owner(runner, owner)
         if target is not None and hasattr(target, method):
             methods.setdefault((id(target), method), (target, method, []))[2].append(phase)

@@ -369,6 +369,9 @@ class BatchDraftLength:
         if k not in self.lengths or seconds <= 0:
             return
         self.num_decode_steps += 1
+        expected = self.times.estimate(k, batch_size, self.current)
+        if expected is not None:
+            self.stats.priced(k, seconds, expected[0])
         # the length it runs tells the host's speed (StepTimes.host); a
         # length tried now and then does not
         if not self.times.add(k, batch_size, seconds, follow_host=k == self.current):
@@ -416,7 +419,9 @@ class BatchDraftLength:
                    for unit in ("steps", "seconds")},
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},
                 "expected_tokens": s.expected_tokens, "realised_tokens": s.realised_tokens,
-                "num_requests": s.num_requests,
+                "num_requests": s.num_requests, "priced_steps": dict(s.priced_steps),
+                "priced_seconds": dict(s.priced_seconds),
+                "expected_seconds": dict(s.expected_seconds),
                 "expected_per_length": {k: round(self.expected_tokens(k), 3)
                                         for k in self.candidates},
                 "host_speed": round(self.times.host, 3), "host_seconds": s.host_seconds,

@@ -3,7 +3,7 @@ reports: per-length bookkeeping, its step counters, and the keys `bench`
 reads of them (bench/offline.py, bench/report.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # `counters` (read every step) takes the step times again after this many
 # decode steps: a quantile per length and bucket is too dear for every step
@@ -54,6 +54,19 @@ class BatchDraftStats:
     expected_tokens: float = 0.0
     realised_tokens: float = 0.0
     num_requests: int = 0
+    # per length K, its pure decode steps that the policy had priced
+    # beforehand: their wall time as taken, and what it expected of them
+    # (`StepTimes.estimate` at the step's batch size, the host's speed as
+    # then known), stalls included; the two part where the windows'
+    # normalised times (`step_windows`) no longer say what a step costs
+    priced_steps: dict = field(default_factory=dict)  # K -> steps
+    priced_seconds: dict = field(default_factory=dict)  # K -> their seconds
+    expected_seconds: dict = field(default_factory=dict)  # K -> the seconds expected
     # the scheduler's wall time in the policy: its lookups (`__getitem__`),
     # what it observes of each output, its counters (issue 26: host work per step)
     host_seconds: float = 0.0
+
+    def priced(self, k: int, seconds: float, expected: float) -> None:
+        self.priced_steps[k] = self.priced_steps.get(k, 0) + 1
+        self.priced_seconds[k] = self.priced_seconds.get(k, 0.0) + seconds
+        self.expected_seconds[k] = self.expected_seconds.get(k, 0.0) + expected

@@ -136,11 +136,14 @@ def format_batch_policy_table(rows) -> str:
     request it expected against those it got, the seconds its steps took
     (pure decode at one length / changing length / with prefill tokens / the
     first after the engine idled, from its schedule), and
-    the scheduler's own time in the policy per step."""
+    the scheduler's own time in the policy per step; then, per length, the
+    mean ms of its decode steps that it had priced, as taken against as
+    expected."""
     return _decision_table(
         rows, "batch_policy", "batch draft length", f"{'steps':>7}{'explored':>10}"
         f"{'tokens/request expected/realised':>34}{'s decode/switch/mixed/first':>30}"
-        f"{'policy us/step':>16}  chosen K: share of steps", _policy_cells)
+        f"{'policy us/step':>16}  chosen K: share of steps | K: step ms taken/expected",
+        _policy_cells)
 
 
 def _policy_cells(row) -> str:
@@ -154,7 +157,17 @@ def _policy_cells(row) -> str:
     seconds = "/".join(f"{p.get(kind + '_seconds', float('nan')):.2f}" for kind in STEP_KINDS)
     host = f"{1e6 * p.get('host_seconds', float('nan')) / steps:.0f}"
     return (f"{p['num_steps']:>7}{p['num_explored']:>10}{tokens:>34}{seconds:>30}{host:>16}"
-            f"  {chosen}")
+            f"  {chosen}{_priced_cells(p)}")
+
+
+def _priced_cells(policy: dict) -> str:
+    """" | 0:70/90 5:131/81": per length, the mean ms of its priced decode
+    steps as taken / as expected ("" before any; older records lack them)."""
+    steps = policy.get("priced_steps") or {}
+    cells = [f"{k}:{1e3 * policy['priced_seconds'][k] / n:.0f}/"
+             f"{1e3 * policy['expected_seconds'][k] / n:.0f}"
+             for k, n in sorted(steps.items(), key=lambda item: int(item[0])) if n]
+    return f" | {' '.join(cells)}" if cells else ""
 
 
 def format_captures_table(rows) -> str:

@@ -48,7 +48,11 @@ def test_bench_sums_priced_steps_over_repeats_and_shows_taken_against_expected()
 
     start = counters(10, {"4": 5}, {"4": 0.5}, {"4": 0.4})
     end = counters(30, {"0": 2, "4": 15}, {"0": 0.2, "4": 1.5}, {"0": 0.18, "4": 1.2})
+    # the policy's state beside its counts: as of the last read, not differenced
+    windows = {"4@16": {"n": 32, "mean": 80.0}}
+    start["step_windows"], end["step_windows"] = {"4@16": {"n": 3, "mean": 90.0}}, windows
     first = batch_policy_delta(None, start, end)
+    assert first["step_windows"] == windows
     assert first["priced_steps"] == {"0": 2, "4": 10}
     assert first["priced_seconds"]["4"] == pytest.approx(1.0)
     total = batch_policy_delta(first, end, counters(40, {"0": 2, "4": 25}, {"0": 0.2, "4": 2.5},

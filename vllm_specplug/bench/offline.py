@@ -211,10 +211,12 @@ def batch_policy_delta(total: dict | None, before: dict | None, after: dict | No
     total = total or {}
     out = {key: after[key] for key in SNAPSHOT_KEYS if key in after}
     for key, value in after.items():
+        if key in SNAPSHOT_KEYS:
+            continue
         if isinstance(value, dict):  # per length: chosen, priced_*, expected_seconds
             out[key] = {k: n - before.get(key, {}).get(k, 0) + total.get(key, {}).get(k, 0)
                         for k, n in value.items()}
-        elif key not in SNAPSHOT_KEYS:
+        else:
             out[key] = value - before.get(key, 0) + total.get(key, 0)
     return out
 

@@ -39,6 +39,7 @@
 #            SCHEMA_ROWS=depth: vLLM eagle3 K=5 and our chain K=5 unmasked with its rows in
 #            the worker as deep as drafts get accepted (grammar_row_depth "auto", the
 #            default) and every row ("full");
+#            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
 #            PHASES=--phases: where each step's time goes;
 #            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
@@ -286,6 +287,12 @@ run() {
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-chain-K5-queued-depth-auto={$chain_queued, \"grammar_row_depth\": \"auto\"}" \
           --spec "ours-chain-K5-queued-depth-full={$chain_queued, \"grammar_row_depth\": \"full\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
+        # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:
+        # first-step masks, rows in the worker): a run that fits a lease after a head build
+        mapfile -t S < <(printf '%s\n' \
+          --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-tree16={$tree}")
       elif [ "${SCHEMA_ROWS:-all}" = ab ] || [ "${SCHEMA_ROWS:-all}" = worker ]; then
         # our chain with its constrained rows filled by the scheduler (vLLM's deferred
         # step) against the worker (grammar_rows "worker", the default since 2026-12-02:

@@ -21,6 +21,7 @@ import torch
 
 from vllm_specplug.integration.scheduler import (SpecplugTreeAsyncScheduler,
                                                  merged_grammar_output, rows_in_worker)
+from vllm_specplug.integration.row_threads import RowThreads
 from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR, fill_request_rows
 
 from tests.test_grammar_trees_async import (DRAFT_CHARS, K, PARENTS, PROMPT, _add, _drafts,
@@ -262,7 +263,8 @@ def _speculator(tiny_model_dir, tokens):
                              take_draft_token_ids=lambda: drafts)
     speculator = SimpleNamespace(structured=structured, req_states=req_states,
                                  tree_slots=object(), stats=SpeculatorStats("cpu"),
-                                 worker_rows_req_ids=["tree"], row_depth=None)
+                                 worker_rows_req_ids=["tree"], row_depth=None,
+                                 row_threads=RowThreads(1))
     for name in ("verification_rows", "_verification_rows", "_fill_rows"):
         setattr(speculator, name, MethodType(getattr(SpecplugV2HeadSpeculator, name), speculator))
     return speculator, runner

@@ -34,6 +34,7 @@ FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
 GRAMMAR_ROWS_WAYS = ("worker", "scheduler")  # who fills a constrained step's verification rows
 AUTO_ROW_DEPTH = "auto"
 ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
+AUTO_ROW_THREADS = "auto"  # grammar_row_threads (integration/row_threads.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class TreeOptions(ProposerOptions):
     # from the acceptance the worker sees (every row one step in 16); "full":
     # every draft's. Exact either way: a draft without its row is rejected.
     grammar_row_depth: str = AUTO_ROW_DEPTH
+    # Host threads that fill those rows in the worker, one request's walk of
+    # its grammar beside another's (integration/row_threads.py), once a step
+    # has 128 rows: "auto" (the default) is vLLM's own fill pool's size (half
+    # the CPUs, at most 8); 1 fills them in turn. Exact either way.
+    grammar_row_threads: int | str = AUTO_ROW_THREADS
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -109,6 +115,12 @@ class TreeOptions(ProposerOptions):
         require(self.grammar_row_depth in ROW_DEPTHS, name,
                 f"grammar_row_depth={self.grammar_row_depth!r} must be one of "
                 f"{', '.join(ROW_DEPTHS)}")
+        require(self.grammar_row_threads == AUTO_ROW_THREADS or (
+            isinstance(self.grammar_row_threads, int)
+            and not isinstance(self.grammar_row_threads, bool)
+            and self.grammar_row_threads >= 1), name,
+            f"grammar_row_threads={self.grammar_row_threads!r} must be "
+            f"{AUTO_ROW_THREADS!r} or an integer >= 1 (1: one thread)")
         require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
                 f"grammar_rows={self.grammar_rows!r} must be one of "
                 f"{', '.join(GRAMMAR_ROWS_WAYS)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -138,15 +139,19 @@ class HeadGrammar:
         drafts get accepted (`row_depth` None: every row); its acceptable
         drafts per request."""
         depth = self.row_depth.begin_step() if self.row_depth is not None else None
-        tracked = self.structured.grammars.tracked
-        num_acceptable, offset = [], 0
-        for req_id, rows in zip(req_ids, num_rows):
-            num_acceptable.append(fill_request_rows(
-                grammars[req_id], req_id, bitmask[offset:offset + rows], drafts.get(req_id),
-                parents.get(req_id), depth))
-            if depth is not None:  # what its last rows' drafts became, and these rows
+        offsets = np.cumsum([0] + num_rows)
+
+        def fill(i: int) -> int:  # request i's own grammar and rows only (row_threads.py)
+            req_id = req_ids[i]
+            return fill_request_rows(grammars[req_id], req_id,
+                                     bitmask[offsets[i]:offsets[i + 1]], drafts.get(req_id),
+                                     parents.get(req_id), depth)
+
+        num_acceptable = self.row_threads.map(fill, num_rows)
+        if depth is not None:  # what each one's last rows' drafts became, and these rows
+            tracked = self.structured.grammars.tracked
+            for req_id, acceptable in zip(req_ids, num_acceptable):
                 output_len = tracked[req_id].num_accepted
                 self.row_depth.observe(req_id, output_len)
-                self.row_depth.filled(req_id, output_len, num_acceptable[-1])
-            offset += rows
+                self.row_depth.filled(req_id, output_len, acceptable)
         return num_acceptable

@@ -47,6 +47,7 @@ from torch.profiler import record_function
 from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
+from vllm_specplug.integration.row_threads import RowThreads, num_row_threads
 from vllm_specplug.integration.scheduler import rows_in_worker
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
@@ -118,6 +119,9 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
         self.structured = (StructuredRequests(vllm_config)
                            if options.masks_drafts() or self.rows_in_worker else None)
+        # those rows filled on host threads, a request's walk beside another's
+        self.row_threads = RowThreads(num_row_threads(options.grammar_row_threads)
+                                      if self.rows_in_worker else 1)
         # a chain's worker rows only as deep as its drafts get accepted
         self.row_depth = (RowDepth(vllm_config.speculative_config.num_speculative_tokens)
                           if self.rows_in_worker and self.tree_slots is None

@@ -18,8 +18,9 @@ import torch
 import xgrammar as xgr
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
-from vllm_specplug.integration.grammar_trees import fill_tree_rows
+from vllm_specplug.integration.grammar_trees import fill_tree_rows, token_allowed
 from vllm_specplug.integration.row_threads import RowThreads, _chunks, num_row_threads
+from vllm_specplug.integration.worker_rows import plan_request_rows
 from vllm_specplug.proposers.base import ProposerConfigError
 from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions
 from vllm_specplug.public_sets import MT_BENCH_JSON_SCHEMA
@@ -60,58 +61,77 @@ def _requests(compiled, seed: int = 0):
 
 
 def _fill(requests, threads: RowThreads) -> tuple[torch.Tensor, list]:
+    """The worker's way (integration/v2/head_grammar.py): plans here, the
+    walks on `threads`, the rest here; returns the rows and, per tree,
+    whether each node's token is allowed by its parent's row."""
     rows = xgr.allocate_token_bitmask(NUM_REQS * NUM_NODES, len(VOCAB))
     rows.zero_()
+    plans = [plan_request_rows(grammar, f"r{i}", rows[i * NUM_NODES:(i + 1) * NUM_NODES],
+                               drafts, parents)
+             for i, (grammar, drafts, parents) in enumerate(requests)]
+    assert all(walk is not None for walk, _ in plans)  # xgrammar: every tree walked natively
+    threads.run([walk.run for walk, _ in plans], [NUM_NODES] * NUM_REQS)
+    assert [finish() for _, finish in plans] == [NUM_NODES - 1] * NUM_REQS
+    allowed = [[token_allowed(rows[i * NUM_NODES + parents[node]], drafts[node - 1])
+              for node in range(1, NUM_NODES)] for i, (_, drafts, parents) in enumerate(requests)]
+    return rows, allowed
 
-    def fill(i: int) -> list[bool]:
-        grammar, drafts, parents = requests[i]
+
+def _fill_one_by_one(requests) -> torch.Tensor:
+    """Each tree through `fill_tree_rows`, in turn (the scheduler's way)."""
+    rows = xgr.allocate_token_bitmask(NUM_REQS * NUM_NODES, len(VOCAB))
+    rows.zero_()
+    for i, (grammar, drafts, parents) in enumerate(requests):
         view = rows[i * NUM_NODES:(i + 1) * NUM_NODES]
-        return fill_tree_rows(grammar, f"r{i}", drafts, parents, view,
-                              lambda node: grammar.fill_bitmask(view, node))
-
-    return rows, threads.map(fill, [NUM_NODES] * NUM_REQS)
+        fill_tree_rows(grammar, f"r{i}", drafts, parents, view,
+                       lambda node, view=view, grammar=grammar: grammar.fill_bitmask(view, node))
+    return rows
 
 
 def test_rows_filled_on_threads_equal_one_threads_bit_for_bit(compiled):
     requests = _requests(compiled)
     states = [grammar.num_processed_tokens for grammar, _, _ in requests]
-    one_rows, one_valid = _fill(requests, RowThreads(1))
+    one_rows = _fill_one_by_one(requests)
+    rows, one_allowed = _fill(requests, RowThreads(1))
+    assert torch.equal(rows, one_rows)
     pool = RowThreads(4)
     for _ in range(3):  # the pool's threads reused
-        rows, valid = _fill(requests, pool)
+        rows, allowed = _fill(requests, pool)
         assert torch.equal(rows, one_rows)
-        assert valid == one_valid
+        assert allowed == one_allowed
     assert [grammar.num_processed_tokens for grammar, _, _ in requests] == states  # rolled back
-    flat = [ok for request in one_valid for ok in request]
-    assert 0 < flat.count(False) < len(flat) - NUM_REQS  # valid and invalid nodes both
+    flat = [ok for request in one_allowed for ok in request]
+    assert 0 < flat.count(False) < len(flat)  # allowed and forbidden nodes both
     pool.shutdown()
 
 
 def test_a_step_under_min_rows_stays_on_the_callers_thread():
-    seen = set()
+    seen = []
     pool = RowThreads(4, min_rows=100)
-    assert pool.map(lambda i: seen.add(threading.get_ident()) or i, [10] * 9) == list(range(9))
-    assert seen == {threading.get_ident()}
-    assert pool.map(lambda i: seen.add(threading.get_ident()) or i, [10] * 10) == list(range(10))
-    assert len(seen) > 1
+    pool.run([lambda: seen.append(threading.get_ident())] * 9 + [None], [10] * 9 + [0])
+    assert set(seen) == {threading.get_ident()} and len(seen) == 9
+    seen.clear()
+    pool.run([lambda: seen.append(threading.get_ident())] * 10 + [None], [10] * 10 + [0])
+    assert len(seen) == 10 and threading.get_ident() not in seen
     pool.shutdown()
 
 
 def test_an_error_is_raised_once_every_task_has_ended():
-    """A request's fill that raises: the caller sees the error only after
-    the other tasks wrote their rows (none still writes after it)."""
+    """A walk that raises: the caller sees the error only after the other
+    tasks wrote their rows (none still writes after it)."""
     done = set()
 
-    def fill(i: int) -> int:
-        if i == 0:
-            raise ValueError("broken grammar")
-        time.sleep(0.01)
-        done.add(i)
-        return i
+    def job(i: int):
+        def run() -> None:
+            if i == 0:
+                raise ValueError("broken grammar")
+            time.sleep(0.01)
+            done.add(i)
+        return run
 
-    pool = RowThreads(4, min_rows=0)  # 8 tasks of 2 requests: 0 and 1 in the first
+    pool = RowThreads(4, min_rows=0)  # 8 tasks of 2 walks: 0 and 1 in the first
     with pytest.raises(ValueError, match="broken grammar"):
-        pool.map(fill, [1] * 16)
+        pool.run([job(i) for i in range(16)], [1] * 16)
     ended = set(done)
     time.sleep(0.05)
     assert done == ended == set(range(2, 16))  # the others' tasks had ended; 1 never ran
@@ -128,10 +148,10 @@ def test_chunks_cover_every_request_in_order(num_rows, num_chunks):
         assert [len(chunk) for chunk in chunks] == [8] * 8
 
 
-def test_auto_is_vllms_fill_pool_size_and_bad_values_name_the_field(tiny_eagle3_dir):
+def test_one_thread_by_default_auto_as_vllms_pool_and_bad_values_name_the_field(tiny_eagle3_dir):
     assert 1 <= num_row_threads("auto") <= 8 and num_row_threads(3) == 3
     options = Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir)})
-    assert options.grammar_row_threads == "auto"
+    assert options.grammar_row_threads == 1  # until a GPU host shows threads pay
     for value in (0, "many", True):
         with pytest.raises(ProposerConfigError, match=f"grammar_row_threads={value!r}"):
             Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),

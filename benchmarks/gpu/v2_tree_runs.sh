@@ -40,6 +40,7 @@
 #            the worker as deep as drafts get accepted (grammar_row_depth "auto", the
 #            default) and every row ("full");
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
+#            SCHEMA_ROWS=threads: the same plus our tree 16 with grammar_row_threads "auto";
 #            PHASES=--phases: where each step's time goes;
 #            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
@@ -287,6 +288,13 @@ run() {
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-chain-K5-queued-depth-auto={$chain_queued, \"grammar_row_depth\": \"auto\"}" \
           --spec "ours-chain-K5-queued-depth-full={$chain_queued, \"grammar_row_depth\": \"full\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = threads ]; then
+        # our tree 16 with xgrammar's walks of its rows on one host thread (the default)
+        # and on "auto" threads (integration/row_threads.py), beside vLLM's eagle3 K=5
+        mapfile -t S < <(printf '%s\n' \
+          --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-tree16={$tree}" \
+          --spec "ours-tree16-row-threads={$tree, \"grammar_row_threads\": \"auto\"}")
       elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
         # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:
         # first-step masks, rows in the worker): a run that fits a lease after a head build

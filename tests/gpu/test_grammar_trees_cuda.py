@@ -34,10 +34,10 @@ pytestmark = pytest.mark.skipif(
 # masked drafts asked for: off by default on Model Runner V2 (proposers/eagle3.py)
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25, "grammar_drafts": True}
-# the verification rows filled in the worker (integration/worker_rows.py), on
-# host threads past row_threads.MIN_ROWS (grammar_row_threads "auto": a batch
-# of NUM_PROMPTS trees has 204 rows; one request alone stays on one thread)
-WORKER_ROWS = {"grammar_rows": "worker"}
+# the verification rows filled in the worker (integration/worker_rows.py),
+# xgrammar's walks on host threads past row_threads.MIN_ROWS (a batch of
+# NUM_PROMPTS trees has 204 rows; one request alone stays on one thread)
+WORKER_ROWS = {"grammar_rows": "worker", "grammar_row_threads": "auto"}
 # Drafts masked per node on their path's grammar (integration/v2/structured.py)
 # and pruned by the scheduler: on the V1 runner tree 16 made 4.20 tokens a
 # step masked and 2.43 unmasked on the same schema, and Model Runner V2

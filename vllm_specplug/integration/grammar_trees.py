@@ -27,6 +27,7 @@ each tree's parents: the V1 runner attaches them to its drafts
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -97,29 +98,32 @@ def fill_tree_rows(grammar, req_id: str, draft_token_ids: Sequence[int],
     of one row (a full mask once the grammar has terminated).
 
     xgrammar walks the tree in C++, one call per tree
-    (`GrammarMatcher.traverse_draft_tree`, SGLang's layout); other backends
-    walk it here, node by node. The rows are filled on the engine core's
-    critical path (a deferred step waits for them), once per constrained
-    request a step: the bookkeeping is on short lists, no scan of the rows."""
-    num_nodes = len(parents)
-    drafts = [int(token) for token in draft_token_ids[:num_nodes - 1]]
-    matcher = getattr(grammar, "matcher", None)
-    traverse = getattr(matcher, "traverse_draft_tree", None)
-    in_vocab = not drafts or (min(drafts) >= 0  # xgrammar reads the parent's bit
-                              and max(drafts) < rows.shape[1] * 32)
-    if traverse is not None and in_vocab and not grammar.is_terminated():
-        valid = _traverse(traverse, parents, [0] + drafts, rows, _stop_token_ids(grammar))
-    else:
-        valid = walk_tree(grammar, req_id, draft_token_ids, parents, fill_row, rows)
-    if not all(valid):
-        source = list(range(num_nodes))  # each node's nearest valid ancestor (itself if valid)
-        for node in range(1, num_nodes):  # parents come first
-            if not valid[node]:
-                source[node] = source[parents[node]]
-        invalid = [node for node in range(num_nodes) if not valid[node]]
-        words = rows.numpy()
-        words[invalid] = words[[source[node] for node in invalid]]  # sources are valid: unchanged
+    (`GrammarMatcher.traverse_draft_tree`, SGLang's layout: `NativeWalk`);
+    other backends walk it here, node by node. The rows are filled on the
+    engine core's critical path (a deferred step waits for them), once per
+    constrained request a step: the bookkeeping is on short lists, no scan
+    of the rows."""
+    walk = native_walk(grammar, draft_token_ids, parents, rows)
+    if walk is not None:
+        walk.run()
+        return walk.finish()
+    valid = walk_tree(grammar, req_id, draft_token_ids, parents, fill_row, rows)
+    copy_invalid_rows(valid, parents, rows)
     return valid
+
+
+def copy_invalid_rows(valid: Sequence[bool], parents: Sequence[int], rows: torch.Tensor) -> None:
+    """Each invalid node's row: its nearest valid ancestor's."""
+    if all(valid):
+        return
+    num_nodes = len(parents)
+    source = list(range(num_nodes))  # each node's nearest valid ancestor (itself if valid)
+    for node in range(1, num_nodes):  # parents come first
+        if not valid[node]:
+            source[node] = source[parents[node]]
+    invalid = [node for node in range(num_nodes) if not valid[node]]
+    words = rows.numpy()
+    words[invalid] = words[[source[node] for node in invalid]]  # sources are valid: unchanged
 
 
 STOP_IDS_ATTR = "_specplug_stop_token_ids"  # cached on vLLM's grammar object
@@ -136,31 +140,66 @@ def _stop_token_ids(grammar) -> frozenset[int]:
     return stops
 
 
-def _traverse(traverse, parents: Sequence[int], tokens: list[int], rows: torch.Tensor,
-              stop_token_ids: frozenset[int]) -> list[bool]:
-    """xgrammar's walk: it fills the rows of the nodes its parent's row
-    allows and leaves the others alone. A node that ends the grammar (an
-    accepted stop token) gets vLLM's full row for a terminated grammar here,
-    where xgrammar leaves it empty; a node whose row is empty for another
-    reason keeps it, as vLLM would."""
+def native_walk(grammar, draft_token_ids: Sequence[int], parents: Sequence[int],
+                rows: torch.Tensor) -> NativeWalk | None:
+    """xgrammar's walk of one tree, its inputs laid out; None where the
+    grammar has none (another backend), has terminated, or a draft is
+    outside the rows' vocabulary (xgrammar reads the parent's bit)."""
+    traverse = getattr(getattr(grammar, "matcher", None), "traverse_draft_tree", None)
+    drafts = [int(token) for token in draft_token_ids[:len(parents) - 1]]
+    if (traverse is None or grammar.is_terminated()
+            or (drafts and (min(drafts) < 0 or max(drafts) >= rows.shape[1] * 32))):
+        return None
     num_nodes = len(parents)
     first_child, next_sibling = [-1] * num_nodes, [-1] * num_nodes
     for node in range(num_nodes - 1, 0, -1):  # siblings linked in node order
         next_sibling[node] = first_child[parents[node]]
         first_child[parents[node]] = node
-    token_array = np.array(tokens, dtype=np.int64)
-    traverse(torch.from_numpy(np.array(first_child, dtype=np.int64)),
-             torch.from_numpy(np.array(next_sibling, dtype=np.int64)),
-             torch.from_numpy(token_array), rows)
-    words = rows.numpy()  # a view
-    parent_words = words[np.maximum(np.asarray(parents), 0), token_array >> 5].view(np.uint32)
-    allowed = ((parent_words >> (token_array & 31).astype(np.uint32)) & 1).tolist()
-    valid = [True] * num_nodes
-    for node in range(1, num_nodes):
-        valid[node] = valid[parents[node]] and allowed[node] == 1
-        if valid[node] and tokens[node] in stop_token_ids:
-            words[node] = -1  # vLLM's full mask for a terminated grammar
-    return valid
+    tokens = [0] + drafts
+    return NativeWalk(traverse, torch.tensor(first_child, dtype=torch.int64),
+                      torch.tensor(next_sibling, dtype=torch.int64),
+                      torch.tensor(tokens, dtype=torch.int64), rows, list(parents), tokens,
+                      _stop_token_ids(grammar))
+
+
+@dataclass
+class NativeWalk:
+    """One tree's walk by xgrammar, laid out by `native_walk`: `run` is the
+    C++ call alone (it holds no Python state but the request's own matcher
+    and rows: any thread may run it, and xgrammar releases the GIL in it,
+    integration/row_threads.py), `finish` the bookkeeping after it, on the
+    caller's thread."""
+    traverse: Callable      # the request's matcher's traverse_draft_tree
+    first_child: torch.Tensor   # [num_nodes] int64: each node's first child, -1 none
+    next_sibling: torch.Tensor  # [num_nodes] int64: each node's next sibling, -1 none
+    token_ids: torch.Tensor     # [num_nodes] int64: 0 at the root, then the drafts
+    rows: torch.Tensor          # [num_nodes, num_words] int32: the tree's rows (a view)
+    parents: list[int]
+    tokens: list[int]           # token_ids as a list
+    stop_token_ids: frozenset[int]
+
+    def run(self) -> None:
+        self.traverse(self.first_child, self.next_sibling, self.token_ids, self.rows)
+
+    def finish(self) -> list[bool]:
+        """Which nodes are valid, once `run` filled the rows of the nodes
+        their parent's row allows (xgrammar leaves the others alone). A node
+        that ends the grammar (an accepted stop token) gets vLLM's full row
+        for a terminated grammar here, where xgrammar leaves it empty; a
+        node whose row is empty for another reason keeps it, as vLLM would.
+        Each invalid node's row becomes its nearest valid ancestor's."""
+        words = self.rows.numpy()  # a view
+        token_array = np.array(self.tokens, dtype=np.int64)
+        parent_words = words[np.maximum(np.asarray(self.parents), 0),
+                             token_array >> 5].view(np.uint32)
+        allowed = ((parent_words >> (token_array & 31).astype(np.uint32)) & 1).tolist()
+        valid = [True] * len(self.parents)
+        for node in range(1, len(self.parents)):
+            valid[node] = valid[self.parents[node]] and allowed[node] == 1
+            if valid[node] and self.tokens[node] in self.stop_token_ids:
+                words[node] = -1  # vLLM's full mask for a terminated grammar
+        copy_invalid_rows(valid, self.parents, self.rows)
+        return valid
 
 
 def num_drafts_to_keep(valid: Sequence[bool]) -> int:

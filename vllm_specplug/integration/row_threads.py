@@ -1,5 +1,5 @@
-"""A step's verification rows filled on several host threads
-(`grammar_row_threads`).
+"""xgrammar's tree walks of a step's verification rows, on several host
+threads (`grammar_row_threads`).
 
 Under structured outputs every draft node of a constrained request gets the
 grammar's bitmask in its own path's state (grammar_trees.py). xgrammar
@@ -9,20 +9,22 @@ turn: on SmolLM2 under a JSON schema (H200, the GPU-built head) our
 tree 16's worker spent 14.6 ms a step in the grammar at batch 64 (1088
 rows), against 0.8 ms for vLLM's `eagle3` chain, whose rows the engine core
 fills (docs/results/v2_schema_large_head_h200). Requests' grammars and
-rows are disjoint, so their walks can run side by side: on this 2-core
-machine, 64 trees of 17 nodes took 5.6 ms on one thread and 3.3 ms over
-four (5.7 ms of CPU time either way).
+rows are disjoint, so their walks can run side by side; the bookkeeping
+around each walk stays on the caller's thread (`plan_request_rows`). On
+this 2-core CPU, 64 trees of 17 nodes (SmolLM2's vocabulary, its JSON
+schema): 7.4 ms on one thread, 5.0 ms with the walks on two; more threads
+than cores ran slower. Not measured on a GPU host yet, so one thread is the
+default.
 
-vLLM fills its own rows on threads the same way past 128 requests without
-speculation (`StructuredOutputManager.executor_for_fillmask`, at most half
-the CPUs or 8); "auto" takes the same number.
+vLLM fills its own rows on threads past 128 requests without speculation
+(`StructuredOutputManager.executor_for_fillmask`, at most half the CPUs or
+8); "auto" takes the same number.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import os
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from vllm_specplug.proposers.eagle3 import AUTO_ROW_THREADS
 
@@ -31,8 +33,6 @@ from vllm_specplug.proposers.eagle3 import AUTO_ROW_THREADS
 # threads its own fills past 128 requests
 MIN_ROWS = 128
 TASKS_PER_THREAD = 2  # smaller tasks even out trees of different costs
-
-Result = TypeVar("Result")
 
 
 def num_row_threads(option: int | str) -> int:
@@ -48,8 +48,14 @@ def num_row_threads(option: int | str) -> int:
 
 
 class RowThreads:
-    """Runs one fill per request, on a pool once a step has `min_rows`
-    rows (one thread: always on the caller's)."""
+    """Runs a step's tree walks (`NativeWalk.run`, grammar_trees.py), on a
+    pool once the step has `min_rows` rows (one thread: always on the
+    caller's). Only xgrammar's C++ call runs there: the bookkeeping before
+    and after each walk stays on the caller's thread, where it holds the
+    GIL anyway. (Whole fills on threads, Python included, ran 0.5x of one
+    thread on 8 threads of the H200's host: the threads queued for the
+    GIL between their short C++ calls,
+    docs/results/v2_grammar_smollm2_unmasked_h200.)"""
 
     def __init__(self, num_threads: int, min_rows: int = MIN_ROWS) -> None:
         self.num_threads = num_threads
@@ -57,25 +63,31 @@ class RowThreads:
         self.pool = (concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="specplug-rows") if num_threads > 1 else None)
 
-    def map(self, fill: Callable[[int], Result], num_rows: Sequence[int]) -> list[Result]:
-        """[fill(i) for i in range(len(num_rows))], `num_rows[i]` being
-        request i's rows (what its fill costs). Each fill must touch only
-        its own request's grammar and rows. An error is raised once every
-        task has ended, so no thread still writes a row after it."""
-        if self.pool is None or sum(num_rows) < self.min_rows or len(num_rows) < 2:
-            return [fill(i) for i in range(len(num_rows))]
-        tasks = [self.pool.submit(_run, fill, chunk) for chunk in
-                 _chunks(num_rows, self.num_threads * TASKS_PER_THREAD)]
+    def run(self, jobs: Sequence[Callable[[], None] | None], num_rows: Sequence[int]) -> None:
+        """Every job that is not None, `num_rows[i]` being job i's rows (what
+        it costs). A job touches only its own request's grammar and rows. An
+        error is raised once every task has ended, so no thread still
+        writes a row after it."""
+        if self.pool is None or sum(num_rows) < self.min_rows or len(jobs) < 2:
+            for job in jobs:
+                if job is not None:
+                    job()
+            return
+        tasks = [self.pool.submit(_run, [jobs[i] for i in chunk])
+                 for chunk in _chunks(num_rows, self.num_threads * TASKS_PER_THREAD)]
         concurrent.futures.wait(tasks)
-        return [result for task in tasks for result in task.result()]
+        for task in tasks:
+            task.result()  # raises a job's error
 
     def shutdown(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
 
 
-def _run(fill: Callable[[int], Result], indices: range) -> list[Result]:
-    return [fill(i) for i in indices]
+def _run(jobs: list[Callable[[], None] | None]) -> None:
+    for job in jobs:
+        if job is not None:
+            job()
 
 
 def _chunks(num_rows: Sequence[int], num_chunks: int) -> list[range]:

@@ -37,12 +37,12 @@ worker's rows follow the scheduler's in the step's `GrammarOutput`
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from vllm_specplug.integration.grammar_trees import fill_tree_rows
+from vllm_specplug.integration.grammar_trees import NativeWalk, fill_tree_rows, native_walk
 from vllm_specplug.proposers.eagle3 import chain_parents
 
 # on a SchedulerOutput: [req_id] of the requests whose rows the worker fills
@@ -63,6 +63,20 @@ def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
     device's real drafts through on the wrong path's rows). A chain with
     `max_drafts` (`RowDepth`) gets rows for its first `max_drafts` drafts
     only, the rest a copy of the last, and only those drafts acceptable."""
+    walk, finish = plan_request_rows(grammar, req_id, rows, draft_token_ids, parents,
+                                     max_drafts)
+    if walk is not None:
+        walk.run()
+    return finish()
+
+
+def plan_request_rows(grammar, req_id: str, rows: torch.Tensor,
+                      draft_token_ids: Sequence[int] | None, parents: Sequence[int] | None,
+                      max_drafts: int | None = None) -> tuple[NativeWalk | None,
+                                                               Callable[[], int]]:
+    """`fill_request_rows` in two parts: (xgrammar's walk of the request's
+    tree, which any thread may run, or None) and the rest, to call after it
+    on this thread, which returns the acceptable drafts (row_threads.py)."""
     num_slots = rows.shape[0] - 1
     fill = _row_filler(grammar, rows)
     known = draft_token_ids is not None and len(draft_token_ids) >= num_slots and all(
@@ -70,17 +84,24 @@ def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
     if num_slots and not known:
         fill(0)
         rows[1:] = rows[0]
-        return 0
+        return None, lambda: 0
     if parents is None and max_drafts is not None and max_drafts < num_slots:
-        num_acceptable = fill_request_rows(grammar, req_id, rows[:max_drafts + 1],
-                                           list(draft_token_ids)[:max_drafts], None)
-        rows[max_drafts + 1:] = rows[max_drafts]  # never sampled from: not acceptable
-        return num_acceptable
+        walk, finish_prefix = plan_request_rows(grammar, req_id, rows[:max_drafts + 1],
+                                                list(draft_token_ids)[:max_drafts], None)
+
+        def finish_depth() -> int:
+            num_acceptable = finish_prefix()
+            rows[max_drafts + 1:] = rows[max_drafts]  # never sampled from: not acceptable
+            return num_acceptable
+        return walk, finish_depth
     parents = (chain_parents(num_slots + 1).tolist() if parents is None
                else list(parents[:num_slots + 1]))
-    fill_tree_rows(grammar, req_id, list(draft_token_ids or ())[:num_slots], parents, rows,
-                   fill)
-    return num_slots
+    drafts = list(draft_token_ids or ())[:num_slots]
+    walk = native_walk(grammar, drafts, parents, rows)
+    if walk is not None:
+        return walk, lambda: (walk.finish(), num_slots)[1]
+    return None, lambda: (fill_tree_rows(grammar, req_id, drafts, parents, rows, fill),
+                          num_slots)[1]
 
 
 def num_grammar_rows(input_batch, row: int) -> int:

@@ -93,11 +93,15 @@ class TreeOptions(ProposerOptions):
     # from the acceptance the worker sees (every row one step in 16); "full":
     # every draft's. Exact either way: a draft without its row is rejected.
     grammar_row_depth: str = AUTO_ROW_DEPTH
-    # Host threads that fill those rows in the worker, one request's walk of
-    # its grammar beside another's (integration/row_threads.py), once a step
-    # has 128 rows: "auto" (the default) is vLLM's own fill pool's size (half
-    # the CPUs, at most 8); 1 fills them in turn. Exact either way.
-    grammar_row_threads: int | str = AUTO_ROW_THREADS
+    # Host threads that run xgrammar's walks of those rows' trees in the
+    # worker, one request's beside another's, once a step has 128 rows
+    # (integration/row_threads.py): 1 (the default) walks them in turn;
+    # "auto" takes vLLM's own fill pool's size (half the CPUs, at most 8).
+    # Exact either way. Not the default until a GPU host shows it pays: on
+    # this 2-core CPU two threads walked 64 trees 1.45x faster, where whole
+    # fills on threads ran slower on the H200's host
+    # (docs/results/v2_schema_large_head_h200).
+    grammar_row_threads: int | str = 1
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")

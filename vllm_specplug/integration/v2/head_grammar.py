@@ -14,7 +14,7 @@ from torch.profiler import record_function
 
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
 from vllm_specplug.integration.scheduler import merged_grammar_output
-from vllm_specplug.integration.worker_rows import fill_request_rows, num_grammar_rows
+from vllm_specplug.integration.worker_rows import num_grammar_rows, plan_request_rows
 from vllm_specplug.proposers.head_graphs import padded_batch
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
@@ -140,14 +140,12 @@ class HeadGrammar:
         drafts per request."""
         depth = self.row_depth.begin_step() if self.row_depth is not None else None
         offsets = np.cumsum([0] + num_rows)
-
-        def fill(i: int) -> int:  # request i's own grammar and rows only (row_threads.py)
-            req_id = req_ids[i]
-            return fill_request_rows(grammars[req_id], req_id,
-                                     bitmask[offsets[i]:offsets[i + 1]], drafts.get(req_id),
-                                     parents.get(req_id), depth)
-
-        num_acceptable = self.row_threads.map(fill, num_rows)
+        plans = [plan_request_rows(grammars[req_id], req_id, bitmask[offsets[i]:offsets[i + 1]],
+                                   drafts.get(req_id), parents.get(req_id), depth)
+                 for i, req_id in enumerate(req_ids)]
+        # xgrammar's walks side by side (row_threads.py), the rest here
+        self.row_threads.run([walk and walk.run for walk, _ in plans], num_rows)
+        num_acceptable = [finish() for _, finish in plans]
         if depth is not None:  # what each one's last rows' drafts became, and these rows
             tracked = self.structured.grammars.tracked
             for req_id, acceptable in zip(req_ids, num_acceptable):

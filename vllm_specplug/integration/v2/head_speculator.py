@@ -119,7 +119,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
         self.structured = (StructuredRequests(vllm_config)
                            if options.masks_drafts() or self.rows_in_worker else None)
-        # those rows filled on host threads, a request's walk beside another's
+        # those rows' tree walks on host threads (grammar_row_threads)
         self.row_threads = RowThreads(num_row_threads(options.grammar_row_threads)
                                       if self.rows_in_worker else 1)
         # a chain's worker rows only as deep as its drafts get accepted

@@ -156,9 +156,9 @@ def native_walk(grammar, draft_token_ids: Sequence[int], parents: Sequence[int],
         next_sibling[node] = first_child[parents[node]]
         first_child[parents[node]] = node
     tokens = [0] + drafts
-    return NativeWalk(traverse, torch.tensor(first_child, dtype=torch.int64),
-                      torch.tensor(next_sibling, dtype=torch.int64),
-                      torch.tensor(tokens, dtype=torch.int64), rows, list(parents), tokens,
+    # one array for the three (a torch.tensor from a list each cost 4 µs a tree)
+    layout = np.array((first_child, next_sibling, tokens), dtype=np.int64)
+    return NativeWalk(traverse, *map(torch.from_numpy, layout), rows, list(parents), tokens,
                       _stop_token_ids(grammar))
 
 
@@ -189,7 +189,7 @@ class NativeWalk:
         node whose row is empty for another reason keeps it, as vLLM would.
         Each invalid node's row becomes its nearest valid ancestor's."""
         words = self.rows.numpy()  # a view
-        token_array = np.array(self.tokens, dtype=np.int64)
+        token_array = self.token_ids.numpy()  # the walk's own input: a view
         parent_words = words[np.maximum(np.asarray(self.parents), 0),
                              token_array >> 5].view(np.uint32)
         allowed = ((parent_words >> (token_array & 31).astype(np.uint32)) & 1).tolist()

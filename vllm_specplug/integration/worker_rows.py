@@ -79,8 +79,8 @@ def plan_request_rows(grammar, req_id: str, rows: torch.Tensor,
     on this thread, which returns the acceptable drafts (row_threads.py)."""
     num_slots = rows.shape[0] - 1
     fill = _row_filler(grammar, rows)
-    known = draft_token_ids is not None and len(draft_token_ids) >= num_slots and all(
-        int(token) >= 0 for token in draft_token_ids[:num_slots])  # -1: vLLM's "unknown"
+    known = draft_token_ids is not None and len(draft_token_ids) >= num_slots and (
+        not num_slots or min(draft_token_ids[:num_slots]) >= 0)  # -1: vLLM's "unknown"
     if num_slots and not known:
         fill(0)
         rows[1:] = rows[0]

@@ -133,14 +133,21 @@ def measure(new_grammar, vocab_size: int, cases, repeats: int) -> dict:
                    statistics.median(t) / num_valid * 1e6) for kind, t in times.items()}
 
 
-def measure_step(new_grammar, cases, repeats: int, workers: int) -> tuple[float, float]:
-    """(serial ms, threaded ms): one deferred step's walks, every case a
-    request of the step, native walk, on one thread and on `workers`."""
+def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, float]:
+    """{way: ms} for one step's walks, every case a request of the step,
+    native walk: on one thread (`serial`), whole fills on `workers` threads
+    (`fills`: Python included, as this script first tried), and the worker's
+    way (`walks`: xgrammar's walks alone on `workers` threads, the bookkeeping
+    on this one: `RowThreads`, integration/row_threads.py). Every way must
+    give the serial rows, bit for bit."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import torch
     import xgrammar as xgr
 
     from vllm_specplug.integration.grammar_trees import fill_tree_rows
+    from vllm_specplug.integration.row_threads import RowThreads
+    from vllm_specplug.integration.worker_rows import plan_request_rows
 
     grammars = []
     for prefix, _, _ in cases:
@@ -151,18 +158,36 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> tuple[float,
     rows = [xgr.allocate_token_bitmask(len(c[1]), vocab_size) for c in cases]
     jobs = [(g, "bench", c[2], c[1], r, lambda node, g=g, r=r: g.fill_bitmask(r, node))
             for g, c, r in zip(grammars, cases, rows)]
-    serial, threaded = [], []
+    row_threads = RowThreads(workers, min_rows=0)  # 1 worker: request after request
+
+    def serial():
+        for job in jobs:
+            fill_tree_rows(*job)
+
+    def fills():
+        for future in [pool.submit(fill_tree_rows, *job) for job in jobs]:
+            future.result()
+
+    def walks():
+        row_threads.fill(lambda i: plan_request_rows(grammars[i], "bench", rows[i],
+                                                     cases[i][2], cases[i][1]),
+                         [len(c[1]) for c in cases])
+
+    times: dict[str, list[float]] = {"serial": [], "fills": [], "walks": []}
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for job in jobs:
-                fill_tree_rows(*job)
-            serial.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            for future in [pool.submit(fill_tree_rows, *job) for job in jobs]:
-                future.result()
-            threaded.append(time.perf_counter() - start)
-    return statistics.median(serial) * 1e3, statistics.median(threaded) * 1e3
+        for _ in range(repeats):  # interleaved
+            for name, way in (("serial", serial), ("fills", fills), ("walks", walks)):
+                for r in rows:
+                    r.zero_()
+                start = time.perf_counter()
+                way()
+                times[name].append(time.perf_counter() - start)
+                if name == "serial":
+                    expected = [r.clone() for r in rows]
+                else:
+                    assert all(torch.equal(a, b) for a, b in zip(rows, expected)), name
+    row_threads.shutdown()
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -175,7 +200,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-batch", type=int, default=64,
                         help="requests of one step for the serial vs threaded walk")
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=8,
+                        help="threads for a step's trees (grammar_row_threads)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     from vllm_specplug.models import build_model
@@ -200,10 +226,12 @@ def main(argv=None) -> int:
                      f"{row['validate'][0] / row['native'][0]:.1f}x |")
     step_cases = [random_case(rng, new_grammar, vocab_size, 16, args.valid)
                   for _ in tqdm(range(args.step_batch), desc="a step's trees")]
-    serial_ms, threaded_ms = measure_step(new_grammar, step_cases, args.repeats, args.workers)
-    lines.append(f"\none step of {args.step_batch} 16-node trees, native walk: {serial_ms:.2f} ms "
-                 f"on one thread, {threaded_ms:.2f} ms on {args.workers} threads "
-                 f"({serial_ms / threaded_ms:.1f}x)")
+    step = measure_step(new_grammar, step_cases, args.repeats, args.workers)
+    lines.append(f"\none step of {args.step_batch} 16-node trees, native walk: "
+                 f"{step['serial']:.2f} ms on one thread; on {args.workers} threads, whole "
+                 f"fills {step['fills']:.2f} ms ({step['serial'] / step['fills']:.1f}x), "
+                 f"the walks alone (RowThreads) {step['walks']:.2f} ms "
+                 f"({step['serial'] / step['walks']:.1f}x)")
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

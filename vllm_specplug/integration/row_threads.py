@@ -26,6 +26,7 @@ import concurrent.futures
 import os
 from collections.abc import Callable, Sequence
 
+from vllm_specplug.integration.grammar_trees import NativeWalk
 from vllm_specplug.proposers.eagle3 import AUTO_ROW_THREADS
 
 # A step with fewer rows fills them on the calling thread: a task's hand-off
@@ -63,12 +64,36 @@ class RowThreads:
         self.pool = (concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="specplug-rows") if num_threads > 1 else None)
 
+    def threaded(self, num_rows: Sequence[int]) -> bool:
+        """Whether a step of requests with these rows goes to the pool."""
+        return self.pool is not None and len(num_rows) > 1 and sum(num_rows) >= self.min_rows
+
+    def fill(self, plan: Callable[[int], tuple[NativeWalk | None, Callable[[], int]]],
+             num_rows: Sequence[int]) -> list[int]:
+        """Each request's result: `plan(i)` lays out request i's rows
+        (`plan_request_rows`: its walk, then the rest, which returns the
+        result). On the pool, every plan first, the walks side by side,
+        then the rests in order; else request after request (its rows
+        still in the cache for the rest: 64 trees all planned, then walked,
+        then finished took 8% longer on this CPU)."""
+        if not self.threaded(num_rows):
+            results = []
+            for i in range(len(num_rows)):
+                walk, finish = plan(i)
+                if walk is not None:
+                    walk.run()
+                results.append(finish())
+            return results
+        plans = [plan(i) for i in range(len(num_rows))]
+        self.run([walk and walk.run for walk, _ in plans], num_rows)
+        return [finish() for _, finish in plans]
+
     def run(self, jobs: Sequence[Callable[[], None] | None], num_rows: Sequence[int]) -> None:
         """Every job that is not None, `num_rows[i]` being job i's rows (what
-        it costs). A job touches only its own request's grammar and rows. An
-        error is raised once every task has ended, so no thread still
-        writes a row after it."""
-        if self.pool is None or sum(num_rows) < self.min_rows or len(jobs) < 2:
+        it costs), on the pool when `threaded`. A job touches only its own
+        request's grammar and rows. An error is raised once every task has
+        ended, so no thread still writes a row after it."""
+        if not self.threaded(num_rows):
             for job in jobs:
                 if job is not None:
                     job()

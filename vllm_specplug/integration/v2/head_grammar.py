@@ -140,12 +140,13 @@ class HeadGrammar:
         drafts per request."""
         depth = self.row_depth.begin_step() if self.row_depth is not None else None
         offsets = np.cumsum([0] + num_rows)
-        plans = [plan_request_rows(grammars[req_id], req_id, bitmask[offsets[i]:offsets[i + 1]],
-                                   drafts.get(req_id), parents.get(req_id), depth)
-                 for i, req_id in enumerate(req_ids)]
-        # xgrammar's walks side by side (row_threads.py), the rest here
-        self.row_threads.run([walk and walk.run for walk, _ in plans], num_rows)
-        num_acceptable = [finish() for _, finish in plans]
+
+        def plan(i: int):  # xgrammar's walks may go side by side (row_threads.py)
+            req_id = req_ids[i]
+            return plan_request_rows(grammars[req_id], req_id, bitmask[offsets[i]:offsets[i + 1]],
+                                     drafts.get(req_id), parents.get(req_id), depth)
+
+        num_acceptable = self.row_threads.fill(plan, num_rows)
         if depth is not None:  # what each one's last rows' drafts became, and these rows
             tracked = self.structured.grammars.tracked
             for req_id, acceptable in zip(req_ids, num_acceptable):

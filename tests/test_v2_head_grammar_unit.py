@@ -208,3 +208,17 @@ def test_root_masks_keep_a_row_that_allows_no_draft_id_and_reset_rows_left_over(
     assert not bool(masks.allowed[0].all())
     masks.clear()
     assert masks.num_masked_rows == 0 and bool(masks.allowed.all())
+
+
+def test_grammar_parents_hand_over_each_trees_parents_once():
+    """`GrammarParents` (the trees' parents beside vLLM's drafts): what
+    `record` took is what `take` gives, once; off CUDA copied at once."""
+    from vllm_specplug.integration.v2.grammar_parents import GrammarParents
+
+    kept = GrammarParents(torch.device("cpu"))
+    assert kept.take() == {}
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    kept.record(["a", "b"], parents)
+    parents.fill_(7)  # the drafting pass's buffer, reused by the next step
+    assert kept.take() == {"a": [-1, 0, 0, 1], "b": [-1, 0, 1, 2]}
+    assert kept.take() == {}

@@ -17,32 +17,43 @@ import torch
 
 class GrammarParents:
     def __init__(self, device: torch.device) -> None:
-        self.copy_stream = torch.cuda.Stream(device)
-        self.copy_event = torch.cuda.Event(blocking=True)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.req_ids: list[str] = []
-        self.parents_np = None  # [B, N] int64 on the host, once the event passed
+        self.parents_host: torch.Tensor | None = None  # [B, N] int64, once the event passed
+        self.copy_event = None  # the copy's CUDA event (None: copied already)
 
     def record(self, req_ids: list[str], parents: torch.Tensor) -> None:
         """`parents` [B, N] int64 (root included, -1 at the root): the trees
         just drafted for `req_ids`, a tensor of the current stream."""
         self.req_ids = list(req_ids)
-        self.copy_stream.wait_stream(torch.cuda.current_stream(parents.device))
-        with torch.cuda.stream(self.copy_stream):
-            # a non-blocking copy to the host lands in pinned memory (as vLLM's
-            # async_copy_to_np): complete once the event has passed
-            self.parents_np = parents.to("cpu", non_blocking=True, copy=True).numpy()
-            # read here on the side stream: keep the allocator from reusing it
-            parents.record_stream(self.copy_stream)
-            self.copy_event.record()
+        self.parents_host, self.copy_event = to_host_async(self.copy_stream, parents)
 
     def clear(self) -> None:
-        self.req_ids, self.parents_np = [], None
+        self.req_ids, self.parents_host, self.copy_event = [], None, None
 
     def take(self) -> dict[str, list[int]]:
         """{req_id: parents} of the last recorded step (once: then cleared)."""
-        if self.parents_np is None:
+        if self.parents_host is None:
             return {}
-        self.copy_event.synchronize()
-        taken = {req_id: row.tolist() for req_id, row in zip(self.req_ids, self.parents_np)}
+        if self.copy_event is not None:
+            self.copy_event.synchronize()
+        taken = {req_id: row.tolist()
+                 for req_id, row in zip(self.req_ids, self.parents_host.numpy())}
         self.clear()
         return taken
+
+
+def to_host_async(stream, *tensors: torch.Tensor) -> tuple:
+    """(host copies..., event): on CUDA copied on the side `stream` into
+    pinned memory (as vLLM's async_copy_to_np) and not waited for (the
+    event says when); elsewhere copied now (event None)."""
+    if not tensors[0].is_cuda:
+        return (*(tensor.clone() for tensor in tensors), None)
+    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    with torch.cuda.stream(stream):
+        copies = tuple(tensor.to("cpu", non_blocking=True) for tensor in tensors)
+        for tensor in tensors:  # made on the step's stream, read on this one: keep the
+            tensor.record_stream(stream)  # allocator from reusing it before the copy
+        event = torch.cuda.Event(blocking=True)  # sleeps, not spins, when waited on
+        event.record()
+    return (*copies, event)

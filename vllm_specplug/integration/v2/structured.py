@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.integration.grammar_drafting import DraftGrammars, is_constrained
+from vllm_specplug.integration.v2.grammar_parents import to_host_async
 
 
 class StructuredRequests:
@@ -121,7 +122,7 @@ class StructuredRequests:
         # gathered on the step's stream: later steps write these tensors
         ends, tokens = req_states.total_len.gpu[index], all_token_ids[index, :width]
         self.queued = QueuedOutputs(self.step, req_ids, req_states.prompt_len.np[slots].copy(),
-                                    width, *_to_host(self._copy_stream(ends), ends, tokens))
+                                    width, *to_host_async(self._copy_stream(ends), ends, tokens))
 
     def _copy_stream(self, tensor: torch.Tensor):
         """A side stream for `queue_outputs`'s copies (as vLLM's
@@ -217,19 +218,3 @@ class QueuedOutputs:
             if end <= self.width:
                 found[req_id] = tokens[i, start:end] if end > start else None
         return found
-
-
-def _to_host(stream, *tensors: torch.Tensor) -> tuple:
-    """(host copies..., event): on CUDA copied on the side `stream` into
-    pinned memory and not waited for (the event says when); elsewhere
-    copied now (event None)."""
-    if not tensors[0].is_cuda:
-        return (*(tensor.clone() for tensor in tensors), None)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        copies = tuple(tensor.to("cpu", non_blocking=True) for tensor in tensors)
-        for tensor in tensors:  # made on the step's stream, read on this one
-            tensor.record_stream(stream)
-        event = torch.cuda.Event(blocking=True)  # sleeps, not spins, when waited on
-        event.record()
-    return (*copies, event)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
+from vllm_specplug.adaptive.wave_focus import RequestGains
 
 
 @pytest.mark.parametrize("max_k", [1, 3, 5, 15])
@@ -35,7 +36,7 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _channel=None,
+    scheduler = SimpleNamespace(gains=RequestGains(), draft_length=BatchDraftLength((0, 4)), _channel=None,
                                 _shapes_seen=set(),
                                 _drafted_before=None)
 
@@ -44,7 +45,7 @@ def test_the_scheduler_does_not_time_the_first_step_at_a_shape():
         output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
                                  num_scheduled_tokens={r: 5 for r in spec},
                                  total_num_scheduled_tokens=5 * num_reqs,
-                                 num_spec_tokens_to_schedule=4)
+                                 finished_req_ids=(), num_spec_tokens_to_schedule=4)
         runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(spec)},
                                  sampled_token_ids=[[1, 2]] * num_reqs)
         BatchDraftSchedule._observe(scheduler, output, runner, 0.01)
@@ -67,7 +68,7 @@ def test_every_steps_time_is_added_to_its_kind():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _channel=None,
+    scheduler = SimpleNamespace(gains=RequestGains(), draft_length=BatchDraftLength((0, 4)), _channel=None,
                                 _shapes_seen=set(),
                                 _drafted_before=None, _maybe_log=lambda: None)
     scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
@@ -78,7 +79,7 @@ def test_every_steps_time_is_added_to_its_kind():
         output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
                                  num_scheduled_tokens={r: 5 for r in spec},
                                  total_num_scheduled_tokens=5 * len(spec) + prefill_tokens,
-                                 num_spec_tokens_to_schedule=k_next)
+                                 finished_req_ids=(), num_spec_tokens_to_schedule=k_next)
         runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(spec)},
                                  sampled_token_ids=[[1, 2]] * len(spec))
         BatchDraftSchedule._observe(scheduler, output, runner, seconds)
@@ -156,7 +157,7 @@ def test_steps_where_some_requests_drafted_nothing_are_timed_and_counted():
 
     from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
 
-    scheduler = SimpleNamespace(draft_length=BatchDraftLength((0, 4)), _channel=None,
+    scheduler = SimpleNamespace(gains=RequestGains(), draft_length=BatchDraftLength((0, 4)), _channel=None,
                                 _shapes_seen=set(),
                                 _drafted_before=None, _maybe_log=lambda: None)
     scheduler._first_at_shape = lambda k, out: BatchDraftSchedule._first_at_shape(
@@ -166,7 +167,7 @@ def test_steps_where_some_requests_drafted_nothing_are_timed_and_counted():
     output = SimpleNamespace(scheduled_spec_decode_tokens=spec,
                              num_scheduled_tokens={r: 5 if r in spec else 1 for r in req_ids},
                              total_num_scheduled_tokens=16 + 4 * 8,
-                             num_spec_tokens_to_schedule=4)
+                             finished_req_ids=(), num_spec_tokens_to_schedule=4)
     runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[[1, 2]] * 8 + [[1]] * 8)
     for _ in range(5):
@@ -252,9 +253,10 @@ def test_a_steps_acceptance_is_read_from_a_sample_of_its_requests():
     runner = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[[1, 2, 3] if r in spec else [1] for r in req_ids])
     counts = _accepted_counts(spec, num_scheduled, runner)
-    assert counts == [2, 0] * (MAX_OBSERVED_REQUESTS // 2)
+    assert list(counts.values()) == [2, 0] * (MAX_OBSERVED_REQUESTS // 2)
+    assert list(counts) == req_ids[:MAX_OBSERVED_REQUESTS]
     prefill = {**num_scheduled, "r1": 30}  # a prefill is no decode: left out
-    assert _accepted_counts(spec, prefill, runner)[:3] == [2, 2, 0]
+    assert list(_accepted_counts(spec, prefill, runner).values())[:3] == [2, 2, 0]
 
 
 def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_path):

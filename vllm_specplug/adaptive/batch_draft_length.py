@@ -168,6 +168,10 @@ class BatchDraftLength:
         self.last_path_step = -PATHS_RECENT_STEPS - 1  # num_steps of the last `verified_within`
         self.stats = BatchDraftStats()
         self.last_expected: dict[int, float] = {}  # K -> E[tokens/request] when chosen
+        # () -> the focus ratio of a draining batch (wave_focus.py) or None;
+        # the scheduler's (None: the batch's mean request, always)
+        self.focus = None
+        self.focus_ratio: float | None = None  # as of the last weighing
         self._step_ms: dict[str, float] | None = None  # counters' copy of step_ms()
         self._step_ms_at = 0  # num_decode_steps when it was taken
         self._step_windows: dict[str, dict] = {}  # counters' copy of times.windows()
@@ -187,6 +191,7 @@ class BatchDraftLength:
             self.num_unweighed += 1
             return self._keep()
         steps, self.num_unweighed, self.weighed_batch = 1 + self.num_unweighed, 0, None
+        self._take_focus()
         estimates = {k: self.times.estimate(k, batch_size, self.current)
                      for k in self.candidates}
         if estimates[self.current] is not None:
@@ -245,7 +250,7 @@ class BatchDraftLength:
         otherwise move the batch to a shorter length for a saving that is not
         there. Else move to the longest length whose time is within the margin
         of the current one's."""
-        rates = {k: batch_size * self.expected_tokens(k) / max(t, 1e-9)
+        rates = {k: batch_size * self.gain(k) / max(t, 1e-9)
                  for k, (t, _) in estimates.items()}
         best = max(rates, key=rates.get)
         noise = (SWITCH_Z * math.hypot(estimates[best][1], estimates[self.current][1])
@@ -303,11 +308,11 @@ class BatchDraftLength:
         3-4%; seconds, not steps, because a batch-80 step costs many batch-1
         steps. A try also changes length twice (`switch_penalty`)."""
         seconds = estimates[self.current][0]
-        current = batch_size * self.expected_tokens(self.current) / seconds
+        current = batch_size * self.gain(self.current) / seconds
         changes = 2 * seconds * self.switch_penalty()  # into k and back
         for k in preferred:
             rate = (None if estimates.get(k) is None
-                    else batch_size * self.expected_tokens(k) / estimates[k][0])
+                    else batch_size * self.gain(k) / estimates[k][0])
             cost = (0.0 if rate is None
                     else HOLD_STEPS * seconds * max(current / rate - 1.0, 0.0) + changes)
             if cost <= self.explore_credit:
@@ -340,6 +345,22 @@ class BatchDraftLength:
     def expected_tokens(self, k: int) -> float:
         """E[tokens a request gains per step | K = k] (`LengthAcceptance`)."""
         return self.acceptance.expected(k)
+
+    def gain(self, k: int) -> float:
+        """What a step at k is weighed by: the batch's mean request's
+        expected tokens, or, in a draining batch, those of the request with
+        the most steps left (`focus_ratio`, wave_focus.py)."""
+        expected = self.expected_tokens(k)
+        if self.focus_ratio is None:
+            return expected
+        return 1.0 + self.focus_ratio * (expected - 1.0)
+
+    def _take_focus(self) -> None:
+        """The focus for this weighing (None while requests wait)."""
+        self.focus_ratio = self.focus() if self.focus is not None else None
+        if self.focus_ratio is not None:
+            self.stats.num_focused += 1
+            self.stats.focus_ratio_sum += self.focus_ratio
 
     def verified(self, k: int, num_accepted: list[int]) -> None:
         """A step verified `k` drafts per request; `num_accepted` per request
@@ -414,7 +435,8 @@ class BatchDraftLength:
                 "num_explored": s.num_explored, "num_measured": s.num_measured,
                 "num_stalled": s.num_stalled, "num_first_at_shape": s.num_first_at_shape,
                 "num_relearned": self.acceptance.num_relearned,
-                "num_path_steps": s.num_path_steps,
+                "num_path_steps": s.num_path_steps, "num_focused": s.num_focused,
+                "focus_ratio_sum": s.focus_ratio_sum,
                 **{f"{kind}_{unit}": getattr(s, f"{kind}_{unit}") for kind in STEP_KINDS
                    for unit in ("steps", "seconds")},
                 "chosen": {k: self.lengths[k].num_chosen for k in self.candidates},

@@ -34,6 +34,10 @@ class BatchDraftStats:
     num_stalled: int = 0  # steps whose time was dropped as a stall (StepTimes.add)
     num_first_at_shape: int = 0  # steps not timed: first at their shape (the scheduler's)
     num_path_steps: int = 0  # tree steps whose accepted paths taught the smaller sizes
+    # weighings of a draining batch by its slowest request (wave_focus.py),
+    # and their focus ratios summed
+    num_focused: int = 0
+    focus_ratio_sum: float = 0.0
     # every step's wall time between outputs, by kind (the scheduler's
     # `_observe`): pure decode steps that verified and drafted one length
     # after a step that did too (timed or not), those that changed length or

@@ -20,6 +20,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
+from vllm_specplug.adaptive.wave_focus import RequestGains
 from vllm_specplug.integration.policy_channel import PolicyChannelWriter, channel_path
 from vllm_specplug.integration.scheduler import (SpecplugTreeAsyncScheduler,
                                                  SpecplugTreeScheduler)
@@ -81,6 +82,10 @@ class BatchDraftSchedule:
                                                    if k <= self.num_spec_tokens),
                                              chains=not _drafts_trees(spec))
         self.dynamic_sd_lookup = self.draft_length
+        # each request's acceptance against the mean's: a draining batch's
+        # length serves its slowest request (adaptive/wave_focus.py)
+        self.gains = RequestGains()
+        self.draft_length.focus = self._wave_focus
         self._last_output_at: float | None = None
         self._busy_since: float | None = None  # the schedule that ended an idle spell
         self._last_log = time.monotonic()
@@ -148,9 +153,13 @@ class BatchDraftSchedule:
         settled = self._drafted_two_before == verified_k == drafted_k
         self._drafted_two_before, self._drafted_before = verified_k, drafted_k
         sampled = self.draft_length.samples(verified_k, drafted_k)
+        self.gains.forget(scheduler_output.finished_req_ids)
         if sampled:
-            self.draft_length.verified(verified_k, _accepted_counts(spec, num_scheduled,
-                                                                    model_runner_output))
+            counts = _accepted_counts(spec, num_scheduled, model_runner_output)
+            expected = self.draft_length.expected_tokens(verified_k) - 1.0
+            for req_id, count in counts.items():
+                self.gains.observed(req_id, count, expected)
+            self.draft_length.verified(verified_k, list(counts.values()))
         path_ranks = getattr(model_runner_output, PATH_RANKS_ATTR, None)
         if path_ranks is not None:  # a tree step's paths: every smaller tree's acceptance
             self.draft_length.verified_within(*path_ranks)
@@ -169,6 +178,16 @@ class BatchDraftSchedule:
             if self._channel is not None:
                 self._channel.write(self.draft_length.stats, self.draft_length.current)
         self.draft_length.stats.host_seconds += time.perf_counter() - started
+
+    def _wave_focus(self) -> float | None:
+        """While nothing waits, the focus ratio of the running request with
+        the most steps left (`RequestGains.focus`); else None."""
+        num_running, num_waiting = self.get_request_counts()
+        if num_waiting or not num_running:
+            return None
+        expected = self.draft_length.expected_tokens(self.draft_length.current)
+        return self.gains.focus(((r.request_id, r.max_tokens - r.num_output_tokens)
+                                 for r in self.running), expected)
 
     def _first_at_shape(self, k: int, scheduler_output) -> bool:
         """Whether this is the first step at its (K, padded batch): the head
@@ -239,21 +258,22 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _accepted_counts(spec: dict, num_scheduled: dict, model_runner_output) -> list[int]:
-    """Accepted drafts of the step's first `MAX_OBSERVED_REQUESTS` decoding
-    requests: its sampled tokens - 1 for one that had drafts, 0 for one that
-    decoded without (the order is the scheduler's, not the acceptance's)."""
+def _accepted_counts(spec: dict, num_scheduled: dict, model_runner_output) -> dict[str, int]:
+    """{req_id: accepted drafts} of the step's first `MAX_OBSERVED_REQUESTS`
+    decoding requests: its sampled tokens - 1 for one that had drafts, 0 for
+    one that decoded without (the order is the scheduler's, not the
+    acceptance's)."""
     index = model_runner_output.req_id_to_index
     sampled = model_runner_output.sampled_token_ids
-    counts = []
+    counts = {}
     for req_id, n in num_scheduled.items():
         ids = spec.get(req_id)
         if ids:
             i = index.get(req_id)
             if i is not None and i < len(sampled) and len(sampled[i]):
-                counts.append(min(len(sampled[i]) - 1, len(ids)))
+                counts[req_id] = min(len(sampled[i]) - 1, len(ids))
         elif n == 1:
-            counts.append(0)
+            counts[req_id] = 0
         if len(counts) == MAX_OBSERVED_REQUESTS:
             break
     return counts

@@ -210,6 +210,9 @@ def test_bench_sums_the_policys_counts_over_repeats_and_reports_them():
                                                             error=None, batch_policy=None)])
     assert "ours-tree16-adaptive" in table and "none" not in table
     assert "0:50% 4:50%" in table and "trying" not in table and "2.00/1.80" in table, table
+    assert "focused" not in table  # a record from before wave_focus.py, or none focused
+    row.batch_policy = {**total, "num_focused": 4, "focus_ratio_sum": 1.0}
+    assert "focused:4(r 0.25)" in format_batch_policy_table([row])
 
 
 def test_bench_reports_the_heads_graphs_captured_in_service_per_row():

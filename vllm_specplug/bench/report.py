@@ -133,7 +133,9 @@ def format_batch_policy_table(rows) -> str:
     """The batch draft length's decisions per row (rows where it ran): the
     share of steps each length was chosen for ("trying": steps that held
     another length to measure it), the explorations, the tokens per
-    request it expected against those it got, the seconds its steps took
+    request it expected against those it got ("focused": weighings of a
+    draining batch by its slowest request, with their mean ratio,
+    adaptive/wave_focus.py), the seconds its steps took
     (pure decode at one length / changing length / with prefill tokens / the
     first after the engine idled, from its schedule), and
     the scheduler's own time in the policy per step; then, per length, the
@@ -153,6 +155,9 @@ def _policy_cells(row) -> str:
         p["chosen"].items(), key=lambda item: int(item[0])) if n)
     trying = p["num_steps"] - sum(p["chosen"].values())
     chosen += f" trying:{trying / steps:.0%}" if trying > 0 else ""
+    if p.get("num_focused"):  # weighings of a draining batch by its slowest request
+        chosen += (f" focused:{p['num_focused']}"
+                   f"(r {p['focus_ratio_sum'] / p['num_focused']:.2f})")
     tokens = f"{p['expected_tokens'] / requests:.2f}/{p['realised_tokens'] / requests:.2f}"
     seconds = "/".join(f"{p.get(kind + '_seconds', float('nan')):.2f}" for kind in STEP_KINDS)
     host = f"{1e6 * p.get('host_seconds', float('nan')) / steps:.0f}"

@@ -82,10 +82,11 @@ class BatchDraftSchedule:
                                                    if k <= self.num_spec_tokens),
                                              chains=not _drafts_trees(spec))
         self.dynamic_sd_lookup = self.draft_length
-        # each request's acceptance against the mean's: a draining batch's
-        # length serves its slowest request (adaptive/wave_focus.py)
+        # each request's acceptance against the mean's: with adaptive_focus a
+        # draining batch's length serves its slowest request (adaptive/wave_focus.py)
         self.gains = RequestGains()
-        self.draft_length.focus = self._wave_focus
+        if _focus_wanted(spec):
+            self.draft_length.focus = self._wave_focus
         self._last_output_at: float | None = None
         self._busy_since: float | None = None  # the schedule that ended an idle spell
         self._last_log = time.monotonic()
@@ -225,6 +226,14 @@ def _open_channel(vllm_config) -> PolicyChannelWriter | None:
         logger.warning("vllm-specplug: the batch policy's expected tokens will not reach "
                        "/metrics: cannot write %s (%s)", path, error)
         return None
+
+
+def _focus_wanted(spec) -> bool:
+    """Whether the selection asks for `adaptive_focus`."""
+    from vllm_specplug.integration.config import selection_of
+
+    selection = selection_of(spec)
+    return selection is not None and selection.adaptive_focus
 
 
 def _drafts_trees(spec) -> bool:

@@ -22,6 +22,9 @@ from vllm_specplug.registry import (UnknownProposerError, available_proposers,
 
 SELECTION_ATTR = "specplug_selection"
 ADAPTIVE_OPTION = "adaptive"
+# `"adaptive_focus": true`: with the batch policy, a draining batch (nothing
+# waiting) weighs each length by its slowest request (adaptive/wave_focus.py)
+FOCUS_OPTION = "adaptive_focus"
 # `"adaptive": "batch"`: one draft length per step for the whole batch
 BATCH_MODE = "batch"
 # vLLM's SpeculativeConfig field for its adaptive verification (Model Runner V2)
@@ -40,6 +43,8 @@ class ProposerSelection:
     # length per step for the whole batch on any runner:
     # integration/batch_schedule.py) or "off".
     adaptive: str = "off"
+    # with the batch policy: weigh a draining batch by its slowest request
+    adaptive_focus: bool = False
 
     @property
     def options(self) -> dict[str, Any]:
@@ -80,7 +85,9 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     max_failures = parse_max_failures(method, raw.get(MAX_FAILURES_OPTION))
     adaptive = parse_adaptive(method, raw.get(ADAPTIVE_OPTION), cls.supports_adaptive,
                               cls.adaptive_by_default)
-    raw = {k: v for k, v in raw.items() if k not in (MAX_FAILURES_OPTION, ADAPTIVE_OPTION)}
+    focus = parse_focus(method, raw.get(FOCUS_OPTION), adaptive)
+    raw = {k: v for k, v in raw.items()
+           if k not in (MAX_FAILURES_OPTION, ADAPTIVE_OPTION, FOCUS_OPTION)}
     ours = {f.name for f in dataclasses.fields(cls.options_cls)}
     options = {k: v for k, v in raw.items() if k in ours}
     rest = {k: v for k, v in raw.items() if k not in ours and k != "method"}
@@ -92,7 +99,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if unknown:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: unknown option(s) {unknown}; "
-            f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION}, {ADAPTIVE_OPTION} and vLLM's "
+            f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION}, {ADAPTIVE_OPTION}, "
+            f"{FOCUS_OPTION} and vLLM's "
             "speculative_config fields")
     parsed = cls.options_cls.from_dict(method, options)
     num_spec = cls.vllm_num_speculative_tokens(parsed, rest.get("num_speculative_tokens"))
@@ -105,9 +113,25 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     check_adaptive_verification(method, cls, parsed, rest)
     check_draft_tensor_parallel(method, rest)
     selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
-                                  max_failures, adaptive)
+                                  max_failures, adaptive, focus)
     return {**rest, "num_speculative_tokens": num_spec, "method": "custom_class",
             "model": cls.drafter_qualname}, selection
+
+
+def parse_focus(method: str, value: Any, adaptive: str) -> bool:
+    """`adaptive_focus` (default false): only beside a batch policy."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: {FOCUS_OPTION}={value!r} must be "
+            "true or false (true: while nothing waits, the batch's draft length is weighed "
+            "by its request with the most steps left)")
+    if value and adaptive not in ("on", BATCH_MODE):
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: {FOCUS_OPTION}=true steers the "
+            f"batch policy: set {ADAPTIVE_OPTION} to true or {BATCH_MODE!r} too, or drop it")
+    return value
 
 
 def parse_adaptive(method: str, value: Any, supported: bool, by_default: bool = True) -> str:

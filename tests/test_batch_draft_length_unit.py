@@ -795,9 +795,9 @@ def test_a_draining_wave_is_weighed_by_its_slowest_request():
     repeats, docs/results/batch_draft_length_cpu_run14): K=5 gains the batch's
     mean request more than its cost at every batch size, yet the wave ends
     with the request it gains nothing. Weighed by that request
-    (adaptive/wave_focus.py), the policy's waves take about as long as no
-    speculation's (within what learning each wave's ratios costs), 8% shorter
-    than weighed by the mean."""
+    (`adaptive_focus`, adaptive/wave_focus.py), the policy's waves take about
+    as long as no speculation's (within what learning each wave's ratios
+    costs), 8% shorter than weighed by the mean."""
     rates = {f"r{i}": 0.7 for i in range(15)} | {"slow": 0.0}
     engine_args = dict(rates=RATES, fixed=0.05, per_token=1e-3, per_draft=0.0, noise=0.02)
     static = {k: sum(_wave(_ChainEngine(**engine_args, seed=3), k, rates, 48, RequestGains())

@@ -52,3 +52,27 @@ def test_the_scheduler_focuses_only_while_nothing_waits():
         scheduler = SimpleNamespace(gains=gains, running=running, draft_length=policy,
                                     get_request_counts=lambda w=waiting: (2, w))
         assert BatchDraftSchedule._wave_focus(scheduler) == expected
+
+
+@pytest.mark.parametrize("extra, focus", [({}, False),
+                                          ({"adaptive": "batch", "adaptive_focus": True}, True),
+                                          ({"adaptive": True, "adaptive_focus": False}, False)])
+def test_adaptive_focus_is_opt_in_beside_the_batch_policy(extra, focus):
+    from vllm_specplug.integration.batch_schedule import _focus_wanted
+    from vllm_specplug.integration.config import SELECTION_ATTR, translate
+
+    vllm_args, selection = translate({"method": "specplug_suffix",
+                                      "num_speculative_tokens": 5, **extra})
+    assert "adaptive_focus" not in vllm_args and selection.adaptive_focus is focus
+    assert _focus_wanted(SimpleNamespace(**{SELECTION_ATTR: selection})) is focus
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"adaptive_focus": True}, "set adaptive to true or 'batch' too, or drop it"),
+    ({"adaptive": "batch", "adaptive_focus": 1}, "adaptive_focus=1 must be true or false")])
+def test_a_bad_adaptive_focus_names_the_field_and_the_fix(extra, message):
+    from vllm_specplug.integration.config import translate
+    from vllm_specplug.proposers.base import ProposerConfigError
+
+    with pytest.raises(ProposerConfigError, match=message.replace("(", r"\(")):
+        translate({"method": "specplug_suffix", "num_speculative_tokens": 5, **extra})

@@ -308,3 +308,25 @@ def test_the_policy_channel_carries_its_sums_and_a_reset_counts_from_zero(tmp_pa
     replaced.close()
     assert not path.exists() and PolicyChannelReader(path).read() is None
     assert stat_logger.channel.read() is None  # the mapped file went with it
+
+
+def test_a_step_verifying_a_length_the_policy_never_asked_is_observed_without_error():
+    """The drafts of a step before this policy took over (a policy replaced
+    mid-run, as tests/test_batch_draft_engine.py does) verify a length not
+    among its candidates: neither its acceptance nor the requests' gains
+    take it, and the step is no error (it once raised in the engine core)."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.integration.batch_schedule import BatchDraftSchedule
+
+    scheduler = SimpleNamespace(gains=RequestGains(), draft_length=BatchDraftLength((0, 4)),
+                                _channel=None, _shapes_seen=set(), _drafted_before=None,
+                                _maybe_log=lambda: None)
+    spec = {"r0": [7] * 3}
+    output = SimpleNamespace(scheduled_spec_decode_tokens=spec, num_scheduled_tokens={"r0": 4},
+                             total_num_scheduled_tokens=4, finished_req_ids=(),
+                             num_spec_tokens_to_schedule=4)
+    runner = SimpleNamespace(req_id_to_index={"r0": 0}, sampled_token_ids=[[1, 2]])
+    scheduler._first_at_shape = lambda k, out: True
+    BatchDraftSchedule._observe(scheduler, output, runner, 0.01)
+    assert scheduler.gains.sums == {} and scheduler.draft_length.acceptance.num_steps == 0

@@ -157,9 +157,11 @@ class BatchDraftSchedule:
         self.gains.forget(scheduler_output.finished_req_ids)
         if sampled:
             counts = _accepted_counts(spec, num_scheduled, model_runner_output)
-            expected = self.draft_length.expected_tokens(verified_k) - 1.0
-            for req_id, count in counts.items():
-                self.gains.observed(req_id, count, expected)
+            if verified_k in self.draft_length.lengths:  # (a length it was never asked:
+                # the drafts of a step before this policy took over)
+                expected = self.draft_length.expected_tokens(verified_k) - 1.0
+                for req_id, count in counts.items():
+                    self.gains.observed(req_id, count, expected)
             self.draft_length.verified(verified_k, list(counts.values()))
         path_ranks = getattr(model_runner_output, PATH_RANKS_ATTR, None)
         if path_ranks is not None:  # a tree step's paths: every smaller tree's acceptance

@@ -84,8 +84,9 @@ class BatchDraftSchedule:
         self.dynamic_sd_lookup = self.draft_length
         # each request's acceptance against the mean's: with adaptive_focus a
         # draining batch's length serves its slowest request (adaptive/wave_focus.py)
-        self.gains = RequestGains()
-        if _focus_wanted(spec):
+        # (None without it: no per-request work on the scheduler's hot path)
+        self.gains = RequestGains() if _focus_wanted(spec) else None
+        if self.gains is not None:
             self.draft_length.focus = self._wave_focus
         self._last_output_at: float | None = None
         self._busy_since: float | None = None  # the schedule that ended an idle spell
@@ -154,11 +155,13 @@ class BatchDraftSchedule:
         settled = self._drafted_two_before == verified_k == drafted_k
         self._drafted_two_before, self._drafted_before = verified_k, drafted_k
         sampled = self.draft_length.samples(verified_k, drafted_k)
-        self.gains.forget(scheduler_output.finished_req_ids)
+        if self.gains is not None:
+            self.gains.forget(scheduler_output.finished_req_ids)
         if sampled:
             counts = _accepted_counts(spec, num_scheduled, model_runner_output)
-            if verified_k in self.draft_length.lengths:  # (a length it was never asked:
-                # the drafts of a step before this policy took over)
+            if self.gains is not None and verified_k in self.draft_length.lengths:
+                # (not at a length it never asked: the drafts of a step
+                # before this policy took over)
                 expected = self.draft_length.expected_tokens(verified_k) - 1.0
                 for req_id, count in counts.items():
                     self.gains.observed(req_id, count, expected)

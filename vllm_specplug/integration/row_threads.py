@@ -13,8 +13,9 @@ rows are disjoint, so their walks can run side by side; the bookkeeping
 around each walk stays on the caller's thread (`plan_request_rows`). On
 this 2-core CPU, 64 trees of 17 nodes (SmolLM2's vocabulary, its JSON
 schema): 7.4 ms on one thread, 5.0 ms with the walks on two; more threads
-than cores ran slower. Not measured on a GPU host yet, so one thread is the
-default.
+than cores ran slower, and on benchmarks/bench_grammar_walk.py's random
+trees two threads gave 0.9-1.2x. Not measured on a GPU host yet, so one
+thread is the default.
 
 vLLM fills its own rows on threads past 128 requests without speculation
 (`StructuredOutputManager.executor_for_fillmask`, at most half the CPUs or

@@ -27,6 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 SCHEMA_FILE = Path(__file__).with_name("json_schema.json")
@@ -138,8 +139,10 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
     native walk: on one thread (`serial`), whole fills on `workers` threads
     (`fills`: Python included, as this script first tried), and the worker's
     way (`walks`: xgrammar's walks alone on `workers` threads, the bookkeeping
-    on this one: `RowThreads`, integration/row_threads.py). Every way must
-    give the serial rows, bit for bit."""
+    on this one: `RowThreads`, integration/row_threads.py), and the
+    worker's way for a step of equal trees (`step`: their bookkeeping at
+    once, integration/tree_walks.py, the walks on the threads). Every way
+    must give the serial rows, bit for bit."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -147,6 +150,7 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
 
     from vllm_specplug.integration.grammar_trees import fill_tree_rows
     from vllm_specplug.integration.row_threads import RowThreads
+    from vllm_specplug.integration.tree_walks import plan_tree_walks
     from vllm_specplug.integration.worker_rows import plan_request_rows
 
     grammars = []
@@ -155,7 +159,9 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
         assert grammar.accept_tokens("bench", prefix)
         grammars.append(grammar)
     vocab_size = grammars[0].vocab_size
-    rows = [xgr.allocate_token_bitmask(len(c[1]), vocab_size) for c in cases]
+    flat = xgr.allocate_token_bitmask(sum(len(c[1]) for c in cases), vocab_size)
+    offsets = np.cumsum([0] + [len(c[1]) for c in cases])
+    rows = [flat[offsets[i]:offsets[i + 1]] for i in range(len(cases))]  # the step's one bitmask
     jobs = [(g, "bench", c[2], c[1], r, lambda node, g=g, r=r: g.fill_bitmask(r, node))
             for g, c, r in zip(grammars, cases, rows)]
     row_threads = RowThreads(workers, min_rows=0)  # 1 worker: request after request
@@ -173,10 +179,16 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
                                                      cases[i][2], cases[i][1]),
                          [len(c[1]) for c in cases])
 
-    times: dict[str, list[float]] = {"serial": [], "fills": [], "walks": []}
+    def step():
+        walks = plan_tree_walks(grammars, [c[2] for c in cases], [c[1] for c in cases], flat)
+        row_threads.run(walks.jobs, [len(c[1]) for c in cases])
+        walks.finish()
+
+    times: dict[str, list[float]] = {"serial": [], "fills": [], "walks": [], "step": []}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for _ in range(repeats):  # interleaved
-            for name, way in (("serial", serial), ("fills", fills), ("walks", walks)):
+            for name, way in (("serial", serial), ("fills", fills), ("walks", walks),
+                              ("step", step)):
                 for r in rows:
                     r.zero_()
                 start = time.perf_counter()
@@ -231,7 +243,9 @@ def main(argv=None) -> int:
                  f"{step['serial']:.2f} ms on one thread; on {args.workers} threads, whole "
                  f"fills {step['fills']:.2f} ms ({step['serial'] / step['fills']:.1f}x), "
                  f"the walks alone (RowThreads) {step['walks']:.2f} ms "
-                 f"({step['serial'] / step['walks']:.1f}x)")
+                 f"({step['serial'] / step['walks']:.1f}x), the step's trees at once "
+                 f"(tree_walks.py, the walks on the threads) {step['step']:.2f} ms "
+                 f"({step['serial'] / step['step']:.1f}x)")
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from torch.profiler import record_function
 
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
 from vllm_specplug.integration.scheduler import merged_grammar_output
+from vllm_specplug.integration.tree_walks import TreeWalks, plan_tree_walks
 from vllm_specplug.integration.worker_rows import num_grammar_rows, plan_request_rows
 from vllm_specplug.proposers.head_graphs import padded_batch
 
@@ -139,6 +140,12 @@ class HeadGrammar:
         drafts get accepted (`row_depth` None: every row); its acceptable
         drafts per request."""
         depth = self.row_depth.begin_step() if self.row_depth is not None else None
+        if depth is None:  # trees (no RowDepth): the step's bookkeeping at once
+            walks = _step_tree_walks(req_ids, grammars, drafts, parents, num_rows, bitmask)
+            if walks is not None:
+                self.row_threads.run(walks.jobs, num_rows)
+                walks.finish()
+                return [rows - 1 for rows in num_rows]  # every slot: an invalid one's row forbids it
         offsets = np.cumsum([0] + num_rows)
 
         def plan(i: int):  # xgrammar's walks may go side by side (row_threads.py)
@@ -154,3 +161,18 @@ class HeadGrammar:
                 self.row_depth.observe(req_id, output_len)
                 self.row_depth.filled(req_id, output_len, acceptable)
         return num_acceptable
+
+
+def _step_tree_walks(req_ids: list[str], grammars: dict, drafts: dict, parents: dict,
+                     num_rows: list[int], bitmask: torch.Tensor) -> TreeWalks | None:
+    """The step's trees laid out together (tree_walks.py) when every request
+    has a tree of the same size with its drafts known; else None (request
+    by request, `plan_request_rows`)."""
+    if len(set(num_rows)) != 1 or any(req_id not in parents or req_id not in drafts
+                                      or len(parents[req_id]) < num_rows[0]
+                                      for req_id in req_ids):
+        return None
+    n = num_rows[0]
+    return plan_tree_walks([grammars[req_id] for req_id in req_ids],
+                           [drafts[req_id] for req_id in req_ids],
+                           [parents[req_id][:n] for req_id in req_ids], bitmask)

@@ -23,12 +23,14 @@ RUNS = [
     *[("tiny-batchk", {"BATCHK": rows}) for rows in
       ("heads", "lean", "free", "tree", "zero", "floor", "pin", "shapes")],
     ("smollm2", {}), ("smollm2", {"ROWS": "sized"}), ("smollm2", {"ROWS": "adaptive"}),
+    ("smollm2", {"ROWS": "bestk"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-batchk", {}), ("smollm2-tp", {}),
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "first"}), ("smollm2-schema", {"SCHEMA_ROWS": "worker"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "ab"}), ("smollm2-schema", {"SCHEMA_ROWS": "queued"}),
-    ("smollm2-schema", {"SCHEMA_ROWS": "depth"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "depth"}), ("smollm2-schema", {"SCHEMA_ROWS": "lean"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "threads"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide", "WIDE": "8 1 9",
                         "SCHEMA_SETS": "mt-bench-json"}),
 ]

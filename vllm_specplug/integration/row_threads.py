@@ -10,7 +10,8 @@ tree 16's worker spent 14.6 ms a step in the grammar at batch 64 (1088
 rows), against 0.8 ms for vLLM's `eagle3` chain, whose rows the engine core
 fills (docs/results/v2_schema_large_head_h200). Requests' grammars and
 rows are disjoint, so their walks can run side by side; the bookkeeping
-around each walk stays on the caller's thread (`plan_request_rows`). On
+around each walk stays on the caller's thread (`plan_request_rows`, or the
+whole step's at once: tree_walks.py). On
 this 2-core CPU, 64 trees of 17 nodes (SmolLM2's vocabulary, its JSON
 schema): 7.4 ms on one thread, 5.0 ms with the walks on two; more threads
 than cores ran slower, and on benchmarks/bench_grammar_walk.py's random

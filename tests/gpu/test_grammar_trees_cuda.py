@@ -148,13 +148,21 @@ def tree(work, grammar_prompts):  # noqa: F811
         shutdown_llm(llm)
 
 
-def _assert_exact(expected, actual) -> None:
+def _assert_exact(expected, actual, kind: str) -> None:
     """Token for token, except flips of the baseline's own fp32 near-ties
-    in a batch (as for every method on the GPU, test_model_runner_v2)."""
+    in a batch (as for every method on the GPU, test_model_runner_v2). A
+    failure names the constraint, both tokens and the baseline's logprobs
+    there (the actual token absent from them: not in the baseline's top 2)."""
     from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, top2_gaps
 
     found = divergences(_tokens(expected), _tokens(actual), top2_gaps(expected))
-    assert all(d["gap"] < NEAR_TIE_GAP for d in found) and len(found) <= 2, found
+    for d in found:
+        i, at = d["request"], d["position"]
+        d["expected"] = expected[i].outputs[0].token_ids[at:at + 3]
+        d["actual"] = actual[i].outputs[0].token_ids[at:at + 3]
+        top = expected[i].outputs[0].logprobs[at]
+        d["baseline_logprobs"] = {token: round(lp.logprob, 4) for token, lp in top.items()}
+    assert all(d["gap"] < NEAR_TIE_GAP for d in found) and len(found) <= 2, (kind, found)
 
 
 def test_trees_run_on_model_runner_v2_with_the_grammar_aware_scheduler(tree):
@@ -169,7 +177,7 @@ def test_json_schema_outputs_equal_no_speculation_and_drafts_are_accepted(tree, 
     on average over every constrained batch, where roots only emit one."""
     runs, counts = tree["runs"], tree["counts"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
-    _assert_exact(plain["json"], runs["json"])
+    _assert_exact(plain["json"], runs["json"], "json")
     _assert_schema_holds(_texts(runs["json"]))
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts
     num_tokens = sum(len(ids) for outputs in runs.values() for ids in _tokens(outputs))
@@ -183,7 +191,7 @@ def test_constrained_and_free_requests_in_one_batch_equal_no_speculation(tree, p
     batch beside free ones: equal to no speculation (near-tie flips aside),
     and valid under the constraint."""
     ours = tree["runs"][kind]
-    _assert_exact(plain[kind], ours)
+    _assert_exact(plain[kind], ours, kind)
     texts = _texts(ours)[1::2]
     assert all(re.fullmatch(PATTERNS[kind], text) for text in texts), texts
 
@@ -225,7 +233,7 @@ def test_one_tree_size_per_step_keeps_each_node_on_its_own_path(tree_one_size_pe
     runs = tree_one_size_per_step["runs"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     for kind in ["json", *PATTERNS]:
-        _assert_exact(plain[kind], runs[kind])
+        _assert_exact(plain[kind], runs[kind], kind)
     _assert_schema_holds(_texts(runs["json"]))
 
 
@@ -255,7 +263,7 @@ def test_first_step_masks_in_the_graphs_are_exact_and_lift_the_tree(tree_first_s
     runs, counts = tree_first_step["runs"], tree_first_step["counts"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     for kind in ["json", *PATTERNS]:
-        _assert_exact(plain[kind], runs[kind])
+        _assert_exact(plain[kind], runs[kind], kind)
     _assert_schema_holds(_texts(runs["json"]))
     num_tokens = sum(len(ids) for outputs in runs.values() for ids in _tokens(outputs))
     steps = num_tokens - counts.num_accepted_tokens
@@ -309,7 +317,7 @@ def test_a_chains_rows_as_deep_as_its_drafts_get_accepted_are_exact(chain_worker
     runs, stats = chain_worker_rows["runs"], chain_worker_rows["stats"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     for kind in ["json", *PATTERNS]:
-        _assert_exact(plain[kind], runs[kind])
+        _assert_exact(plain[kind], runs[kind], kind)
     _assert_schema_holds(_texts(runs["json"]))
     assert stats["num_worker_rows_requests"] > 0, stats
     assert stats["num_worker_rows_device_reads"] == 0, stats

@@ -99,7 +99,10 @@ class DraftGrammars:
         new = output_token_ids[tracked.num_accepted:].tolist()
         if new and not grammar.accept_tokens(req_id, new):
             logger.warning("vllm-specplug: request %s: the drafter's grammar refused a "
-                           "verified token; its drafts go unmasked", req_id)
+                           "verified token (output tokens %d-%d of %d: %s; terminated "
+                           "%s); its drafts go unmasked", req_id, tracked.num_accepted,
+                           len(output_token_ids) - 1, len(output_token_ids), new[:8],
+                           grammar.is_terminated())
             tracked.broken = True
             return None
         tracked.num_accepted = len(output_token_ids)

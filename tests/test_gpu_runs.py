@@ -31,6 +31,7 @@ RUNS = [
     ("smollm2-schema", {"SCHEMA_ROWS": "ab"}), ("smollm2-schema", {"SCHEMA_ROWS": "queued"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "depth"}), ("smollm2-schema", {"SCHEMA_ROWS": "lean"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "threads"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "threads-ab", "SIZES": "64"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide", "WIDE": "8 1 9",
                         "SCHEMA_SETS": "mt-bench-json"}),
 ]

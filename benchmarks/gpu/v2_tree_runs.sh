@@ -42,6 +42,7 @@
 #            default) and every row ("full");
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
 #            SCHEMA_ROWS=threads: the same plus our tree 16 with grammar_row_threads "auto";
+#            SCHEMA_ROWS=threads-ab: our two trees of "threads" alone (one thread / "auto");
 #            PHASES=--phases: where each step's time goes;
 #            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
@@ -301,6 +302,11 @@ run() {
         mapfile -t S < <(printf '%s\n' \
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-tree16={$tree}" \
+          --spec "ours-tree16-row-threads={$tree, \"grammar_row_threads\": \"auto\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = threads-ab ]; then
+        # the same two trees alone (with no speculation, the baseline): one thread
+        # against "auto", for a lease with little left (SIZES=64, where the walks weigh)
+        mapfile -t S < <(printf '%s\n' --spec "ours-tree16={$tree}" \
           --spec "ours-tree16-row-threads={$tree, \"grammar_row_threads\": \"auto\"}")
       elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
         # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:

@@ -302,3 +302,24 @@ def test_the_drafters_grammar_follows_verified_tokens_and_stops_on_a_refusal():
     assert grammars.grammar_of("free", SimpleNamespace(structured_outputs=None),
                                np.array([A])) is None
     assert "free" not in grammars.tracked
+
+
+def test_the_drafters_grammar_takes_no_token_past_max_tokens():
+    """A verify step samples past a request's max_tokens (vLLM drops those
+    tokens; their rows were not the grammar's): the drafter's grammar
+    accepts the output up to max_tokens and never refuses what lies past."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_specplug.integration.grammar_drafting import DraftGrammars, _Tracked
+
+    grammars = DraftGrammars(vllm_config=None)
+    matcher = grammar()
+    grammars.tracked["r"] = _Tracked(SimpleNamespace(
+        structured_output_request=SimpleNamespace(grammar=matcher, _grammar=matcher)))
+    params = SimpleNamespace(max_tokens=1, structured_outputs=object())
+    assert grammars.verifying_grammar("r", params, np.array([B, D])) is matcher  # "d" past
+    assert matcher.num_processed_tokens == 1 and not grammars.tracked["r"].broken
+    assert grammars.verifying_grammar("r", params, np.array([B, D, D])) is matcher
+    assert grammars.tracked["r"].num_accepted == 1

@@ -96,6 +96,13 @@ class DraftGrammars:
             return None
         if output_token_ids is None:
             return grammar
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        if max_tokens is not None:
+            # a verify step can sample past max_tokens (a tree's path is not
+            # cut there); vLLM drops those tokens, their rows were never the
+            # grammar's, and feeding them logged vLLM's "Failed to advance
+            # FSM" on the H200 (docs/results/v2_schema_threads_h200)
+            output_token_ids = output_token_ids[:max_tokens]
         new = output_token_ids[tracked.num_accepted:].tolist()
         if new and not grammar.accept_tokens(req_id, new):
             logger.warning("vllm-specplug: request %s: the drafter's grammar refused a "

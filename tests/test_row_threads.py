@@ -148,10 +148,10 @@ def test_chunks_cover_every_request_in_order(num_rows, num_chunks):
         assert [len(chunk) for chunk in chunks] == [8] * 8
 
 
-def test_one_thread_by_default_auto_as_vllms_pool_and_bad_values_name_the_field(tiny_eagle3_dir):
+def test_auto_by_default_as_vllms_pool_and_bad_values_name_the_field(tiny_eagle3_dir):
     assert 1 <= num_row_threads("auto") <= 8 and num_row_threads(3) == 3
     options = Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir)})
-    assert options.grammar_row_threads == 1  # until a GPU host shows threads pay
+    assert options.grammar_row_threads == "auto"  # it paid on the H200 (v2_schema_threads_h200)
     for value in (0, "many", True):
         with pytest.raises(ProposerConfigError, match=f"grammar_row_threads={value!r}"):
             Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),

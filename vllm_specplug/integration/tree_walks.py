@@ -50,23 +50,23 @@ class TreeWalks:
         num_trees, n = self.parents.shape
         words = self.rows.numpy()  # a view
         tokens = self.layout[2].numpy()
-        base = np.arange(num_trees)[:, None] * n
-        parent_rows = base + np.maximum(self.parents, 0)  # [T, N]: the root reads itself
+        node_rows = np.arange(num_trees)[:, None] * n + np.arange(n)  # [T, N]: each node's row
+        parent_rows = node_rows - np.arange(n) + np.maximum(self.parents, 0)  # the root: itself
         parent_words = words[parent_rows, tokens >> 5].view(np.uint32)
         valid = ((parent_words >> (tokens & 31).astype(np.uint32)) & 1).astype(bool)
         valid[:, 0] = True
-        source = base + np.arange(n)  # each node's nearest valid ancestor's row
+        source = node_rows  # each node's nearest valid ancestor's row
         for _ in range(n):  # a level a pass: parents come first
-            through = valid & valid[np.arange(num_trees)[:, None], np.maximum(self.parents, 0)]
-            nearest = np.where(through, base + np.arange(n), source.ravel()[parent_rows])
+            through = valid & valid.ravel()[parent_rows]
+            nearest = np.where(through, node_rows, source.ravel()[parent_rows])
             if np.array_equal(through, valid) and np.array_equal(nearest, source):
                 break
             valid, source = through, nearest
         stops = valid & np.isin(tokens, self.stop_token_ids)
         stops[:, 0] = False
-        words[(base + np.arange(n))[stops]] = -1  # vLLM's full row for a terminated grammar
+        words[node_rows[stops]] = -1  # vLLM's full row for a terminated grammar
         invalid = ~valid
-        words[(base + np.arange(n))[invalid]] = words[source[invalid]]  # sources are valid
+        words[node_rows[invalid]] = words[source[invalid]]  # sources are valid
         return valid
 
 

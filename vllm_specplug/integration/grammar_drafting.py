@@ -99,7 +99,7 @@ class DraftGrammars:
         max_tokens = getattr(sampling_params, "max_tokens", None)
         if max_tokens is not None:
             # a verify step can sample past max_tokens (a tree's path is not
-            # cut there); vLLM drops those tokens, their rows were never the
+            # cut there); vLLM drops those tokens, their rows need not be the
             # grammar's, and feeding them logged vLLM's "Failed to advance
             # FSM" on the H200 (docs/results/v2_schema_threads_h200)
             output_token_ids = output_token_ids[:max_tokens]

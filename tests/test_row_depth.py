@@ -3,7 +3,8 @@ accepted (`RowDepth`, `grammar_row_depth: "auto"`, integration/worker_rows.py):
 the depth it learns from the outputs it sees, the rows it fills (those it
 fills equal the full fill's; past the depth none is acceptable, so output
 is unchanged), and the worker's rows with it (the stand-in speculator of
-tests/test_worker_rows.py)."""
+tests/test_worker_rows.py). A tree's rows for its first drafts only
+(`grammar_tree_rows`) likewise."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from vllm_specplug.integration.worker_rows import (MIN_OBSERVED, PROBE_EVERY, Ro
 from vllm_specplug.proposers.base import ProposerConfigError
 from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions
 
-from tests.test_grammar_trees_async import K, _add
+from tests.test_grammar_trees_async import DRAFT_CHARS, PARENTS, K, _add
 from tests.test_worker_rows import _bitmask, _ours, _speculator, tokens
 
 __all__ = ["tokens"]  # a fixture
@@ -124,3 +125,48 @@ def test_a_bad_row_depth_names_the_field_and_the_choices(tiny_eagle3_dir, value,
                                                         "grammar_row_depth": value})
     assert Eagle3TreeOptions.from_dict(  # the default: as deep as drafts get accepted
         "specplug_eagle3", {"model": str(tiny_eagle3_dir)}).grammar_row_depth == "auto"
+
+
+def test_a_trees_first_drafts_get_the_full_fills_rows_and_the_rest_none_acceptable(
+        tiny_model_dir, tokens):
+    """The tree "a", "b", "c" under "b", "a" under "a" (language "abd" |
+    "bc") with rows for its first 3 drafts: rows 0-3 the full fill's, row 4
+    row 3's (not its own: the full fill gives it "a"'s), 3 acceptable."""
+    scheduler = _ours(tiny_model_dir, False)
+    request = _add(scheduler, "tree")
+    grammar = request.structured_output_request.grammar
+    drafts = [tokens[c] for c in DRAFT_CHARS]
+    full, capped = _bitmask(scheduler, K + 1), _bitmask(scheduler, K + 1)
+    assert fill_request_rows(grammar, "tree", full, drafts, PARENTS) == K
+    assert fill_request_rows(grammar, "tree", capped, drafts, PARENTS, max_drafts=3) == 3
+    assert torch.equal(capped[:4], full[:4]) and torch.equal(capped[4], capped[3])
+    assert not torch.equal(full[4], full[3])
+    assert fill_request_rows(grammar, "tree", capped, drafts, PARENTS, max_drafts=K) == K
+    assert torch.equal(capped, full)
+    assert grammar.num_processed_tokens == 0  # every walk rolled back
+
+
+def test_the_workers_tree_rows_stop_at_grammar_tree_rows(tiny_model_dir, tokens):
+    """The worker's rows of the stand-in's tree with `grammar_tree_rows` 2:
+    the full fill's for the root and its first 2 drafts, the rest copies of
+    the last; 2 drafts acceptable; the rows left unfilled counted."""
+    speculator, runner = _speculator(tiny_model_dir, tokens)
+    full = speculator.verification_rows(runner, None)
+    speculator, runner = _speculator(tiny_model_dir, tokens)
+    speculator.tree_rows = 2
+    capped = speculator.verification_rows(runner, None)
+    assert capped.num_acceptable_drafts == [2] and full.num_acceptable_drafts == [K]
+    rows, full_rows = map(torch.from_numpy, (capped.grammar_bitmask, full.grammar_bitmask))
+    assert torch.equal(rows[:3], full_rows[:3]) and all(torch.equal(r, rows[2]) for r in rows[3:])
+    assert speculator.stats.worker_rows.tolist()[3] == K - 2
+
+
+@pytest.mark.parametrize("value", [0, "some", True, 2.5])
+def test_a_bad_tree_rows_value_names_the_field(tiny_eagle3_dir, value):
+    with pytest.raises(ProposerConfigError, match=f"grammar_tree_rows={value!r} must be"):
+        Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),
+                                                        "grammar_tree_rows": value})
+    for given, kept in ((None, "full"), (8, 8)):  # the default: every node's row
+        options = {} if given is None else {"grammar_tree_rows": given}
+        assert Eagle3TreeOptions.from_dict("specplug_eagle3", {
+            "model": str(tiny_eagle3_dir), **options}).grammar_tree_rows == kept

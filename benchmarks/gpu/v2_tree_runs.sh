@@ -43,6 +43,8 @@
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
 #            SCHEMA_ROWS=threads: the same plus our tree 16 with grammar_row_threads "auto";
 #            SCHEMA_ROWS=threads-ab: our two trees of "threads" alone (one thread / "auto");
+#            SCHEMA_ROWS=tree-rows: our tree 16 with every row and with grammar_tree_rows
+#            ${TREE_ROWS:-8} (rows for its first drafts only), with no speculation;
 #            PHASES=--phases: where each step's time goes;
 #            SCHEMA_SETS="mt-bench-json" runs the schema set alone
 #   smollm2-tp  SmolLM2 + its head on a sharded target (issue 29; TP ranks, default 3:
@@ -308,6 +310,11 @@ run() {
         # against "auto", for a lease with little left (SIZES=64, where the walks weigh)
         mapfile -t S < <(printf '%s\n' --spec "ours-tree16={$tree}" \
           --spec "ours-tree16-row-threads={$tree, \"grammar_row_threads\": \"auto\"}")
+      elif [ "${SCHEMA_ROWS:-all}" = tree-rows ]; then
+        # every node's row against the first TREE_ROWS drafts' only (the walks' host
+        # time against the deep nodes' tokens; SIZES="16 64", where the walks weigh)
+        mapfile -t S < <(printf '%s\n' --spec "ours-tree16={$tree}" \
+          --spec "ours-tree16-rows${TREE_ROWS:-8}={$tree, \"grammar_tree_rows\": ${TREE_ROWS:-8}}")
       elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
         # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:
         # first-step masks, rows in the worker): a run that fits a lease after a head build

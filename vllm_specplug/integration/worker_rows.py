@@ -60,9 +60,11 @@ def fill_request_rows(grammar, req_id: str, rows: torch.Tensor,
     known here (missing, too few, or vLLM's -1 placeholders: each slot then
     gets the root's row, and vLLM's sampler accepts none of them,
     `num_acceptable_drafts`; rows built from placeholders would let the
-    device's real drafts through on the wrong path's rows). A chain with
-    `max_drafts` (`RowDepth`) gets rows for its first `max_drafts` drafts
-    only, the rest a copy of the last, and only those drafts acceptable."""
+    device's real drafts through on the wrong path's rows). A chain
+    (`RowDepth`) or a tree (`grammar_tree_rows`) with `max_drafts` gets rows
+    for its first `max_drafts` drafts only, the rest a copy of the last,
+    and only those drafts acceptable (a tree's parents come before their
+    children: its first drafts are a subtree)."""
     walk, finish = plan_request_rows(grammar, req_id, rows, draft_token_ids, parents,
                                      max_drafts)
     if walk is not None:
@@ -85,9 +87,11 @@ def plan_request_rows(grammar, req_id: str, rows: torch.Tensor,
         fill(0)
         rows[1:] = rows[0]
         return None, lambda: 0
-    if parents is None and max_drafts is not None and max_drafts < num_slots:
-        walk, finish_prefix = plan_request_rows(grammar, req_id, rows[:max_drafts + 1],
-                                                list(draft_token_ids)[:max_drafts], None)
+    if max_drafts is not None and max_drafts < num_slots:  # a node's parent comes first:
+        # the first max_drafts drafts of a tree are a subtree
+        walk, finish_prefix = plan_request_rows(
+            grammar, req_id, rows[:max_drafts + 1], list(draft_token_ids)[:max_drafts],
+            None if parents is None else list(parents)[:max_drafts + 1])
 
         def finish_depth() -> int:
             num_acceptable = finish_prefix()

@@ -35,6 +35,7 @@ GRAMMAR_ROWS_WAYS = ("worker", "scheduler")  # who fills a constrained step's ve
 AUTO_ROW_DEPTH = "auto"
 ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
 AUTO_ROW_THREADS = "auto"  # grammar_row_threads (integration/row_threads.py)
+FULL_TREE_ROWS = "full"  # grammar_tree_rows: every node's row
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,15 @@ class TreeOptions(ProposerOptions):
     # cut the worker's grammar phase 10.6 -> 6.1 ms a step and ran 1.19x
     # [0.97-1.51] one thread's speed (docs/results/v2_schema_threads_h200).
     grammar_row_threads: int | str = AUTO_ROW_THREADS
+    # A tree's rows filled in the worker (integration/worker_rows.py):
+    # "full" (the default) every node's; an integer N, only its first N
+    # drafts' (node order: a parent before its children, drafting step by
+    # step, so they form a subtree), the others not acceptable. Exact either
+    # way (a draft not acceptable is a draft rejected): it trades the deep
+    # nodes' accepted tokens for the walks' host time, which held the step
+    # at batch 64 under a JSON schema on the H200
+    # (docs/results/v2_schema_threads_h200). Not yet measured on a GPU.
+    grammar_tree_rows: int | str = FULL_TREE_ROWS
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -124,6 +134,12 @@ class TreeOptions(ProposerOptions):
             and self.grammar_row_threads >= 1), name,
             f"grammar_row_threads={self.grammar_row_threads!r} must be "
             f"{AUTO_ROW_THREADS!r} or an integer >= 1 (1: one thread)")
+        require(self.grammar_tree_rows == FULL_TREE_ROWS or (
+            isinstance(self.grammar_tree_rows, int)
+            and not isinstance(self.grammar_tree_rows, bool)
+            and self.grammar_tree_rows >= 1), name,
+            f"grammar_tree_rows={self.grammar_tree_rows!r} must be "
+            f"{FULL_TREE_ROWS!r} or an integer >= 1 (drafts with rows a tree)")
         require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
                 f"grammar_rows={self.grammar_rows!r} must be one of "
                 f"{', '.join(GRAMMAR_ROWS_WAYS)}")

@@ -137,10 +137,11 @@ class HeadGrammar:
     def _fill_rows(self, req_ids: list[str], grammars: dict, drafts: dict, parents: dict,
                    num_rows: list[int], bitmask) -> list[int]:
         """Each request's rows, a chain's only as deep as `RowDepth` says
-        drafts get accepted (`row_depth` None: every row); its acceptable
-        drafts per request."""
-        depth = self.row_depth.begin_step() if self.row_depth is not None else None
-        if depth is None:  # trees (no RowDepth): the step's bookkeeping at once
+        drafts get accepted, a tree's for its first `tree_rows` drafts
+        (None for both: every row); its acceptable drafts per request."""
+        depth = (self.row_depth.begin_step() if self.row_depth is not None
+                 else self.tree_rows)
+        if depth is None:  # trees with every row: the step's bookkeeping at once
             walks = _step_tree_walks(req_ids, grammars, drafts, parents, num_rows, bitmask)
             if walks is not None:
                 self.row_threads.run(walks.jobs, num_rows)
@@ -154,7 +155,7 @@ class HeadGrammar:
                                      drafts.get(req_id), parents.get(req_id), depth)
 
         num_acceptable = self.row_threads.fill(plan, num_rows)
-        if depth is not None:  # what each one's last rows' drafts became, and these rows
+        if self.row_depth is not None:  # what each one's last rows' drafts became, and these
             tracked = self.structured.grammars.tracked
             for req_id, acceptable in zip(req_ids, num_acceptable):
                 output_len = tracked[req_id].num_accepted

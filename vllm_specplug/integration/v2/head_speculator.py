@@ -60,7 +60,7 @@ from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
 from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR, RowDepth
-from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH
+from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH, FULL_TREE_ROWS
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
 
@@ -126,6 +126,10 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.row_depth = (RowDepth(vllm_config.speculative_config.num_speculative_tokens)
                           if self.rows_in_worker and self.tree_slots is None
                           and options.grammar_row_depth == AUTO_ROW_DEPTH else None)
+        # a tree's rows for its first drafts only (grammar_tree_rows; None: every node)
+        self.tree_rows = (options.grammar_tree_rows if self.rows_in_worker
+                          and self.tree_slots is not None
+                          and options.grammar_tree_rows != FULL_TREE_ROWS else None)
         # grammar_drafts "first": the first step's masks inside the graphed
         # pass (root_masks.py), made at attach (they need the head's vocabulary)
         self.root_masks = None

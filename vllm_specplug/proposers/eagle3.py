@@ -128,18 +128,12 @@ class TreeOptions(ProposerOptions):
         require(self.grammar_row_depth in ROW_DEPTHS, name,
                 f"grammar_row_depth={self.grammar_row_depth!r} must be one of "
                 f"{', '.join(ROW_DEPTHS)}")
-        require(self.grammar_row_threads == AUTO_ROW_THREADS or (
-            isinstance(self.grammar_row_threads, int)
-            and not isinstance(self.grammar_row_threads, bool)
-            and self.grammar_row_threads >= 1), name,
-            f"grammar_row_threads={self.grammar_row_threads!r} must be "
-            f"{AUTO_ROW_THREADS!r} or an integer >= 1 (1: one thread)")
-        require(self.grammar_tree_rows == FULL_TREE_ROWS or (
-            isinstance(self.grammar_tree_rows, int)
-            and not isinstance(self.grammar_tree_rows, bool)
-            and self.grammar_tree_rows >= 1), name,
-            f"grammar_tree_rows={self.grammar_tree_rows!r} must be "
-            f"{FULL_TREE_ROWS!r} or an integer >= 1 (drafts with rows a tree)")
+        require(_word_or_count(self.grammar_row_threads, AUTO_ROW_THREADS), name,
+                f"grammar_row_threads={self.grammar_row_threads!r} must be "
+                f"{AUTO_ROW_THREADS!r} or an integer >= 1 (1: one thread)")
+        require(_word_or_count(self.grammar_tree_rows, FULL_TREE_ROWS), name,
+                f"grammar_tree_rows={self.grammar_tree_rows!r} must be "
+                f"{FULL_TREE_ROWS!r} or an integer >= 1 (drafts with rows a tree)")
         require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
                 f"grammar_rows={self.grammar_rows!r} must be one of "
                 f"{', '.join(GRAMMAR_ROWS_WAYS)}")
@@ -228,6 +222,12 @@ def check_head_fits_target(name: str, options: Eagle3TreeOptions, target_hf) -> 
     require(not problems, name, f"model={options.model!r}: the head's tensors do not "
             f"match its config.json: {'; '.join(problems)}")
     check_tree_attention_fits(name, options, target_hf)
+
+
+def _word_or_count(value, word: str) -> bool:
+    """`value` is `word` or an integer >= 1 (not a bool)."""
+    return value == word or (isinstance(value, int) and not isinstance(value, bool)
+                             and value >= 1)
 
 
 def check_tree_attention_fits(name: str, options: TreeOptions, target_hf) -> None:

@@ -166,7 +166,10 @@ def test_a_bad_tree_rows_value_names_the_field(tiny_eagle3_dir, value):
     with pytest.raises(ProposerConfigError, match=f"grammar_tree_rows={value!r} must be"):
         Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),
                                                         "grammar_tree_rows": value})
-    for given, kept in ((None, "full"), (8, 8)):  # the default: every node's row
-        options = {} if given is None else {"grammar_tree_rows": given}
-        assert Eagle3TreeOptions.from_dict("specplug_eagle3", {
-            "model": str(tiny_eagle3_dir), **options}).grammar_tree_rows == kept
+
+
+@pytest.mark.parametrize("given, kept", [(None, "full"), (8, 8)])
+def test_tree_rows_default_to_every_nodes_row(tiny_eagle3_dir, given, kept):
+    options = {} if given is None else {"grammar_tree_rows": given}
+    assert Eagle3TreeOptions.from_dict("specplug_eagle3", {
+        "model": str(tiny_eagle3_dir), **options}).grammar_tree_rows == kept

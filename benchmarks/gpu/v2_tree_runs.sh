@@ -41,6 +41,8 @@
 #            the worker as deep as drafts get accepted (grammar_row_depth "auto", the
 #            default) and every row ("full");
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
+#            SCHEMA_ROWS=lean-rows: the same plus our tree 16 with grammar_tree_rows
+#            ${TREE_ROWS:-8};
 #            SCHEMA_ROWS=threads: the same plus our tree 16 with grammar_row_threads "auto";
 #            SCHEMA_ROWS=threads-ab: our two trees of "threads" alone (one thread / "auto");
 #            SCHEMA_ROWS=tree-rows: our tree 16 with every row and with grammar_tree_rows
@@ -314,6 +316,13 @@ run() {
         # every node's row against the first TREE_ROWS drafts' only (the walks' host
         # time against the deep nodes' tokens; SIZES="16 64", where the walks weigh)
         mapfile -t S < <(printf '%s\n' --spec "ours-tree16={$tree}" \
+          --spec "ours-tree16-rows${TREE_ROWS:-8}={$tree, \"grammar_tree_rows\": ${TREE_ROWS:-8}}")
+      elif [ "${SCHEMA_ROWS:-all}" = lean-rows ]; then
+        # "lean" plus our tree 16 with grammar_tree_rows ${TREE_ROWS:-8}: both trees
+        # against vLLM's eagle3 K=5 in one run that fits a lease after staging
+        mapfile -t S < <(printf '%s\n' \
+          --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-tree16={$tree}" \
           --spec "ours-tree16-rows${TREE_ROWS:-8}={$tree, \"grammar_tree_rows\": ${TREE_ROWS:-8}}")
       elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
         # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:

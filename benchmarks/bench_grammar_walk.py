@@ -134,6 +134,40 @@ def measure(new_grammar, vocab_size: int, cases, repeats: int) -> dict:
                    statistics.median(t) / num_valid * 1e6) for kind, t in times.items()}
 
 
+def greedy_choices(rng, cases, rows, p_follow: float = 0.6, p_forbidden: float = 0.05):
+    """Each case's `NodeChoices` for `GreedyGrammarWalk` (greedy verification
+    from the target's unmasked choices, verification/grammar_greedy.py), made
+    from its rows (the serial walk's): at a valid node, the argmax is its
+    first valid child's draft with probability `p_follow` (drafts accepted as
+    a good head's are), else another token its row allows; with probability
+    `p_forbidden` a forbidden token lies above it (the second of the top-2)."""
+    from vllm_specplug.verification.grammar_greedy import NodeChoices, unpack_row
+
+    found = []
+    for (_, parents, drafts), case_rows in zip(cases, rows):
+        num_nodes, vocab_size = len(parents), case_rows.shape[1] * 32
+        allowed = [unpack_row(case_rows[n].numpy(), vocab_size) for n in range(num_nodes)]
+        tokens = [0, *drafts]
+        valid = [True] + [False] * (num_nodes - 1)
+        for node in range(1, num_nodes):
+            valid[node] = valid[parents[node]] and bool(allowed[parents[node]][tokens[node]])
+        argmax, second = np.zeros(num_nodes, np.int64), np.zeros(num_nodes, np.int64)
+        for node in range(num_nodes):
+            kids = [c for c in range(1, num_nodes) if parents[c] == node and valid[c]]
+            ids = np.flatnonzero(allowed[node])
+            pick = (tokens[kids[0]] if kids and rng.random() < p_follow
+                    else int(rng.choice(ids.tolist())) if len(ids) else 0)
+            forbidden = np.flatnonzero(~allowed[node])
+            if len(forbidden) and rng.random() < p_forbidden:
+                argmax[node], second[node] = int(rng.choice(forbidden.tolist())), pick
+            else:
+                argmax[node], second[node] = pick, (pick + 1) % vocab_size
+        logits = np.tile(np.array([2.0, 1.0, 0.0], np.float32), (num_nodes, 1))
+        top = np.stack([argmax, second, (second + 1) % vocab_size], axis=1)
+        found.append(NodeChoices(argmax, top, logits))
+    return found
+
+
 def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, float]:
     """{way: ms} for one step's walks, every case a request of the step,
     native walk: on one thread (`serial`), whole fills on `workers` threads
@@ -142,7 +176,11 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
     on this one: `RowThreads`, integration/row_threads.py), and the
     worker's way for a step of equal trees (`step`: their bookkeeping at
     once, integration/tree_walks.py, the walks on the threads). Every way
-    must give the serial rows, bit for bit."""
+    must give the serial rows, bit for bit. And `greedy`: no rows, each
+    request's accepted path from the target's unmasked choices
+    (`greedy_choices`), on one thread: the host's grammar work of greedy
+    verification decided that way (verification/grammar_greedy.py), without
+    the copy of those choices from the device that it needs."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -152,6 +190,7 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
     from vllm_specplug.integration.row_threads import RowThreads
     from vllm_specplug.integration.tree_walks import plan_tree_walks
     from vllm_specplug.integration.worker_rows import plan_request_rows
+    from vllm_specplug.verification.grammar_greedy import GreedyGrammarWalk
 
     grammars = []
     for prefix, _, _ in cases:
@@ -184,11 +223,20 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
         row_threads.run(walks.jobs, [len(c[1]) for c in cases])
         walks.finish()
 
-    times: dict[str, list[float]] = {"serial": [], "fills": [], "walks": [], "step": []}
+    def greedy():
+        for grammar, (_, parents, drafts), walk in zip(grammars, cases, greedy_walks):
+            walk.run([0, *drafts], parents)
+
+    serial()
+    greedy_walks = [GreedyGrammarWalk(g, vocab_size, choices, lambda node: None)
+                    for g, choices in zip(grammars, greedy_choices(
+                        random.Random(0), cases, [r.clone() for r in rows]))]
+    times: dict[str, list[float]] = {"serial": [], "fills": [], "walks": [], "step": [],
+                                     "greedy": []}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for _ in range(repeats):  # interleaved
             for name, way in (("serial", serial), ("fills", fills), ("walks", walks),
-                              ("step", step)):
+                              ("step", step), ("greedy", greedy)):
                 for r in rows:
                     r.zero_()
                 start = time.perf_counter()
@@ -196,7 +244,7 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
                 times[name].append(time.perf_counter() - start)
                 if name == "serial":
                     expected = [r.clone() for r in rows]
-                else:
+                elif name != "greedy":
                     assert all(torch.equal(a, b) for a, b in zip(rows, expected)), name
     row_threads.shutdown()
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
@@ -245,7 +293,10 @@ def main(argv=None) -> int:
                  f"the walks alone (RowThreads) {step['walks']:.2f} ms "
                  f"({step['serial'] / step['walks']:.1f}x), the step's trees at once "
                  f"(tree_walks.py, the walks on the threads) {step['step']:.2f} ms "
-                 f"({step['serial'] / step['step']:.1f}x)")
+                 f"({step['serial'] / step['step']:.1f}x); greedy verification's paths "
+                 f"from the target's unmasked choices, no rows (grammar_greedy.py, one "
+                 f"thread, the choices' copy from the device not included) "
+                 f"{step['greedy']:.2f} ms ({step['serial'] / step['greedy']:.1f}x)")
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,210 @@
+"""Greedy tree verification under a grammar decided from the target's
+unmasked choices (verification/grammar_greedy.py) against the rows' way:
+every node's row in its own path's state, the logits masked, the first
+maximum taken at each node of the walk. Same accepted nodes and tokens on
+random trees and logits (ties at the maximum and at the k-th logit made on
+purpose), on xgrammar's JSON-schema grammar over a character vocabulary,
+a stop token ending the grammar inside trees; the grammar ends where it
+began. Each way of deciding a node (its argmax allowed, its top-k, its full
+row) is taken in these cases."""
+from __future__ import annotations
+
+import json
+import random
+import string
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+from vllm_specplug.public_sets import MT_BENCH_JSON_SCHEMA
+from vllm_specplug.verification.grammar_greedy import (GreedyGrammarWalk, masked_argmax,
+                                                       node_choices, unpack_row)
+
+VOCAB = list(string.printable[:95]) + ["</s>"]
+EOS = len(VOCAB) - 1
+TEXT = json.dumps({"topic": "Hawaii", "answer": "Beaches, volcanoes and food.",
+                   "key_points": ["surf", "hike", "poke"]})
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(MT_BENCH_JSON_SCHEMA))
+
+
+def _grammar(compiled, prefix: str) -> XgrammarGrammar:
+    grammar = XgrammarGrammar(vocab_size=len(VOCAB), matcher=xgr.GrammarMatcher(compiled),
+                              ctx=compiled)
+    assert grammar.accept_tokens("r", [VOCAB.index(c) for c in prefix])
+    return grammar
+
+
+def _row(grammar) -> np.ndarray:
+    """vLLM's row in the grammar's state: all allowed once terminated."""
+    if grammar.is_terminated():
+        return np.ones(len(VOCAB), dtype=bool)
+    words = xgr.allocate_token_bitmask(1, len(VOCAB))
+    grammar.fill_bitmask(words, 0)
+    return unpack_row(words[0].numpy(), len(VOCAB))
+
+
+def _path_tokens(parents: list[int], tokens: list[int], node: int) -> list[int]:
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def _path_grammar(compiled, prefix: str, parents, tokens, node: int):
+    """The grammar in `node`'s path's state; None: the path leaves it."""
+    grammar = _grammar(compiled, prefix)
+    for token in _path_tokens(parents, tokens, node):
+        if not grammar.is_terminated() and not grammar.validate_tokens([token]):
+            return None
+        grammar.accept_tokens("r", [token])
+    return grammar
+
+
+def _masked_choice(compiled, prefix: str, parents, tokens, logits, node: int) -> int | None:
+    """The rows' way at one node: its row in its path's state (None: the
+    path leaves the grammar), the logits masked, the first maximum."""
+    grammar = _path_grammar(compiled, prefix, parents, tokens, node)
+    return None if grammar is None else masked_argmax(logits[node].numpy(), _row(grammar))
+
+
+def _reference(compiled, prefix: str, parents, tokens, logits) -> tuple[list[int], list[int]]:
+    node, accepted, emitted = 0, [0], []
+    while True:
+        choice = _masked_choice(compiled, prefix, parents, tokens, logits, node)
+        emitted.append(choice)
+        child = next((c for c in range(1, len(parents))
+                      if parents[c] == node and tokens[c] == choice), None)
+        if child is None:
+            return accepted, emitted
+        accepted.append(child)
+        node = child
+
+
+def _node_logits(rng, row: np.ndarray | None) -> torch.Tensor:
+    """A node's logits: mostly an allowed maximum (as a target that knows
+    the format), else a forbidden maximum with an allowed second, else
+    random; a tie between two tokens now and then, often at the top."""
+    logits = torch.randn(len(VOCAB), generator=torch.Generator().manual_seed(
+        rng.randrange(1 << 30)))
+    if row is not None and row.any() and not row.all():
+        allowed, forbidden = np.flatnonzero(row).tolist(), np.flatnonzero(~row).tolist()
+        pick, top = rng.random(), float(logits.max())
+        if pick < 0.55:
+            logits[rng.choice(allowed)] = top + 1
+        elif pick < 0.85:
+            logits[rng.choice(forbidden)], logits[rng.choice(allowed)] = top + 2, top + 1
+    if rng.random() < 0.3:
+        a, b = rng.sample(range(len(VOCAB)), 2)
+        logits[b] = logits[a] = logits.max() if rng.random() < 0.5 else logits[a]
+    return logits
+
+
+def _random_case(rng, compiled, num_nodes: int):
+    """A prefix of TEXT (its end included: stop tokens), each node's logits
+    (`_node_logits`), and a tree whose drafts are often their parent's
+    masked choice (deep accepted paths), else TEXT's next character or
+    random."""
+    prefix = TEXT[:rng.randrange(len(TEXT) + 1)]
+    parents, tokens, logits = [-1], [0], []
+
+    def add_logits(node: int) -> None:
+        grammar = _path_grammar(compiled, prefix, parents, tokens, node)
+        logits.append(_node_logits(rng, None if grammar is None else _row(grammar)))
+
+    add_logits(0)
+    for node in range(1, num_nodes):
+        parent = rng.randrange(node)
+        siblings = [tokens[c] for c in range(1, node) if parents[c] == parent]
+        pick = rng.random()
+        if pick < 0.5:
+            token = _masked_choice(compiled, prefix, parents, tokens, torch.stack(logits), parent)
+        else:
+            at = len(prefix) + len(_path_tokens(parents, tokens, parent))
+            token = VOCAB.index(TEXT[at]) if pick < 0.75 and at < len(TEXT) else None
+        if token is None or token in siblings:
+            token = rng.choice([t for t in range(len(VOCAB)) if t not in siblings])
+        parents.append(parent)
+        tokens.append(token)
+        add_logits(node)
+    return prefix, parents, tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_the_accepted_path_is_the_rows_way_on_random_trees(compiled, k):
+    rng = random.Random(k)
+    ways = {"argmax": 0, "top": 0, "full": 0}
+    for _ in range(60):
+        prefix, parents, tokens, logits = _random_case(rng, compiled, rng.randrange(2, 14))
+        grammar = _grammar(compiled, prefix)
+        before = (grammar.num_processed_tokens, _row(grammar).tobytes())
+        walk = GreedyGrammarWalk(grammar, len(VOCAB), node_choices(logits, k),
+                                 lambda node: logits[node].numpy())
+        path = walk.run(tokens, parents)
+        expected = _reference(compiled, prefix, parents, tokens, logits)
+        assert (path.accepted_node_ids, path.output_token_ids) == expected, (prefix, parents,
+                                                                             tokens)
+        assert (grammar.num_processed_tokens, _row(grammar).tobytes()) == before
+        ways["top"] += path.num_top_choices
+        ways["full"] += len(path.full_row_node_ids)
+        ways["argmax"] += len(path.output_token_ids) - path.num_top_choices - len(
+            path.full_row_node_ids)
+    assert ways["argmax"] > 0 and ways["full"] > 0, ways
+    assert ways["top"] > 0 or k == 1, ways  # k = 1: the top-k is the argmax alone
+
+
+def test_a_tie_at_the_kth_logit_goes_to_the_full_row(compiled):
+    """Top-2 at one node: a forbidden maximum, then an allowed token whose
+    logit equals a smaller allowed token's outside the top-2: that smaller
+    token is the masked choice, which only the full row shows."""
+    grammar = _grammar(compiled, '{"topic": "H')  # in a string: most characters allowed
+    allowed = np.flatnonzero(_row(grammar))
+    forbidden = next(t for t in range(len(VOCAB)) if t not in allowed)
+    small, large = int(allowed.min()), int(allowed.max())
+    assert small < large
+    logits = torch.zeros(1, len(VOCAB))
+    logits[0, forbidden], logits[0, large], logits[0, small] = 3.0, 2.0, 2.0
+    choices = node_choices(logits, 2)
+    choices.top_ids[0] = [forbidden, large]  # as a top-k may order a tie
+    path = GreedyGrammarWalk(grammar, len(VOCAB), choices, lambda n: logits[n].numpy()).run(
+        [0], [-1])
+    assert path.output_token_ids == [small] and path.full_row_node_ids == [0]
+
+
+def test_allowed_tokens_tied_in_the_top_k_give_the_smaller_id(compiled):
+    """Top-4 in the order a top-k may give a tie: a forbidden maximum, then
+    two allowed tokens of one logit, larger id first, above the 4th: the
+    smaller id, from the top-k alone."""
+    grammar = _grammar(compiled, '{"topic": "H')
+    allowed = np.flatnonzero(_row(grammar))
+    forbidden = [t for t in range(len(VOCAB)) if t not in allowed]
+    small, large = int(allowed.min()), int(allowed.max())
+    assert small < int(allowed[1]) < large and forbidden
+    logits = torch.zeros(1, len(VOCAB))
+    logits[0, forbidden[0]], logits[0, large], logits[0, small] = 3.0, 2.0, 2.0
+    logits[0, int(allowed[1])] = 1.0  # the 4th
+    choices = node_choices(logits, 4)
+    choices.top_ids[0, :3] = [forbidden[0], large, small]
+    path = GreedyGrammarWalk(grammar, len(VOCAB), choices, lambda n: logits[n].numpy()).run(
+        [0], [-1])
+    assert path.output_token_ids == [small] and path.num_top_choices == 1
+    assert path.full_row_node_ids == []
+
+
+def test_a_full_row_of_the_wrong_width_names_the_shape(compiled):
+    grammar = _grammar(compiled, "")
+    logits = torch.zeros(1, len(VOCAB))
+    logits[0, VOCAB.index("x")] = 1.0  # forbidden at the start, and alone in the top-1
+    walk = GreedyGrammarWalk(grammar, len(VOCAB), node_choices(logits, 1),
+                             lambda node: np.zeros(7, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"full_row\(0\) has shape \(7,\), expected \(96,\)"):
+        walk.run([0], [-1])
+    assert grammar.num_processed_tokens == 0

@@ -1,0 +1,171 @@
+"""Greedy tree verification under a grammar, decided on the host from the
+target's unmasked choices: each node's bitmask only where it can matter.
+
+vLLM masks every verified position's logits with its grammar row before it
+samples, so under structured output a tree of N nodes costs N bitmask fills
+a request and step (our worker walks, integration/worker_rows.py: 6.6 ms a
+step for 64 trees of 16 nodes on the H200's host, against 4.4 ms of GPU
+work, docs/results/v2_schema_tree_rows_h200). Greedy verification needs far
+less. At a node whose state allows the target's unmasked argmax `a`, the
+masked argmax is `a` itself: masking only removes tokens, and no smaller
+index shares `a`'s logit (`a` is the *first* maximum, as `torch.argmax`
+returns it). So the walk down the accepted path asks the grammar one token
+per node; only where `a` is forbidden does it need the node's next choice,
+taken from the node's top-k when one of them is allowed and strictly above
+the k-th logit (no token outside the top-k can then reach it), else from the
+node's full row and logits. Nodes off the accepted path need nothing. (The
+same idea as llama.cpp's sampler, which samples first and applies the
+grammar only when the sample is rejected; DOMINO, Beurer-Kellner et al.,
+ICML 2024, discuss masks computed only where they change the choice.)
+
+Stochastic verification needs each node's masked distribution, hence every
+row: it stays with the rows.
+
+The grammar is vLLM's `StructuredOutputGrammar` (xgrammar, llguidance) of
+the request, advanced to its output before this step: `validate_tokens`,
+`accept_tokens`, `rollback`, `fill_bitmask`, `is_terminated`. Rows follow
+vLLM's: a terminated grammar allows every token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class NodeChoices:
+    """The target's unmasked choices at each node of one request's tree, on
+    the host (node 0: the root, the position after the last output token)."""
+    argmax_ids: np.ndarray  # [num_nodes] int64: each node's first maximal logit
+    top_ids: np.ndarray     # [num_nodes, k] int64: the k largest logits' tokens, descending
+    top_logits: np.ndarray  # [num_nodes, k] float32: those logits
+
+
+@dataclass
+class GrammarPath:
+    """One request's greedy verification: what the target emits."""
+    accepted_node_ids: list[int]  # the root, then each accepted node
+    output_token_ids: list[int]   # the accepted drafts, then the bonus token
+    num_top_choices: int = 0      # nodes decided from their top-k (the argmax forbidden)
+    full_row_node_ids: list[int] = field(default_factory=list)  # decided from their full row
+
+
+def children_by_token(token_ids: Sequence[int], parents: Sequence[int]) -> list[dict[int, int]]:
+    """[num_nodes] {draft token: child node}; siblings' tokens are distinct
+    (the first such child wins otherwise, as `verify_tree_greedy_reference`'s
+    walk over siblings)."""
+    children: list[dict[int, int]] = [{} for _ in parents]
+    for node in range(1, len(parents)):
+        children[parents[node]].setdefault(int(token_ids[node]), node)
+    return children
+
+
+class GreedyGrammarWalk:
+    """The accepted path of one request's tree under its grammar (`run`).
+    `full_row(node)` returns that node's logits, [vocab_size] float32, for
+    the rare node decided from its full row (a copy from the device)."""
+
+    def __init__(self, grammar, vocab_size: int, choices: NodeChoices,
+                 full_row: Callable[[int], np.ndarray], request_id: str = "") -> None:
+        self.grammar = grammar
+        self.vocab_size = vocab_size
+        self.choices = choices
+        self.full_row = full_row
+        self.request_id = request_id
+
+    def run(self, token_ids: Sequence[int], parents: Sequence[int]) -> GrammarPath:
+        """Follow the child drafted with the masked argmax from the root; the
+        masked argmax where none was drafted is the bonus token. The grammar
+        is advanced along the path and rolled back: it ends where it began."""
+        children = children_by_token(token_ids, parents)
+        path = GrammarPath([0], [])
+        num_accepted = 0
+        try:
+            node = 0
+            while True:
+                token = self._choice(node, path)
+                path.output_token_ids.append(token)
+                child = children[node].get(token)
+                if child is None:
+                    return path
+                if not self.grammar.is_terminated():  # vLLM ignores tokens after the end
+                    if not self.grammar.accept_tokens(self.request_id, [token]):
+                        raise RuntimeError(f"grammar refused token {token}, which it allowed")
+                    num_accepted += 1
+                path.accepted_node_ids.append(child)
+                node = child
+        finally:
+            self.grammar.rollback(num_accepted)
+
+    def _allowed(self, token: int) -> bool:
+        if self.grammar.is_terminated():
+            return True
+        return 0 <= token < self.vocab_size and bool(self.grammar.validate_tokens([token]))
+
+    def _choice(self, node: int, path: GrammarPath) -> int:
+        """The masked argmax at `node`, the grammar in that node's state."""
+        argmax = int(self.choices.argmax_ids[node])
+        if self._allowed(argmax):
+            return argmax
+        token = self._top_choice(node)
+        if token is not None:
+            path.num_top_choices += 1
+            return token
+        path.full_row_node_ids.append(node)
+        return self._full_row_choice(node)
+
+    def _top_choice(self, node: int) -> int | None:
+        """The smallest allowed token of the largest logit in the top-k that
+        has one, if that logit is strictly above the k-th (else a token
+        outside the top-k may tie it: None)."""
+        ids, logits = self.choices.top_ids[node], self.choices.top_logits[node]
+        if np.isnan(logits).any():
+            return None
+        best = None
+        for token, logit in zip(ids.tolist(), logits.tolist()):
+            if best is not None and logit < best[0]:
+                break
+            if self._allowed(token) and (best is None or token < best[1]):
+                best = (logit, token)
+        if best is None or not best[0] > float(logits[-1]):
+            return None
+        return best[1]
+
+    def _full_row_choice(self, node: int) -> int:
+        logits = np.asarray(self.full_row(node), dtype=np.float32)
+        if logits.shape != (self.vocab_size,):
+            raise ValueError(f"full_row({node}) has shape {logits.shape}, "
+                             f"expected ({self.vocab_size},)")
+        return masked_argmax(logits, self.grammar_row())
+
+    def grammar_row(self) -> np.ndarray:
+        """[vocab_size] bool: what vLLM's row allows in the grammar's state."""
+        if self.grammar.is_terminated():
+            return np.ones(self.vocab_size, dtype=bool)
+        words = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        self.grammar.fill_bitmask(words, 0)
+        return unpack_row(words[0].numpy(), self.vocab_size)
+
+
+def unpack_row(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[num_words] int32 bitmask (bit t % 32 of word t // 32: token t
+    allowed) -> [vocab_size] bool."""
+    bits = np.unpackbits(words.astype("<i4").view(np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
+
+
+def masked_argmax(logits: np.ndarray, allowed: np.ndarray) -> int:
+    """vLLM's greedy choice under a row: forbidden logits set to -inf, then
+    the first maximum (an empty row gives token 0, as argmax of -inf does)."""
+    return int(np.where(allowed, logits, -np.inf).argmax())
+
+
+def node_choices(logits: torch.Tensor, k: int) -> NodeChoices:
+    """[num_nodes, vocab] logits -> their unmasked choices on the host (the
+    part of a verify step that a GPU would copy: argmax and top-k)."""
+    top = torch.topk(logits.float(), k, dim=-1)
+    return NodeChoices(logits.argmax(dim=-1).cpu().numpy(), top.indices.cpu().numpy(),
+                       top.values.cpu().numpy())

@@ -295,6 +295,40 @@ def test_unmasked_drafting_queues_every_output_the_workers_rows_read(tree_one_si
 
 
 @pytest.fixture(scope="module")
+def tree_choices(work, grammar_prompts):  # noqa: F811
+    """Our tree as a user gets it (first-step masks, rows in the worker) with
+    `grammar_verify: "choices"`: greedy batches' constrained trees go
+    unmasked, their draws on each accepted path set to the masked choice
+    (integration/v2/grammar_choices.py)."""
+    from vllm_specplug.engine import shutdown_llm
+    from vllm_specplug.metrics import read_spec_decode_counts
+
+    head = _head(work)
+    llm = _engine(work, {**TREE, **WORKER_ROWS, "grammar_drafts": "first", "model": str(head),
+                         "grammar_verify": "choices"}, dtype="float32")
+    try:
+        before = read_spec_decode_counts(llm)
+        runs = _runs(llm, grammar_prompts)
+        return {"runs": runs, "counts": read_spec_decode_counts(llm) - before,
+                "stats": llm.collective_rpc("specplug_speculator_stats")[0]}
+    finally:
+        shutdown_llm(llm)
+
+
+def test_trees_decided_from_the_targets_choices_equal_no_speculation(tree_choices, plain):
+    """Every constraint, alone and batched, equal to no speculation (near-tie
+    flips aside) and valid; the trees were decided so (no row filled for
+    them), and drafts were accepted."""
+    runs, counts, stats = tree_choices["runs"], tree_choices["counts"], tree_choices["stats"]
+    assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
+    for kind in ["json", *PATTERNS]:
+        _assert_exact(plain[kind], runs[kind], kind)
+    _assert_schema_holds(_texts(runs["json"]))
+    assert stats["num_choice_requests"] > 0, stats
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts
+
+
+@pytest.fixture(scope="module")
 def chain_worker_rows(work, grammar_prompts):  # noqa: F811
     """Our chain (topk 1, K=5), drafts unmasked, its rows filled in the
     worker only as deep as its drafts get accepted (`grammar_row_depth`

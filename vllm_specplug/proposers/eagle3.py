@@ -36,6 +36,7 @@ AUTO_ROW_DEPTH = "auto"
 ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
 AUTO_ROW_THREADS = "auto"  # grammar_row_threads (integration/row_threads.py)
 FULL_TREE_ROWS = "full"  # grammar_tree_rows: every node's row
+GRAMMAR_VERIFY_WAYS = ("rows", "choices")  # grammar_verify (integration/v2/grammar_choices.py)
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,22 @@ class TreeOptions(ProposerOptions):
     # way (a draft not acceptable is a draft rejected): it trades the deep
     # nodes' accepted tokens for the walks' host time, which held the step
     # at batch 64 under a JSON schema on the H200
-    # (docs/results/v2_schema_threads_h200). Not yet measured on a GPU.
+    # (docs/results/v2_schema_threads_h200). On the H200 it did not pay: 8
+    # rows ran 0.91x / 0.90x / 1.06x every row's speed at batch 1 / 16 / 64,
+    # 4 rows 0.94x at 64; a tree's walk costs about as much for 4 nodes as
+    # for 16 (docs/results/v2_schema_tree_rows_h200).
     grammar_tree_rows: int | str = FULL_TREE_ROWS
+    # How a greedy batch's constrained trees are verified with rows in the
+    # worker on Model Runner V2: "rows" (the default) masks every node's
+    # logits with its row before sampling; "choices" leaves them unmasked
+    # and decides each node of the accepted path from the target's argmax
+    # and top-k, a row only where those are all forbidden
+    # (verification/grammar_greedy.py, integration/v2/grammar_choices.py):
+    # one wait for the forward a step instead of every node's row. Exact
+    # either way (tests/test_grammar_greedy.py); other batches keep rows.
+    # On CPU 64 trees of 16 nodes took 0.83 ms against the rows' 5.18 ms
+    # (docs/results/grammar_greedy_cpu); not yet run on a GPU.
+    grammar_verify: str = "rows"
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -134,6 +149,9 @@ class TreeOptions(ProposerOptions):
         require(_word_or_count(self.grammar_tree_rows, FULL_TREE_ROWS), name,
                 f"grammar_tree_rows={self.grammar_tree_rows!r} must be "
                 f"{FULL_TREE_ROWS!r} or an integer >= 1 (drafts with rows a tree)")
+        require(self.grammar_verify in GRAMMAR_VERIFY_WAYS, name,
+                f"grammar_verify={self.grammar_verify!r} must be one of "
+                f"{', '.join(GRAMMAR_VERIFY_WAYS)}")
         require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
                 f"grammar_rows={self.grammar_rows!r} must be one of "
                 f"{', '.join(GRAMMAR_ROWS_WAYS)}")

@@ -102,6 +102,8 @@ class HeadGrammar:
         the worker (worker_rows.py), each filled from the request's grammar
         and the drafts this step verifies."""
         req_ids, self.worker_rows_req_ids = self.worker_rows_req_ids, []
+        if self.grammar_choices is not None:
+            self.grammar_choices.forget()  # a plan lives for its own step's sampling only
         state = runner.execute_model_state
         if not req_ids or state is None:
             return grammar_output
@@ -126,6 +128,11 @@ class HeadGrammar:
                 return grammar_output
         row_of = {req_id: b for b, req_id in enumerate(input_batch.req_ids[:input_batch.num_reqs])}
         num_rows = [num_grammar_rows(input_batch, row_of[req_id]) for req_id in ids]
+        if self.grammar_choices is not None and greedy_tree_batch(runner, input_batch):
+            ids, num_rows = self._plan_choices(ids, grammars, drafts, parents, num_rows)
+            if not ids:  # every one decided from the target's choices after its draws
+                self.stats.worker_rows_seconds += time.perf_counter() - started
+                return grammar_output
         bitmask = self.structured.grammars.manager.backend.allocate_token_bitmask(sum(num_rows))
         num_acceptable = self._fill_rows(ids, grammars, drafts, parents, num_rows, bitmask)
         self.stats.worker_rows += (len(ids), sum(1 for req_id in ids if req_id in drafts),
@@ -133,6 +140,21 @@ class HeadGrammar:
                                    sum(num_rows) - len(ids) - sum(num_acceptable))
         self.stats.worker_rows_seconds += time.perf_counter() - started
         return merged_grammar_output(grammar_output, ids, bitmask.numpy(), num_acceptable)
+
+    def _plan_choices(self, req_ids: list[str], grammars: dict, drafts: dict, parents: dict,
+                      num_rows: list[int]) -> tuple[list[str], list[int]]:
+        """`grammar_verify: "choices"`: the requests whose tree the worker
+        knows go unmasked, their draws corrected after sampling
+        (grammar_choices.py); returns the others, which keep their rows."""
+        kept, kept_rows = [], []
+        for req_id, n in zip(req_ids, num_rows):
+            tree, tokens = parents.get(req_id), drafts.get(req_id)
+            if tree is None or tokens is None or len(tree) < n or len(tokens) < n - 1:
+                kept.append(req_id)
+                kept_rows.append(n)
+                continue
+            self.grammar_choices.plan(req_id, grammars[req_id], list(tokens), list(tree), n)
+        return kept, kept_rows
 
     def _fill_rows(self, req_ids: list[str], grammars: dict, drafts: dict, parents: dict,
                    num_rows: list[int], bitmask) -> list[int]:
@@ -162,6 +184,23 @@ class HeadGrammar:
                 self.row_depth.observe(req_id, output_len)
                 self.row_depth.filled(req_id, output_len, acceptable)
         return num_acceptable
+
+
+def greedy_tree_batch(runner, input_batch) -> bool:
+    """Whether this step's target tokens are the argmax of every node's
+    logits, drawn by our tree sampler: every request greedy, none needing
+    vLLM's full sampler (which samples the roots alone, masked by their
+    rows), drafts in the batch (else vLLM's sampler runs), one sampling
+    rank."""
+    from vllm_specplug.integration.v2.tree_sampler import needs_full_sampler
+
+    sampler = getattr(runner, "sampler", None)
+    if (sampler is None or getattr(runner, "batch_sharder", None) is not None
+            or not input_batch.num_draft_tokens):
+        return False
+    idx_np = input_batch.idx_mapping_np[:input_batch.num_reqs]
+    return (bool((sampler.sampling_states.temperature.np[idx_np] == 0.0).all())
+            and not needs_full_sampler(sampler, idx_np, False))
 
 
 def _step_tree_walks(req_ids: list[str], grammars: dict, drafts: dict, parents: dict,

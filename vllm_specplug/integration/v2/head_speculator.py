@@ -50,6 +50,7 @@ from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.row_threads import RowThreads, num_row_threads
 from vllm_specplug.integration.scheduler import rows_in_worker
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
+from vllm_specplug.integration.v2.grammar_choices import GrammarChoices
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.head_grammar import HeadGrammar
 from vllm_specplug.integration.v2.head_rows import HeadRows
@@ -130,6 +131,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.tree_rows = (options.grammar_tree_rows if self.rows_in_worker
                           and self.tree_slots is not None
                           and options.grammar_tree_rows != FULL_TREE_ROWS else None)
+        # greedy batches' constrained trees decided from the target's
+        # choices, not every node's row (grammar_verify "choices")
+        self.grammar_choices = (GrammarChoices() if self.rows_in_worker
+                                and self.tree_slots is not None
+                                and options.grammar_verify == "choices" else None)
+        self.stats.grammar_choices = self.grammar_choices
         # grammar_drafts "first": the first step's masks inside the graphed
         # pass (root_masks.py), made at attach (they need the head's vocabulary)
         self.root_masks = None
@@ -217,7 +224,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             raise RuntimeError(f"{self.method} trees: the target runs under "
                                f"{type(model_state).__name__}, not vllm-specplug's tree model "
                                "state; use topk=1 (a chain) for this model")
-        model_state.bind(self.tree_slots)
+        model_state.bind(self.tree_slots, self.grammar_choices)
         self.tree_slots.split_attention = self.drafter.options.tree_attention == "split"
         cuda_tree_attention.attach(attention_layers, self.tree_slots)
 

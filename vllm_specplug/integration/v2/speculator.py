@@ -381,6 +381,7 @@ class SpeculatorStats:
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
         self.host_counts = np.zeros(2, dtype=np.int64)
         self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
+        self.grammar_choices = None  # a head's GrammarChoices (v2/grammar_choices.py)
         # constrained requests' verification rows filled in the worker
         # (worker_rows.py): of them, those whose drafts were known (else
         # none of their drafts may be accepted), those whose output was read
@@ -403,6 +404,10 @@ class SpeculatorStats:
                  "num_worker_rows_device_reads": int(self.worker_rows[2]),
                  "num_worker_draft_rows_unfilled": int(self.worker_rows[3]),
                  "worker_rows_seconds": self.worker_rows_seconds}
+        if self.grammar_choices is not None:  # grammar_verify "choices" (grammar_choices.py)
+            num_requests, num_top, num_full = self.grammar_choices.counts.tolist()
+            stats.update(num_choice_requests=num_requests, num_choice_top_nodes=num_top,
+                         num_choice_full_rows=num_full)
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,
                          num_kept_by_graph=self.deferred.num_replayed,

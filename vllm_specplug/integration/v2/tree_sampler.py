@@ -38,7 +38,11 @@ grammar state of its own path, and an invalid node's row by its parent's,
 which forbids the node's token (integration/grammar_trees.py): the draws
 and the walk above then stay exact, unchanged. Drafts that vLLM marks
 invalid (`invalid_drafts`: a reasoning section's chain rules) are never
-accepted. Under a scheduler of the user's, which masks drafts as a list,
+accepted. With `grammar_verify: "choices"` a greedy batch's trees whose
+rows the worker fills arrive unmasked instead, and their draws on each
+accepted path are set to the masked choice before the walk
+(integration/v2/grammar_choices.py): the same path and tokens. Under a
+scheduler of the user's, which masks drafts as a list,
 batches with structured output are treated as below.
 
 Batches whose sampling needs vLLM's full sampler on every row in order
@@ -136,8 +140,13 @@ class V2TreeRejectionSampler:
         if needs_full_sampler(self.sampler, idx_np, list_masks):
             return self._roots_only(logits, input_batch, slots, num_nans)
         num_reqs = input_batch.num_reqs
+        target_tokens = self._target_tokens(logits, input_batch)
+        choices = getattr(self.state, "grammar_choices", None)
+        if choices is not None:  # greedy constrained trees left unmasked (grammar_choices.py)
+            with torch.profiler.record_function("specplug::grammar_choices"):
+                choices.correct(logits, target_tokens, input_batch)
         verified = verify_tree_greedy_rows(
-            self._target_tokens(logits, input_batch),
+            target_tokens,
             node_token_ids(input_batch.input_ids, input_batch.logits_indices, invalid_drafts),
             input_batch.logits_indices, input_batch.cu_num_logits, slots.parents,
             input_batch.idx_mapping[:num_reqs], slots.accepted_nodes[:num_reqs],

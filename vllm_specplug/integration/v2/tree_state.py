@@ -28,9 +28,11 @@ from vllm_specplug.verification.tree_rows import prepare_tree_rows
 
 class TreeModelState(DefaultModelState):
     tree_slots: TreeSlots | None = None
+    grammar_choices = None  # GrammarChoices of grammar_verify "choices", else None
 
-    def bind(self, tree_slots: TreeSlots) -> None:
+    def bind(self, tree_slots: TreeSlots, grammar_choices=None) -> None:
         self.tree_slots = tree_slots
+        self.grammar_choices = grammar_choices
 
     def custom_sampler(self, sampler):
         from vllm_specplug.integration.scheduler import masks_rows_per_node

@@ -1,0 +1,112 @@
+"""`grammar_verify: "choices"` on Model Runner V2's worker, on CPU
+(integration/v2/grammar_choices.py): a greedy batch's constrained tree goes
+unmasked and is planned instead of filled (the worker-rows stand-in of
+tests/test_worker_rows.py), any other batch keeps its rows; then the
+sampler's draws corrected on each planned request's accepted path give the
+walk every node's row would give (the trees and grammar of
+tests/test_grammar_greedy.py), and nothing else changes. The engine runs on
+the GPU: tests/gpu/test_grammar_trees_cuda.py."""
+from __future__ import annotations
+
+import random
+from types import MethodType, SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specplug.integration.v2.grammar_choices import GrammarChoices
+from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+
+from tests.test_grammar_greedy import (VOCAB, _grammar, _random_case, _reference, _row,
+                                       compiled)
+from tests.test_grammar_trees_async import K
+from tests.test_worker_rows import WORKER_DRAFT_CHARS, WORKER_PARENTS, _speculator, tokens
+
+__all__ = ["compiled", "tokens"]  # fixtures
+
+
+def _sampler(temperatures: list[float]):
+    """What `greedy_tree_batch` reads of vLLM's sampler (no logprobs, no
+    processors, vLLM's defaults but for the temperature)."""
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    n = len(temperatures)
+    array = lambda value: SimpleNamespace(np=np.full(n, value))  # noqa: E731
+    states = SimpleNamespace(temperature=SimpleNamespace(np=np.array(temperatures)),
+                             min_p=array(0.0), top_k=array(len(VOCAB)), top_p=array(1.0),
+                             vocab_size=len(VOCAB), max_num_logprobs=lambda idx: NO_LOGPROBS)
+    return SimpleNamespace(sampling_states=states, needs_logits_processing=np.zeros(n, bool),
+                           return_sampling_mask=False, trace_replay_state=None)
+
+
+def _choosing(tiny_model_dir, tokens, temperatures):
+    speculator, runner = _speculator(tiny_model_dir, tokens)
+    speculator.grammar_choices = GrammarChoices()
+    speculator._plan_choices = MethodType(SpecplugV2HeadSpeculator._plan_choices, speculator)
+    runner.sampler, runner.batch_sharder = _sampler(temperatures), None
+    runner.execute_model_state.input_batch.num_draft_tokens = 2 * K
+    return speculator, runner
+
+
+def test_a_greedy_batchs_tree_is_planned_not_filled(tiny_model_dir, tokens):
+    speculator, runner = _choosing(tiny_model_dir, tokens, [0.0, 0.0])
+    assert speculator.verification_rows(runner, None) is None  # no row for anyone
+    planned = speculator.grammar_choices.planned["tree"]
+    assert planned.token_ids == [0] + [tokens[c] for c in WORKER_DRAFT_CHARS][:K]
+    assert planned.parents == WORKER_PARENTS[:K + 1]
+    assert planned.grammar.num_processed_tokens == 1  # advanced to the output, "b"
+
+
+@pytest.mark.parametrize("temperatures", [[0.0, 0.7], [0.7, 0.0]])
+def test_a_batch_that_samples_keeps_its_rows(tiny_model_dir, tokens, temperatures):
+    speculator, runner = _choosing(tiny_model_dir, tokens, temperatures)
+    grammar_output = speculator.verification_rows(runner, None)
+    assert grammar_output.structured_output_request_ids == ["tree"]
+    assert not speculator.grammar_choices.planned
+
+
+def _walk(draws: list[int], tokens: list[int], parents: list[int]):
+    """The tree sampler's greedy walk over one request's draws."""
+    node, accepted = 0, [0]
+    while True:
+        child = next((c for c in range(1, len(parents))
+                      if parents[c] == node and tokens[c] == draws[node]), None)
+        if child is None:
+            return accepted, [tokens[n] for n in accepted[1:]] + [draws[node]]
+        accepted.append(child)
+        node = child
+
+
+def test_corrected_draws_walk_as_every_rows_would(compiled):
+    """Batches of a free request between two planned ones: each planned
+    request's walk over its corrected draws is the rows' way's, the free
+    one's draws are untouched, the grammars end where they began."""
+    rng = random.Random(7)
+    counts = np.zeros(3, dtype=np.int64)
+    for _ in range(30):
+        choices = GrammarChoices(top_k=3)
+        cases = [_random_case(rng, compiled, rng.randrange(2, 12)) for _ in range(3)]
+        grammars = [_grammar(compiled, prefix) for prefix, *_ in cases]
+        befores = [(g.num_processed_tokens, _row(g).tobytes()) for g in grammars]
+        for i in (0, 2):
+            _, parents, tree_tokens, _ = cases[i]
+            choices.plan(f"r{i}", grammars[i], tree_tokens[1:], parents, len(parents))
+        logits = torch.cat([case[3] for case in cases])
+        sizes = [len(case[1]) for case in cases]
+        batch = SimpleNamespace(req_ids=["r0", "r1", "r2"], num_reqs=3,
+                                cu_num_logits_np=np.cumsum([0] + sizes))
+        draws = logits.argmax(-1)
+        argmax = draws.clone()
+        choices.correct(logits, draws, batch)
+        for i, (prefix, parents, tree_tokens, case_logits) in enumerate(cases):
+            own = draws[batch.cu_num_logits_np[i]:batch.cu_num_logits_np[i + 1]].tolist()
+            if i == 1:
+                assert own == argmax[batch.cu_num_logits_np[1]:batch.cu_num_logits_np[2]].tolist()
+                continue
+            assert _walk(own, tree_tokens, parents) == _reference(
+                compiled, prefix, parents, tree_tokens, case_logits)
+            assert (grammars[i].num_processed_tokens, _row(grammars[i]).tobytes()) == befores[i]
+        counts += choices.counts
+    assert counts[0] == 60 and counts[1] > 0 and counts[2] > 0, counts
+    assert not choices.planned  # a plan serves one sampling

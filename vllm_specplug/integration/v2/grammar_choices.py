@@ -1,0 +1,113 @@
+"""Constrained greedy trees verified from the target's unmasked choices on
+Model Runner V2 (`grammar_verify: "choices"`; verification/grammar_greedy.py).
+
+With rows in the worker (worker_rows.py) every node of a constrained tree
+gets its grammar row before sampling: xgrammar's walks held the step at
+every batch size under a JSON schema on the H200 (6.6 ms of host a step for
+64 trees of 16 nodes, 1.1 ms for one; docs/results/v2_schema_tree_rows_h200).
+In a batch that samples greedily, the worker leaves those requests'
+logits unmasked instead (`GrammarChoices.plan`), and after the sampler's
+draws (the argmax at every node) `correct` copies each such request's
+argmax and top-k to the host (one wait for the forward), walks its
+accepted path in its grammar (`GreedyGrammarWalk`), and sets the draws on
+that path to their masked choices. The tree sampler's walk then follows
+exactly the path that every node's row would give (it visits only nodes of
+that path, whose draws are now the masked argmax), and emits the same
+tokens. Off the path a draw may be a forbidden token: no walk reads it.
+
+A request whose drafts or parents the worker does not know keeps its rows
+(the walk on the device would read drafts the host did not see).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_specplug.verification.grammar_greedy import GreedyGrammarWalk, NodeChoices
+
+TOP_K = 8  # choices per node copied to the host: the argmax's runners-up
+
+
+@dataclass
+class PlannedTree:
+    """A constrained request left unmasked this step (`GrammarChoices.plan`)."""
+    req_id: str
+    grammar: object           # vLLM's grammar, advanced to the request's output
+    token_ids: list[int]      # [num_nodes]: 0 at the root, then the scheduled drafts
+    parents: list[int]        # [num_nodes]: -1 at the root
+
+
+class GrammarChoices:
+    """The step's planned requests, then their draws corrected (`correct`)."""
+
+    def __init__(self, top_k: int = TOP_K) -> None:
+        self.top_k = top_k
+        self.planned: dict[str, PlannedTree] = {}
+        # requests decided so, nodes decided from their top-k, from their full row
+        self.counts = np.zeros(3, dtype=np.int64)
+
+    def forget(self) -> None:
+        self.planned = {}
+
+    def plan(self, req_id: str, grammar, drafts: list[int], parents: list[int],
+             num_rows: int) -> None:
+        """`req_id`'s tree this step: its first `num_rows` nodes are verified."""
+        self.planned[req_id] = PlannedTree(req_id, grammar, [0, *drafts[:num_rows - 1]],
+                                           list(parents[:num_rows]))
+
+    def correct(self, logits: torch.Tensor, target_tokens: torch.Tensor, input_batch) -> None:
+        """`target_tokens` [num_logits] int64 (the sampler's argmax at every
+        logits row) set to the masked choice on each planned request's
+        accepted path; `logits` [num_logits, vocab] are the rows it drew from."""
+        planned, self.planned = self.planned, {}
+        if not planned:
+            return
+        batch_rows = {req_id: b for b, req_id in
+                      enumerate(input_batch.req_ids[:input_batch.num_reqs])}
+        trees = [tree for req_id, tree in planned.items() if req_id in batch_rows]
+        starts = [int(input_batch.cu_num_logits_np[batch_rows[t.req_id]]) for t in trees]
+        rows = torch.from_numpy(np.concatenate(
+            [np.arange(s, s + len(t.parents)) for s, t in zip(starts, trees)] or [[]]).astype(
+                np.int64)).to(logits.device)
+        choices = _host_choices(logits, target_tokens, rows, self.top_k)
+        fixes: list[tuple[int, int]] = []
+        offset = 0
+        for start, tree in zip(starts, trees):
+            num_nodes = len(tree.parents)
+            path = _walk(tree, logits, start, _slice(choices, offset, num_nodes))
+            argmax = choices.argmax_ids[offset:offset + num_nodes]
+            fixes += [(start + node, token) for node, token in
+                      zip(path.accepted_node_ids, path.output_token_ids) if token != argmax[node]]
+            self.counts += (1, path.num_top_choices, len(path.full_row_node_ids))
+            offset += num_nodes
+        if fixes:
+            at, tokens = zip(*fixes)
+            target_tokens[torch.tensor(at, device=logits.device)] = torch.tensor(
+                tokens, dtype=target_tokens.dtype).to(logits.device)
+
+
+def _host_choices(logits: torch.Tensor, target_tokens: torch.Tensor, rows: torch.Tensor,
+                  top_k: int) -> NodeChoices:
+    """The argmax and top-k of `rows`, on the host in one wait. The top-k
+    runs over every logits row in their own dtype (a gather of the rows
+    first would copy [rows, vocab] logits: 214 MB in float32 for 64 trees
+    of 17 nodes over SmolLM2's vocabulary); a bfloat16 logit is exact in
+    float32, so ties and order are the draws' own."""
+    top = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+    ids = torch.cat([target_tokens[rows][:, None], top.indices[rows]], dim=1).cpu().numpy()
+    return NodeChoices(ids[:, 0], ids[:, 1:], top.values[rows].float().cpu().numpy())
+
+
+def _slice(choices: NodeChoices, offset: int, num_nodes: int) -> NodeChoices:
+    part = slice(offset, offset + num_nodes)
+    return NodeChoices(choices.argmax_ids[part], choices.top_ids[part], choices.top_logits[part])
+
+
+def _walk(tree: PlannedTree, logits: torch.Tensor, start: int, choices: NodeChoices):
+    def full_row(node: int) -> np.ndarray:  # rare: the argmax and its top-k all forbidden
+        return logits[start + node].float().cpu().numpy()
+
+    walk = GreedyGrammarWalk(tree.grammar, logits.shape[-1], choices, full_row, tree.req_id)
+    return walk.run(tree.token_ids, tree.parents)

@@ -34,6 +34,7 @@ RUNS = [
     ("smollm2-schema", {"SCHEMA_ROWS": "threads-ab", "SIZES": "64"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "tree-rows", "SIZES": "16 64"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "lean-rows"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "choices"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide", "WIDE": "8 1 9",
                         "SCHEMA_SETS": "mt-bench-json"}),
 ]

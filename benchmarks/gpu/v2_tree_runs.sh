@@ -42,7 +42,8 @@
 #            default) and every row ("full");
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
 #            SCHEMA_ROWS=lean-rows: the same plus our tree 16 with grammar_tree_rows
-#            ${TREE_ROWS:-8};
+#            ${TREE_ROWS:-8}; SCHEMA_ROWS=choices: the same plus our tree 16 with
+#            grammar_verify "choices" (greedy trees decided from the target's choices);
 #            SCHEMA_ROWS=threads: the same plus our tree 16 with grammar_row_threads "auto";
 #            SCHEMA_ROWS=threads-ab: our two trees of "threads" alone (one thread / "auto");
 #            SCHEMA_ROWS=tree-rows: our tree 16 with every row and with grammar_tree_rows
@@ -324,6 +325,14 @@ run() {
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-tree16={$tree}" \
           --spec "ours-tree16-rows${TREE_ROWS:-8}={$tree, \"grammar_tree_rows\": ${TREE_ROWS:-8}}")
+      elif [ "${SCHEMA_ROWS:-all}" = choices ]; then
+        # greedy trees decided from the target's choices (grammar_verify "choices":
+        # no rows for them, one wait for the forward) against every node's row, with
+        # vLLM's eagle3 K=5
+        mapfile -t S < <(printf '%s\n' \
+          --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
+          --spec "ours-tree16={$tree}" \
+          --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}")
       elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
         # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:
         # first-step masks, rows in the worker): a run that fits a lease after a head build

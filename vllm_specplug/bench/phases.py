@@ -48,18 +48,21 @@ V2_PHASES = {"forward": ("", "execute_model"), "verify": ("", "sample"),
 # the grammar's own host work in the worker under structured outputs, inside
 # the phases above (issue 30: its cost beside the step): vLLM's bitmask
 # applied to the logits, and ours: the verification rows the worker fills,
-# the first drafting step's masks, every step's masks, the outputs queued
+# the first drafting step's masks, every step's masks, the outputs queued,
+# greedy trees decided from the target's choices (grammar_verify "choices")
 V2_GRAMMAR = (("structured_outputs_worker", "apply_grammar_bitmask"),
               ("speculator", "verification_rows"),
               ("speculator.structured", "root_bitmask"),
               ("speculator.structured", "path_masks"),
-              ("speculator.structured", "queue_outputs"))
+              ("speculator.structured", "queue_outputs"),
+              ("speculator.grammar_choices", "correct"))
 # where that work waits for the GPU (the drafts' or the outputs' copy to the
 # host): on the H200 the worker's grammar phase was 7.5 ms a step at batch 64
 # with 2 rows a request filled, far over their fill (docs/results/v2_row_depth_h200)
 V2_GRAMMAR_WAIT = (("", "take_draft_token_ids"),
                    ("speculator.structured", "_queued_outputs"),
-                   ("speculator.structured", "_outputs"))
+                   ("speculator.structured", "_outputs"),
+                   ("speculator.grammar_choices", "host_choices"))
 V1_PHASES = {"forward": ("", "_model_forward"), "verify": ("", "_sample"),
              "draft": ("", "propose_draft_token_ids")}
 STEP_METHODS = ("execute_model", "sample_tokens")

@@ -206,7 +206,8 @@ def format_waves_table(rows) -> str:
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",
-               "draft_tree", "grammar", "grammar_wait", "worker_rows", "root_masks")
+               "draft_tree", "grammar", "grammar_wait", "worker_rows", "root_masks",
+               "grammar_choices")
 
 
 def format_phases_table(rows) -> str:

@@ -71,7 +71,7 @@ class GrammarChoices:
         rows = torch.from_numpy(np.concatenate(
             [np.arange(s, s + len(t.parents)) for s, t in zip(starts, trees)] or [[]]).astype(
                 np.int64)).to(logits.device)
-        choices = _host_choices(logits, target_tokens, rows, self.top_k)
+        choices = self.host_choices(logits, target_tokens, rows)
         fixes: list[tuple[int, int]] = []
         offset = 0
         for start, tree in zip(starts, trees):
@@ -87,17 +87,17 @@ class GrammarChoices:
             target_tokens[torch.tensor(at, device=logits.device)] = torch.tensor(
                 tokens, dtype=target_tokens.dtype).to(logits.device)
 
-
-def _host_choices(logits: torch.Tensor, target_tokens: torch.Tensor, rows: torch.Tensor,
-                  top_k: int) -> NodeChoices:
-    """The argmax and top-k of `rows`, on the host in one wait. The top-k
-    runs over every logits row in their own dtype (a gather of the rows
-    first would copy [rows, vocab] logits: 214 MB in float32 for 64 trees
-    of 17 nodes over SmolLM2's vocabulary); a bfloat16 logit is exact in
-    float32, so ties and order are the draws' own."""
-    top = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
-    ids = torch.cat([target_tokens[rows][:, None], top.indices[rows]], dim=1).cpu().numpy()
-    return NodeChoices(ids[:, 0], ids[:, 1:], top.values[rows].float().cpu().numpy())
+    def host_choices(self, logits: torch.Tensor, target_tokens: torch.Tensor,
+                     rows: torch.Tensor) -> NodeChoices:
+        """The argmax and top-k of `rows`, on the host in one wait (`bench
+        offline --phases` times it as the grammar's wait). The top-k
+        runs over every logits row in their own dtype (a gather of the rows
+        first would copy [rows, vocab] logits: 214 MB in float32 for 64 trees
+        of 17 nodes over SmolLM2's vocabulary); a bfloat16 logit is exact in
+        float32, so ties and order are the draws' own."""
+        top = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
+        ids = torch.cat([target_tokens[rows][:, None], top.indices[rows]], dim=1).cpu().numpy()
+        return NodeChoices(ids[:, 0], ids[:, 1:], top.values[rows].float().cpu().numpy())
 
 
 def _slice(choices: NodeChoices, offset: int, num_nodes: int) -> NodeChoices:

@@ -1,5 +1,5 @@
 """`grammar_verify: "choices"` on Model Runner V2's worker, on CPU
-(integration/v2/grammar_choices.py): a greedy batch's constrained tree goes
+(integration/grammar_choices.py): a greedy batch's constrained tree goes
 unmasked and is planned instead of filled (the worker-rows stand-in of
 tests/test_worker_rows.py), any other batch keeps its rows; then the
 sampler's draws corrected on each planned request's accepted path give the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specplug.integration.v2.grammar_choices import GrammarChoices
+from vllm_specplug.integration.grammar_choices import GrammarChoices
 from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
 
 from tests.test_grammar_greedy import (VOCAB, _grammar, _random_case, _reference, _row,

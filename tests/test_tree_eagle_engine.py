@@ -77,6 +77,23 @@ def test_abort_mid_generation_leaves_others_exact(tree_llm, baseline_llm, eval_p
                                      greedy_params(MAX_NEW_TOKENS))
 
 
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
+def test_requests_with_logprobs_equal_no_speculation_with_their_logprobs(
+        tree_llm, baseline_llm, eval_prompts):
+    """Logprobs send a batch to vLLM's sampler at its roots: the tokens are
+    no speculation's, each with its logprobs (the roots' logprobs once went
+    to vLLM's output parser in the wrong layout, and the engine failed)."""
+    prompts = eval_prompts[:4]
+    params = greedy_params(16, logprobs=1)
+    expected = baseline_llm.generate(prompts, params, use_tqdm=False)
+    ours = tree_llm.generate(prompts, params, use_tqdm=False)
+    for want, got in zip(expected, ours):
+        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+        assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids)
+        for token, logprobs in zip(got.outputs[0].token_ids, got.outputs[0].logprobs):
+            assert token in logprobs
+
+
 # Tokens per decode step under JSON_SCHEMA, 24 held-out prompts, 64 tokens
 # (benchmarks/bench_grammar_trees.py, 2026-11-27): tree 16 drafting under
 # the grammar (integration/grammar_drafting.py) 4.20; the same tree drafting

@@ -299,7 +299,7 @@ def tree_choices(work, grammar_prompts):  # noqa: F811
     """Our tree as a user gets it (first-step masks, rows in the worker) with
     `grammar_verify: "choices"`: greedy batches' constrained trees go
     unmasked, their draws on each accepted path set to the masked choice
-    (integration/v2/grammar_choices.py)."""
+    (integration/grammar_choices.py)."""
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 

@@ -118,16 +118,18 @@ class DraftGrammars:
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
 
-    def of_row(self, runner, row: int):
+    def of_row(self, runner, row: int, verifying: bool = False):
         """`grammar_of` the request in `row` of the V1 runner's input batch,
-        advanced to its output so far (None: no grammar to draft under)."""
+        advanced to its output so far (None: no grammar to draft under);
+        `verifying`: `verifying_grammar`'s instead (a terminated one too)."""
         batch = runner.input_batch
         req_id = batch.req_ids[row]
         state = runner.requests.get(req_id)
         if state is None or state.sampling_params is None:
             return None
         start, end = int(batch.num_prompt_tokens[row]), int(batch.num_tokens_no_spec[row])
-        return self.grammar_of(req_id, state.sampling_params, batch.token_ids_cpu[row, start:end])
+        of = self.verifying_grammar if verifying else self.grammar_of
+        return of(req_id, state.sampling_params, batch.token_ids_cpu[row, start:end])
 
     def _start(self, req_id: str, sampling_params) -> bool:
         """Submit the request's grammar to vLLM's manager (compiled on its

@@ -27,6 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.outputs import DraftTokenIds
+from vllm.sampling_params import SamplingType
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug.integration.grammar_trees import (TREE_PARENTS_ATTR, chain_prefix_length,
@@ -35,6 +36,9 @@ from vllm_specplug.integration.grammar_trees import (TREE_PARENTS_ATTR, chain_pr
 from vllm_specplug.integration.worker_rows import WORKER, WORKER_ROWS_ATTR
 
 DRAFT_LENGTHS_ATTR = "specplug_draft_lengths"
+# on a V1 step's GrammarOutput: the greedy trees left unmasked (grammar_verify "choices")
+CHOICE_TREES_ATTR = "specplug_choice_trees"
+CHOICES = "choices"
 # AsyncScheduler marks a speculative slot whose draft token is not known yet
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -143,13 +147,15 @@ class TreeGrammarScheduler:
         trees = self._grammar_trees()
         ours = {req_id: trees[req_id][:len(spec[req_id]) + 1] for req_id in spec
                 if req_id in trees and len(spec[req_id]) < len(trees[req_id])}
-        if not ours or not scheduler_output.has_structured_output_requests:
+        chosen = self._choice_trees(ours)
+        ours = {req_id: parents for req_id, parents in ours.items() if req_id not in chosen}
+        if not (ours or chosen) or not scheduler_output.has_structured_output_requests:
             return super().get_grammar_bitmask(scheduler_output)
         # vLLM's rows for the other requests first, then each tree's rows,
         # filled here: workers map rows to requests by the id list, in any
         # order. (Handing the trees to vLLM too cost a fill per tree slot,
-        # every one of them overwritten.)
-        req_ids = self._constrained_req_ids(scheduler_output)
+        # every one of them overwritten.) The chosen trees get none.
+        req_ids = self._constrained_req_ids(scheduler_output, chosen)
         others = [req_id for req_id in req_ids if req_id not in ours]
         tree_ids = [req_id for req_id in req_ids if req_id in ours]
         manager = self.structured_output_manager
@@ -163,8 +169,23 @@ class TreeGrammarScheduler:
         end = self._fill_trees(tree_ids, ours, spec, offset)
         num_acceptable_drafts = (_vllm_num_acceptable(spec, others)
                                  + [len(spec[r]) for r in tree_ids])
-        return GrammarOutput(others + tree_ids, manager._grammar_bitmask[:end].numpy(),
-                             num_acceptable_drafts)
+        output = GrammarOutput(others + tree_ids, manager._grammar_bitmask[:end].numpy(),
+                               num_acceptable_drafts)
+        if chosen:
+            setattr(output, CHOICE_TREES_ATTR, sorted(chosen))
+        return output
+
+    def _choice_trees(self, trees: dict) -> set[str]:
+        """`grammar_verify: "choices"` on the V1 runner: the greedy requests
+        among these trees, left unmasked; the worker's tree sampler decides
+        their nodes from the target's choices (integration/v1/tree_choices.py).
+        On Model Runner V2 the worker chooses them itself (worker_rows.py)."""
+        if not hasattr(self, "_specplug_choices"):
+            self._specplug_choices = choices_in_scheduler(self.vllm_config)
+        if not self._specplug_choices:
+            return set()
+        return {req_id for req_id in trees
+                if self.requests[req_id].sampling_params.sampling_type == SamplingType.GREEDY}
 
     def _constrained_req_ids(self, scheduler_output, leave_out=frozenset()) -> list[str]:
         """The step's requests that sample under a grammar (vLLM's
@@ -325,6 +346,20 @@ def rows_in_worker(vllm_config) -> bool:
     options = get_proposer_class(selection.method).options_cls(**selection.options)
     return (getattr(options, "grammar_rows", None) == WORKER
             and issubclass(scheduler.get_scheduler_cls(), SpecplugTreeAsyncScheduler))
+
+
+def choices_in_scheduler(vllm_config) -> bool:
+    """Whether the scheduler leaves greedy trees unmasked for the worker's
+    choices (`grammar_verify: "choices"`) on the V1 runner."""
+    from vllm_specplug.integration.config import selection_of
+    from vllm_specplug.registry import get_proposer_class
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    selection = selection_of(spec) if spec is not None else None
+    if selection is None or getattr(vllm_config, "use_v2_model_runner", False):
+        return False
+    options = get_proposer_class(selection.method).options_cls(**selection.options)
+    return getattr(options, "grammar_verify", None) == CHOICES
 
 
 def merged_grammar_output(scheduler_rows, req_ids: list[str], bitmask: np.ndarray,

@@ -112,8 +112,11 @@ def _sample_tokens(original):
     from vllm_specplug.integration.batch_schedule import PATH_RANKS_ATTR
 
     def sample_tokens(self, grammar_output):
-        output = original(self, grammar_output)
         drafter = _ours(self)
+        choices = getattr(drafter, "tree_choices", None)
+        if choices is not None:  # greedy trees left unmasked (v1/tree_choices.py)
+            grammar_output = choices.begin(grammar_output)
+        output = original(self, grammar_output)
         take = getattr(drafter, "take_path_ranks", None)  # tree drafters only
         path_ranks = take() if take is not None and output is not None else None
         if path_ranks is not None:

@@ -36,7 +36,7 @@ AUTO_ROW_DEPTH = "auto"
 ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
 AUTO_ROW_THREADS = "auto"  # grammar_row_threads (integration/row_threads.py)
 FULL_TREE_ROWS = "full"  # grammar_tree_rows: every node's row
-GRAMMAR_VERIFY_WAYS = ("rows", "choices")  # grammar_verify (integration/v2/grammar_choices.py)
+GRAMMAR_VERIFY_WAYS = ("rows", "choices")  # grammar_verify (integration/grammar_choices.py)
 
 
 @dataclass(frozen=True)
@@ -115,16 +115,19 @@ class TreeOptions(ProposerOptions):
     # 4 rows 0.94x at 64; a tree's walk costs about as much for 4 nodes as
     # for 16 (docs/results/v2_schema_tree_rows_h200).
     grammar_tree_rows: int | str = FULL_TREE_ROWS
-    # How a greedy batch's constrained trees are verified with rows in the
-    # worker on Model Runner V2: "rows" (the default) masks every node's
-    # logits with its row before sampling; "choices" leaves them unmasked
-    # and decides each node of the accepted path from the target's argmax
-    # and top-k, a row only where those are all forbidden
-    # (verification/grammar_greedy.py, integration/v2/grammar_choices.py):
-    # one wait for the forward a step instead of every node's row. Exact
-    # either way (tests/test_grammar_greedy.py); other batches keep rows.
-    # On CPU 64 trees of 16 nodes took 0.83 ms against the rows' 5.18 ms
-    # (docs/results/grammar_greedy_cpu); not yet run on a GPU.
+    # How a greedy request's constrained tree is verified: "rows" (the
+    # default) masks every node's logits with its row before sampling;
+    # "choices" leaves them unmasked and decides each node of the accepted
+    # path from the target's argmax and top-k, a row only where those are
+    # all forbidden (verification/grammar_greedy.py,
+    # integration/grammar_choices.py): one wait for the forward a step
+    # instead of every node's row. On the V1 runner the scheduler leaves
+    # those trees out of its rows (integration/v1/tree_choices.py); on Model
+    # Runner V2 the worker does, with rows in the worker and in batches
+    # that sample greedily throughout. Exact either way
+    # (tests/test_grammar_greedy.py, tests/test_grammar_choices_engine.py).
+    # On CPU 64 trees of 16 nodes took 0.83 ms of host against the rows'
+    # 5.18 ms (docs/results/grammar_greedy_cpu); not yet run on a GPU.
     grammar_verify: str = "rows"
 
     def validate(self, name: str) -> None:

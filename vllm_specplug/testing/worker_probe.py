@@ -37,6 +37,16 @@ class SpecplugProbe:
         stats = getattr(getattr(self.model_runner, "speculator", None), "stats", None)
         return None if stats is None else stats.as_dict()
 
+    def specplug_grammar_choice_counts(self) -> list[int] | None:
+        """`grammar_verify: "choices"`: [requests decided so, nodes decided
+        from their top-k, nodes from their full row] (integration/
+        grammar_choices.py), on either runner; None when off."""
+        runner = self.model_runner
+        v1 = getattr(getattr(runner, "drafter", None), "tree_choices", None)
+        choices = (v1.choices if v1 is not None else
+                   getattr(getattr(runner, "speculator", None), "grammar_choices", None))
+        return None if choices is None else choices.counts.tolist()
+
     def specplug_graph_captures(self) -> dict | None:
         """The head's graphs captured in service (`PassGraphs.service_captures`)."""
         return graph_captures(self)

@@ -142,12 +142,17 @@ class GreedyGrammarWalk:
         return masked_argmax(logits, self.grammar_row())
 
     def grammar_row(self) -> np.ndarray:
-        """[vocab_size] bool: what vLLM's row allows in the grammar's state."""
-        if self.grammar.is_terminated():
-            return np.ones(self.vocab_size, dtype=bool)
-        words = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        self.grammar.fill_bitmask(words, 0)
-        return unpack_row(words[0].numpy(), self.vocab_size)
+        return grammar_row(self.grammar, self.vocab_size)
+
+
+def grammar_row(grammar, vocab_size: int) -> np.ndarray:
+    """[vocab_size] bool: what vLLM's row allows in the grammar's state (all
+    of it once the grammar is terminated)."""
+    if grammar.is_terminated():
+        return np.ones(vocab_size, dtype=bool)
+    words = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    grammar.fill_bitmask(words, 0)
+    return unpack_row(words[0].numpy(), vocab_size)
 
 
 def unpack_row(words: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -25,10 +25,11 @@ from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.first_rank import first_rank_share
 from vllm_specplug.integration.grammar_drafting import DraftGrammars
 from vllm_specplug.integration.head_drafter import HeadDrafter
-from vllm_specplug.integration.scheduler import masks_rows_per_node
+from vllm_specplug.integration.scheduler import choices_in_scheduler, masks_rows_per_node
 from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.deferred_ingest import DeferredIngest
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
+from vllm_specplug.integration.v1.tree_choices import TreeChoices
 from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.integration.grammar_trees import chain_prefix_length
 from vllm_specplug.proposers.eagle3 import chain_parents
@@ -78,6 +79,9 @@ class TreeEagleDrafter(V1DrafterHooks):
                                        first_step_only=self.options.masks_first_step_only(
                                            model_runner_v2=False))
                          if self.options.masks_drafts() else None)
+        # grammar_verify "choices": greedy trees left unmasked, decided here
+        self.tree_choices = (TreeChoices(vllm_config) if choices_in_scheduler(vllm_config)
+                             else None)
         # under our batch policy: each step's accepted paths, which teach it
         # every smaller tree size (`take_path_ranks`)
         self.report_paths = batch_draft_scheduled(vllm_config)
@@ -100,6 +104,8 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.deferred.forget(req_id)
         if self.grammars is not None:
             self.grammars.forget(req_id)
+        if self.tree_choices is not None:
+            self.tree_choices.forget(req_id)
 
     def target_hidden(self, hidden_states, aux_hidden_states, num_tokens: int):
         """[num_tokens, *] what the head reads per token (None: not there)."""

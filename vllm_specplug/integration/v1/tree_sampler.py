@@ -18,7 +18,7 @@ accept no drafts this step: every request gets vLLM's own sample at its root
 from __future__ import annotations
 
 import torch
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
                                                      MinPLogitsProcessor,
                                                      MinTokensLogitsProcessor)
@@ -64,7 +64,10 @@ class TreeRejectionSampler(RejectionSampler):
         if step is None:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         PROFILER.mark("verify_start")
+        choices = getattr(self.runner.drafter, "tree_choices", None)
         if needs_full_sampler(sampling_metadata):
+            if choices is not None:  # unmasked trees' roots (tree_choices.py)
+                choices.mask_roots(self.runner, metadata, logits)
             output = self._roots_only(metadata, logits, sampling_metadata, step)
         else:
             output = self._verify(metadata, logits, sampling_metadata, step)
@@ -77,15 +80,19 @@ class TreeRejectionSampler(RejectionSampler):
         roots = (torch.cumsum(num_nodes, 0) - num_nodes).to(logits.device)
         out = self.sampler(logits=logits[roots], sampling_metadata=sampling_metadata)
         step.accepted = {r.req_id: [0] for r in step.requests}
-        return SamplerOutput(
-            sampled_token_ids=_pad(out.sampled_token_ids, metadata.max_spec_len + 1),
-            logprobs_tensors=out.logprobs_tensors)
+        width = metadata.max_spec_len + 1
+        return SamplerOutput(sampled_token_ids=_pad(out.sampled_token_ids, width),
+                             logprobs_tensors=_spread_roots(out.logprobs_tensors, width))
 
     def _verify(self, metadata, logits, sampling_metadata, step) -> SamplerOutput:
         tree, rows = _trees(metadata, step, logits.device)
-        target = logits[rows.clamp(min=0)].float()  # [B, N, V]
-        result = verify_tree_greedy(tree, target.argmax(-1), validate=False)
+        draws = logits.argmax(-1)  # [num_logits]: the greedy draws
+        choices = getattr(self.runner.drafter, "tree_choices", None)
+        if choices is not None:  # greedy trees left unmasked (tree_choices.py)
+            choices.correct(self.runner, step, metadata, logits, draws)
+        result = verify_tree_greedy(tree, draws[rows.clamp(min=0)], validate=False)
         if not sampling_metadata.all_greedy:
+            target = logits[rows.clamp(min=0)].float()  # [B, N, V]
             sampled = self._verify_stochastic(tree, target, rows, sampling_metadata)
             greedy = sampling_metadata.temperature < GREEDY_BELOW
             for name in ("output_token_ids", "num_accepted", "accepted_node_ids"):
@@ -128,6 +135,26 @@ class TreeRejectionSampler(RejectionSampler):
             uniform[b].uniform_(generator=generator)
             exp[b].exponential_(generator=generator)
         return uniform, exp
+
+
+def _spread_roots(tensors: LogprobsTensors | None, width: int) -> LogprobsTensors | None:
+    """The roots' logprobs [B, ...] laid out as vLLM's `parse_output` reads a
+    rejection sampler's: one row per output slot, [B * width, ...], filtered
+    by the slots that hold a token (here each request's first). Handed over
+    as they were, a batch with logprobs failed there (a mask of B * width
+    rows over B)."""
+    if tensors is None:
+        return None
+    batch = tensors.logprob_token_ids.shape[0]
+    at = torch.arange(batch, device=tensors.logprob_token_ids.device) * width
+
+    def spread(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.new_zeros((batch * width, *tensor.shape[1:]))
+        out[at] = tensor
+        return out
+
+    return LogprobsTensors(spread(tensors.logprob_token_ids), spread(tensors.logprobs),
+                           spread(tensors.selected_token_ranks))
 
 
 def _pad(token_ids: torch.Tensor, width: int) -> torch.Tensor:

@@ -50,7 +50,7 @@ from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.row_threads import RowThreads, num_row_threads
 from vllm_specplug.integration.scheduler import rows_in_worker
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
-from vllm_specplug.integration.v2.grammar_choices import GrammarChoices
+from vllm_specplug.integration.grammar_choices import GrammarChoices
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.head_grammar import HeadGrammar
 from vllm_specplug.integration.v2.head_rows import HeadRows

@@ -381,7 +381,7 @@ class SpeculatorStats:
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
         self.host_counts = np.zeros(2, dtype=np.int64)
         self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
-        self.grammar_choices = None  # a head's GrammarChoices (v2/grammar_choices.py)
+        self.grammar_choices = None  # a head's GrammarChoices (grammar_choices.py)
         # constrained requests' verification rows filled in the worker
         # (worker_rows.py): of them, those whose drafts were known (else
         # none of their drafts may be accepted), those whose output was read

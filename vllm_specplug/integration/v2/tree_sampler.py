@@ -41,7 +41,7 @@ invalid (`invalid_drafts`: a reasoning section's chain rules) are never
 accepted. With `grammar_verify: "choices"` a greedy batch's trees whose
 rows the worker fills arrive unmasked instead, and their draws on each
 accepted path are set to the masked choice before the walk
-(integration/v2/grammar_choices.py): the same path and tokens. Under a
+(integration/grammar_choices.py): the same path and tokens. Under a
 scheduler of the user's, which masks drafts as a list,
 batches with structured output are treated as below.
 

@@ -9,37 +9,19 @@ began. Each way of deciding a node (its argmax allowed, its top-k, its full
 row) is taken in these cases."""
 from __future__ import annotations
 
-import json
 import random
-import string
 
 import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
-from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
-from vllm_specplug.public_sets import MT_BENCH_JSON_SCHEMA
 from vllm_specplug.verification.grammar_greedy import (GreedyGrammarWalk, masked_argmax,
                                                        node_choices, unpack_row)
 
-VOCAB = list(string.printable[:95]) + ["</s>"]
-EOS = len(VOCAB) - 1
-TEXT = json.dumps({"topic": "Hawaii", "answer": "Beaches, volcanoes and food.",
-                   "key_points": ["surf", "hike", "poke"]})
+from tests.test_tree_walks import TEXT, VOCAB, _grammar, compiled
 
-
-@pytest.fixture(scope="module")
-def compiled():
-    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
-    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(MT_BENCH_JSON_SCHEMA))
-
-
-def _grammar(compiled, prefix: str) -> XgrammarGrammar:
-    grammar = XgrammarGrammar(vocab_size=len(VOCAB), matcher=xgr.GrammarMatcher(compiled),
-                              ctx=compiled)
-    assert grammar.accept_tokens("r", [VOCAB.index(c) for c in prefix])
-    return grammar
+__all__ = ["compiled"]  # a fixture
 
 
 def _row(grammar) -> np.ndarray:

@@ -243,12 +243,17 @@ def tree_first_step(work, grammar_prompts):  # noqa: F811
     """Our tree with only the first drafting step masked, in the graphs,
     and the verification rows the scheduler's (vLLM's deferred step: the
     other engines here fill them in the worker, the default)."""
+    return _counted_runs(work, grammar_prompts, {"grammar_drafts": "first",
+                                                 "grammar_rows": "scheduler"})
+
+
+def _counted_runs(work, grammar_prompts, options: dict) -> dict:  # noqa: F811
+    """Our tree with `options` over TREE: its runs, spec-decode counts and
+    speculator stats."""
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.metrics import read_spec_decode_counts
 
-    head = _head(work)
-    llm = _engine(work, {**TREE, "model": str(head), "grammar_drafts": "first",
-                         "grammar_rows": "scheduler"}, dtype="float32")
+    llm = _engine(work, {**TREE, "model": str(_head(work)), **options}, dtype="float32")
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
@@ -300,19 +305,8 @@ def tree_choices(work, grammar_prompts):  # noqa: F811
     `grammar_verify: "choices"`: greedy batches' constrained trees go
     unmasked, their draws on each accepted path set to the masked choice
     (integration/grammar_choices.py)."""
-    from vllm_specplug.engine import shutdown_llm
-    from vllm_specplug.metrics import read_spec_decode_counts
-
-    head = _head(work)
-    llm = _engine(work, {**TREE, **WORKER_ROWS, "grammar_drafts": "first", "model": str(head),
-                         "grammar_verify": "choices"}, dtype="float32")
-    try:
-        before = read_spec_decode_counts(llm)
-        runs = _runs(llm, grammar_prompts)
-        return {"runs": runs, "counts": read_spec_decode_counts(llm) - before,
-                "stats": llm.collective_rpc("specplug_speculator_stats")[0]}
-    finally:
-        shutdown_llm(llm)
+    return _counted_runs(work, grammar_prompts, {**WORKER_ROWS, "grammar_drafts": "first",
+                                                 "grammar_verify": "choices"})
 
 
 def test_trees_decided_from_the_targets_choices_equal_no_speculation(tree_choices, plain):

@@ -6,8 +6,9 @@ builds vLLM's own `StructuredOutputManager` in the worker
 (integration/grammar_drafting.py). So a tree is drafted among the tokens
 llguidance allows on each node's path, checked per node and masked on its
 own path by the scheduler (integration/grammar_trees.py), and every output
-equals no speculation's under the same backend. (xgrammar, the default:
-tests/test_tree_eagle_engine.py.)
+equals no speculation's under the same backend, also when greedy trees are
+decided from the target's choices (`grammar_verify: "choices"`). (xgrammar,
+the default: tests/test_tree_eagle_engine.py.)
 """
 from __future__ import annotations
 
@@ -53,7 +54,11 @@ def under_guidance(tiny_model_dir, tiny_eagle3_dir, eval_prompts) -> dict:
     tree = tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"])
     with running_llm(tiny_model_dir, tree, structured_outputs_config=GUIDANCE) as llm:
         ours, counts = _run(llm, prompts)
-    return {"prompts": prompts, "expected": expected, "ours": ours, "counts": counts}
+    with running_llm(tiny_model_dir, {**tree, "grammar_verify": "choices"},
+                     structured_outputs_config=GUIDANCE) as llm:
+        choices, _ = _run(llm, prompts)
+    return {"prompts": prompts, "expected": expected, "ours": ours, "counts": counts,
+            "choices": choices}
 
 
 def test_trees_under_llguidance_equal_no_speculation_and_draft_what_it_allows(under_guidance):
@@ -64,3 +69,11 @@ def test_trees_under_llguidance_equal_no_speculation_and_draft_what_it_allows(un
         ours.texts[1::2]
     steps = ours.num_output_tokens - under_guidance["counts"].num_accepted_tokens
     assert ours.num_output_tokens / steps > MIN_TOKENS_PER_STEP
+
+
+def test_trees_decided_from_the_targets_choices_under_llguidance_equal_no_speculation(
+        under_guidance):
+    """`grammar_verify: "choices"` (integration/v1/tree_choices.py): the
+    worker's grammar checks and rows are llguidance's too."""
+    prompts, expected, choices = (under_guidance[k] for k in ("prompts", "expected", "choices"))
+    assert_same_tokens(expected.token_ids, choices.token_ids, prompts)

@@ -43,7 +43,8 @@
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
 #            SCHEMA_ROWS=lean-rows: the same plus our tree 16 with grammar_tree_rows
 #            ${TREE_ROWS:-8}; SCHEMA_ROWS=choices: the same plus our tree 16 with
-#            grammar_verify "choices" (greedy trees decided from the target's choices);
+#            grammar_verify "choices" (greedy trees decided from the target's choices),
+#            with first-step masks and with unmasked drafts;
 #            SCHEMA_ROWS=threads: the same plus our tree 16 with grammar_row_threads "auto";
 #            SCHEMA_ROWS=threads-ab: our two trees of "threads" alone (one thread / "auto");
 #            SCHEMA_ROWS=tree-rows: our tree 16 with every row and with grammar_tree_rows
@@ -328,11 +329,13 @@ run() {
       elif [ "${SCHEMA_ROWS:-all}" = choices ]; then
         # greedy trees decided from the target's choices (grammar_verify "choices":
         # no rows for them, one wait for the forward) against every node's row, with
-        # vLLM's eagle3 K=5
+        # vLLM's eagle3 K=5; and the choices with unmasked drafts (no first-step
+        # masks: their read of the outputs waits for the GPU in the drafting pass)
         mapfile -t S < <(printf '%s\n' \
           --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "ours-tree16={$tree}" \
-          --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}")
+          --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}" \
+          --spec "ours-tree16-choices-unmasked={$tree, \"grammar_verify\": \"choices\", \"grammar_drafts\": false}")
       elif [ "${SCHEMA_ROWS:-all}" = lean ]; then
         # vLLM's eagle3 K=5 against our tree 16, both as a user gets them (our defaults:
         # first-step masks, rows in the worker): a run that fits a lease after a head build

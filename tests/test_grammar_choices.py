@@ -110,3 +110,35 @@ def test_corrected_draws_walk_as_every_rows_would(compiled):
         counts += choices.counts
     assert counts[0] == 60 and counts[1] > 0 and counts[2] > 0, counts
     assert not choices.planned  # a plan serves one sampling
+
+
+def test_a_node_the_grammar_cut_is_returned_as_its_logits_row(compiled):
+    """`GrammarPath.cut_node_ids` of a planned request come back as logits
+    rows (the second request's node 2: row 3 + 2), for the samplers to mark
+    not acceptable."""
+    from tests.test_grammar_greedy import _Refusing
+
+    a, w = VOCAB.index("a"), VOCAB.index("w")
+    logits = torch.zeros(6, len(VOCAB))
+    logits[3, a], logits[4, w] = 5.0, 5.0
+    choices = GrammarChoices(top_k=2)
+    choices.plan("r1", _Refusing(_grammar(compiled, '{"topic": "H'), w), [a, w], [-1, 0, 1], 3)
+    draws = logits.argmax(-1)
+    batch = SimpleNamespace(req_ids=["r0", "r1"], num_reqs=2, cu_num_logits_np=np.array([0, 3, 6]))
+    assert choices.correct(logits, draws, batch) == [5]
+
+
+def test_cut_rows_become_drafts_no_walk_accepts():
+    """Model Runner V2: the rows join `invalid_drafts` (read as token -1 by
+    the walk); the V1 runner: the tree's node tokens there become -1."""
+    from vllm_specplug.integration.v1.tree_sampler import _cut_nodes
+    from vllm_specplug.integration.v2.tree_sampler import with_rows_invalid
+
+    logits = torch.zeros(5, 4)
+    assert with_rows_invalid(None, [], logits) is None
+    assert with_rows_invalid(None, [1, 3], logits).tolist() == [False, True, False, True, False]
+    theirs = torch.tensor([True, False, False, False, False])
+    assert with_rows_invalid(theirs, [2], logits).tolist() == [True, False, True, False, False]
+    tree = SimpleNamespace(token_ids=torch.tensor([[0, 7, 8], [0, 9, 0]]))
+    _cut_nodes(tree, torch.tensor([[0, 1, 2], [3, 4, -1]]), [2, 4])
+    assert tree.token_ids.tolist() == [[0, 7, -1], [0, -1, 0]]

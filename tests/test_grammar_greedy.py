@@ -190,3 +190,32 @@ def test_a_full_row_of_the_wrong_width_names_the_shape(compiled):
     with pytest.raises(ValueError, match=r"full_row\(0\) has shape \(7,\), expected \(96,\)"):
         walk.run([0], [-1])
     assert grammar.num_processed_tokens == 0
+
+
+class _Refusing:
+    """A grammar that allows `token` but then fails to take it (what a
+    backend's fault looks like; vLLM's `accept_tokens` returns False)."""
+
+    def __init__(self, grammar, token: int) -> None:
+        self.grammar, self.token = grammar, token
+
+    def __getattr__(self, name):
+        return getattr(self.grammar, name)
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return tokens != [self.token] and self.grammar.accept_tokens(request_id, tokens)
+
+
+def test_a_token_the_grammar_allows_but_does_not_take_ends_the_path(compiled):
+    """Its child is cut (no walk may accept it) and the token is the bonus:
+    the tokens so far are still the masked choices, the grammar rolled back."""
+    grammar = _grammar(compiled, '{"topic": "H')
+    a, w = VOCAB.index("a"), VOCAB.index("w")
+    logits = torch.zeros(3, len(VOCAB))
+    logits[0, a], logits[1, w] = 5.0, 5.0  # the root chooses "a", node 1 "w"
+    tokens, parents = [0, a, w], [-1, 0, 1]
+    path = GreedyGrammarWalk(_Refusing(grammar, w), len(VOCAB), node_choices(logits, 2),
+                             lambda node: logits[node].numpy()).run(tokens, parents)
+    assert path.accepted_node_ids == [0, 1] and path.output_token_ids == [a, w]
+    assert path.cut_node_ids == [2]
+    assert grammar.num_processed_tokens == len('{"topic": "H')

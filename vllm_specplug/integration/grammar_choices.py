@@ -57,13 +57,16 @@ class GrammarChoices:
         self.planned[req_id] = PlannedTree(req_id, grammar, [0, *drafts[:num_rows - 1]],
                                            list(parents[:num_rows]))
 
-    def correct(self, logits: torch.Tensor, target_tokens: torch.Tensor, input_batch) -> None:
+    def correct(self, logits: torch.Tensor, target_tokens: torch.Tensor,
+                input_batch) -> list[int]:
         """`target_tokens` [num_logits] int64 (the sampler's argmax at every
         logits row) set to the masked choice on each planned request's
-        accepted path; `logits` [num_logits, vocab] are the rows it drew from."""
+        accepted path; `logits` [num_logits, vocab] are the rows it drew from.
+        Returns the logits rows of nodes the walk must not accept
+        (`GrammarPath.cut_node_ids`)."""
         planned, self.planned = self.planned, {}
         if not planned:
-            return
+            return []
         batch_rows = {req_id: b for b, req_id in
                       enumerate(input_batch.req_ids[:input_batch.num_reqs])}
         trees = [tree for req_id, tree in planned.items() if req_id in batch_rows]
@@ -73,6 +76,7 @@ class GrammarChoices:
                 np.int64)).to(logits.device)
         choices = self.host_choices(logits, target_tokens, rows)
         fixes: list[tuple[int, int]] = []
+        cut: list[int] = []
         offset = 0
         for start, tree in zip(starts, trees):
             num_nodes = len(tree.parents)
@@ -80,12 +84,14 @@ class GrammarChoices:
             argmax = choices.argmax_ids[offset:offset + num_nodes]
             fixes += [(start + node, token) for node, token in
                       zip(path.accepted_node_ids, path.output_token_ids) if token != argmax[node]]
+            cut += [start + node for node in path.cut_node_ids]
             self.counts += (1, path.num_top_choices, len(path.full_row_node_ids))
             offset += num_nodes
         if fixes:
             at, tokens = zip(*fixes)
             target_tokens[torch.tensor(at, device=logits.device)] = torch.tensor(
                 tokens, dtype=target_tokens.dtype).to(logits.device)
+        return cut
 
     def host_choices(self, logits: torch.Tensor, target_tokens: torch.Tensor,
                      rows: torch.Tensor) -> NodeChoices:

@@ -51,6 +51,10 @@ class GrammarPath:
     output_token_ids: list[int]   # the accepted drafts, then the bonus token
     num_top_choices: int = 0      # nodes decided from their top-k (the argmax forbidden)
     full_row_node_ids: list[int] = field(default_factory=list)  # decided from their full row
+    # a child whose token the grammar allowed but then did not take (a
+    # backend's fault): the path ends at its parent, and the child must not
+    # be accepted by whoever walks the draws
+    cut_node_ids: list[int] = field(default_factory=list)
 
 
 def children_by_token(token_ids: Sequence[int], parents: Sequence[int]) -> list[dict[int, int]]:
@@ -93,7 +97,10 @@ class GreedyGrammarWalk:
                     return path
                 if not self.grammar.is_terminated():  # vLLM ignores tokens after the end
                     if not self.grammar.accept_tokens(self.request_id, [token]):
-                        raise RuntimeError(f"grammar refused token {token}, which it allowed")
+                        # allowed, yet not taken (vLLM logs it): `token` is still the
+                        # masked choice here, so the path ends with it, exact
+                        path.cut_node_ids.append(child)
+                        return path
                     num_accepted += 1
                 path.accepted_node_ids.append(child)
                 node = child

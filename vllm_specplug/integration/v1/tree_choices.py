@@ -49,12 +49,14 @@ class TreeChoices:
     def forget(self, req_id: str) -> None:
         self.grammars.forget(req_id)
 
-    def correct(self, runner, step, metadata, logits: torch.Tensor, draws: torch.Tensor) -> None:
+    def correct(self, runner, step, metadata, logits: torch.Tensor,
+                draws: torch.Tensor) -> list[int]:
         """`draws` [num_logits] int64, the argmax of every logits row, set to
-        the masked choice on each chosen request's accepted path."""
+        the masked choice on each chosen request's accepted path; returns
+        the logits rows of nodes not to accept (`GrammarChoices.correct`)."""
         req_ids, self.req_ids = self.req_ids, frozenset()
         if not req_ids:
-            return
+            return []
         cu = _cu_num_logits(metadata)
         draft_ids = metadata.draft_token_ids.cpu().tolist()
         trees = {request.req_id: request for request in step.requests}
@@ -71,7 +73,7 @@ class TreeChoices:
                                    f"of {len(parents)} nodes")
             self.choices.plan(req_id, grammar, draft_ids[first:first + num_nodes - 1],
                               parents, num_nodes)
-        self.choices.correct(logits, draws, SimpleNamespace(
+        return self.choices.correct(logits, draws, SimpleNamespace(
             req_ids=batch_req_ids, num_reqs=len(batch_req_ids), cu_num_logits_np=cu))
 
     def mask_roots(self, runner, metadata, logits: torch.Tensor) -> None:

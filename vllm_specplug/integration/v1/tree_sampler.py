@@ -89,7 +89,8 @@ class TreeRejectionSampler(RejectionSampler):
         draws = logits.argmax(-1)  # [num_logits]: the greedy draws
         choices = getattr(self.runner.drafter, "tree_choices", None)
         if choices is not None:  # greedy trees left unmasked (tree_choices.py)
-            choices.correct(self.runner, step, metadata, logits, draws)
+            cut = choices.correct(self.runner, step, metadata, logits, draws)
+            _cut_nodes(tree, rows, cut)
         result = verify_tree_greedy(tree, draws[rows.clamp(min=0)], validate=False)
         if not sampling_metadata.all_greedy:
             target = logits[rows.clamp(min=0)].float()  # [B, N, V]
@@ -135,6 +136,12 @@ class TreeRejectionSampler(RejectionSampler):
             uniform[b].uniform_(generator=generator)
             exp[b].exponential_(generator=generator)
         return uniform, exp
+
+
+def _cut_nodes(tree, rows: torch.Tensor, cut: list[int]) -> None:
+    """The nodes at logits rows `cut` get token -1, which no draw equals."""
+    if cut:
+        tree.token_ids[torch.isin(rows, torch.tensor(cut, device=rows.device))] = -1
 
 
 def _spread_roots(tensors: LogprobsTensors | None, width: int) -> LogprobsTensors | None:

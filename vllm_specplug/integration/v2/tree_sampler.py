@@ -144,7 +144,8 @@ class V2TreeRejectionSampler:
         choices = getattr(self.state, "grammar_choices", None)
         if choices is not None:  # greedy constrained trees left unmasked (grammar_choices.py)
             with torch.profiler.record_function("specplug::grammar_choices"):
-                choices.correct(logits, target_tokens, input_batch)
+                cut = choices.correct(logits, target_tokens, input_batch)
+            invalid_drafts = with_rows_invalid(invalid_drafts, cut, logits)
         verified = verify_tree_greedy_rows(
             target_tokens,
             node_token_ids(input_batch.input_ids, input_batch.logits_indices, invalid_drafts),
@@ -214,6 +215,17 @@ class V2TreeRejectionSampler:
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
+
+
+def with_rows_invalid(invalid_drafts: torch.Tensor | None, rows: list[int],
+                      logits: torch.Tensor) -> torch.Tensor | None:
+    """`invalid_drafts` [num_logits] bool with `rows` set too (None: none)."""
+    if not rows:
+        return invalid_drafts
+    if invalid_drafts is None:
+        invalid_drafts = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    invalid_drafts[torch.tensor(rows, device=logits.device)] = True
+    return invalid_drafts
 
 
 def node_token_ids(input_ids: torch.Tensor, logits_indices: torch.Tensor,

@@ -73,3 +73,22 @@ def test_roots_sampled_alone_keep_their_rows(choices_llm, baseline_llm, eval_pro
     expected = generate(baseline_llm, prompts, params)
     ours = generate(choices_llm, prompts, params)
     assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+
+
+def test_without_masked_drafts_the_worker_keeps_grammars_of_its_own(
+        tiny_model_dir, tiny_eagle3_dir, baseline_llm, eval_prompts):
+    """`grammar_drafts: false`: no drafter grammars to share, the choices
+    compile and advance their own; still no speculation's tokens."""
+    prompts = eval_prompts[:6]
+    params = greedy_params(MAX_NEW_TOKENS, structured_outputs=constraint("json"))
+    expected = generate(baseline_llm, prompts, params)
+    spec = {**tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"]), "grammar_verify": "choices",
+            "grammar_drafts": False}
+    llm = make_llm(tiny_model_dir, spec, worker_extension_cls=PROBE_QUALNAME)
+    try:
+        ours = generate(llm, prompts, params)
+        decided = _choice_counts(llm)
+    finally:
+        shutdown_llm(llm)
+    assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+    assert decided[0] > 0, decided

@@ -9,8 +9,8 @@ each such tree's accepted path to their masked choice
 path and tokens every node's row would give. A batch that samples its
 roots alone (logprobs, penalties: `tree_sampler.needs_full_sampler`) gets
 those requests' root rows applied here instead, before vLLM's sampler. The
-grammars are the worker's own (`DraftGrammars`), advanced to each
-request's output as the drafter's are.
+grammars are the worker's own (`DraftGrammars`, the drafter's when it
+masks its drafts), advanced to each request's output.
 """
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ class TreeChoices:
     """The V1 tree drafter's part: the step's chosen requests (`begin`),
     their draws corrected (`correct`) or their roots masked (`mask_roots`)."""
 
-    def __init__(self, vllm_config) -> None:
-        self.grammars = DraftGrammars(vllm_config)
+    def __init__(self, vllm_config, grammars: DraftGrammars | None = None) -> None:
+        # the drafter's own when it masks drafts (one compile, one advance a
+        # step: verification reads them at the root, before drafting does)
+        self.grammars = grammars if grammars is not None else DraftGrammars(vllm_config)
         self.choices = GrammarChoices()
         self.req_ids: frozenset[str] = frozenset()
 

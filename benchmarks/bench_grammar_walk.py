@@ -168,6 +168,26 @@ def greedy_choices(rng, cases, rows, p_follow: float = 0.6, p_forbidden: float =
     return found
 
 
+def rows_walk(tokens: list[int], parents: list[int], rows, choices) -> tuple[list, list]:
+    """The accepted path over every node's row (the serial walk's), with
+    `greedy_choices`' logits (the argmax, else the allowed second): what
+    the greedy way must give."""
+    from vllm_specplug.verification.grammar_greedy import unpack_row
+
+    node, accepted, emitted = 0, [0], []
+    while True:
+        allowed = unpack_row(rows[node].numpy(), rows.shape[1] * 32)
+        argmax = int(choices.argmax_ids[node])
+        token = argmax if allowed[argmax] else int(choices.top_ids[node, 1])
+        emitted.append(token)
+        child = next((c for c in range(1, len(parents))
+                      if parents[c] == node and tokens[c] == token), None)
+        if child is None:
+            return accepted, emitted
+        accepted.append(child)
+        node = child
+
+
 def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, float]:
     """{way: ms} for one step's walks, every case a request of the step,
     native walk: on one thread (`serial`), whole fills on `workers` threads
@@ -228,9 +248,14 @@ def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, fl
             walk.run([0, *drafts], parents)
 
     serial()
+    all_choices = greedy_choices(random.Random(0), cases, [r.clone() for r in rows])
     greedy_walks = [GreedyGrammarWalk(g, vocab_size, choices, lambda node: None)
-                    for g, choices in zip(grammars, greedy_choices(
-                        random.Random(0), cases, [r.clone() for r in rows]))]
+                    for g, choices in zip(grammars, all_choices)]
+    for walk, (_, parents, drafts), case_rows, choices in zip(greedy_walks, cases, rows,
+                                                               all_choices):
+        expected = rows_walk([0, *drafts], parents, case_rows, choices)
+        got = walk.run([0, *drafts], parents)
+        assert (got.accepted_node_ids, got.output_token_ids) == expected, "greedy walk"
     times: dict[str, list[float]] = {"serial": [], "fills": [], "walks": [], "step": [],
                                      "greedy": []}
     with ThreadPoolExecutor(max_workers=workers) as pool:

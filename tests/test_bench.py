@@ -450,6 +450,7 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
 
     from vllm import SamplingParams
 
+    from vllm_specplug.bench.compare import divergences
     from vllm_specplug.bench.offline import run_offline
     from vllm_specplug.bench.prompts import BenchPrompt
     from vllm_specplug.bench.report import format_host_profiles, format_phases_table
@@ -481,7 +482,11 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
             assert first[-68:] in report, (ranking, first)
     assert "forward" in format_phases_table(rows)
     none, ours = rows
-    assert len(ours.ratios) == 2 and ours.num_mismatches == 0
+    assert len(ours.ratios) == 2
+    # exact; a failure names where the outputs part and the baseline's top-2
+    # gap there (CI of 904a8c6 saw one difference here once, not reproduced)
+    assert ours.num_mismatches == 0, (ours.num_near_ties, divergences(
+        none.token_ids, ours.token_ids, none.top2_gaps or [[] for _ in none.token_ids]))
     assert ours.counts.num_drafts > 0 and ours.counts.mean_acceptance_length > 1.5
     verified = ours.adaptive["num_verified_drafts"]  # both engines' steps, summed
     assert 0.9 * verified <= ours.counts.num_drafts <= 1.1 * verified

@@ -31,7 +31,8 @@ METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TREE_ATTENTION_WAYS = ("split", "rewrite")
 FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
-GRAMMAR_ROWS_WAYS = ("worker", "scheduler")  # who fills a constrained step's verification rows
+SCHEDULER_ROWS = "scheduler"  # vLLM's deferred step fills them (the default: "worker")
+GRAMMAR_ROWS_WAYS = ("worker", SCHEDULER_ROWS)  # who fills a constrained step's verification rows
 AUTO_ROW_DEPTH = "auto"
 ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
 AUTO_ROW_THREADS = "auto"  # grammar_row_threads (integration/row_threads.py)
@@ -127,7 +128,9 @@ class TreeOptions(ProposerOptions):
     # that sample greedily throughout. Exact either way
     # (tests/test_grammar_greedy.py, tests/test_grammar_choices_engine.py).
     # On CPU 64 trees of 16 nodes took 0.83 ms of host against the rows'
-    # 5.18 ms (docs/results/grammar_greedy_cpu); not yet run on a GPU.
+    # 5.18 ms (docs/results/grammar_greedy_cpu); on the H200 exact, the host
+    # step 0.6-0.8 ms lower, speed within the spread of every row's
+    # (docs/results/v2_schema_choices_h200): opt-in until a run shows more.
     grammar_verify: str = "rows"
 
     def validate(self, name: str) -> None:

@@ -60,8 +60,8 @@ from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
-from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR, RowDepth
-from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH, FULL_TREE_ROWS
+from vllm_specplug.integration.worker_rows import WORKER, WORKER_ROWS_ATTR, RowDepth
+from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH, FULL_TREE_ROWS, SCHEDULER_ROWS
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
 
@@ -117,6 +117,11 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # rows filled here from those grammars, not in a deferred step
         # (worker_rows.py)
         self.rows_in_worker = rows_in_worker(vllm_config)
+        if self.tree_slots is not None and options.grammar_rows == SCHEDULER_ROWS:
+            logger.warning("vllm-specplug: grammar_rows=%r with trees on Model Runner V2 "
+                           "differed from no speculation in 2 of 5 float32 test runs "
+                           "(docs/results/v2_schema_choices_h200); the default %r has "
+                           "not", SCHEDULER_ROWS, WORKER)
         self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
         self.structured = (StructuredRequests(vllm_config)
                            if options.masks_drafts() or self.rows_in_worker else None)

@@ -237,3 +237,40 @@ def test_only_schedulers_with_the_deferred_step_mask_rows_per_node_under_async(t
         ("SpecplugBatchDraftTreeAsyncScheduler", True),
         ("SpecplugBatchDraftTreeAsyncScheduler", False),
         ("ListReading", False), ("SpecplugTreeScheduler", False)}
+
+
+def test_the_trace_names_each_constrained_trees_way_through_a_deferred_step(
+        tiny_model_dir, tokens, caplog, monkeypatch):
+    """`scheduler.trace` at DEBUG (the grammar GPU tests keep it for the
+    scheduler-rows engine): the drafts each request came with, whether it
+    went as a tree or by vLLM's chain rules, its rows' valid nodes and what
+    it sampled."""
+    import logging
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    scheduler = _scheduler(SpecplugTreeAsyncScheduler, tiny_model_dir)
+    # vLLM's own update wants the step's placeholders in flight: the trace is before it
+    passed_on = []
+    monkeypatch.setattr(AsyncScheduler, "update_from_output",
+                        lambda self, *args: passed_on.append(args) or {})
+    _add(scheduler, "tree"), _add(scheduler, "list")
+    output = _step_output(["tree", "list"])
+    with caplog.at_level(logging.DEBUG, logger="vllm_specplug.grammar_trace"):
+        scheduler.update_draft_token_ids_in_output(
+            _drafts(["tree", "list"], tokens, {"tree"}), output)
+        scheduler.get_grammar_bitmask(output)
+        scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=["tree", "list"], req_id_to_index={"tree": 0, "list": 1},
+            sampled_token_ids=[[tokens["b"], tokens["c"]], [tokens["a"]]]))
+    assert len(passed_on) == 1
+    lines = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith("deferred step: tree ") and " tree slots=4 " in line
+               and "parents=[-1, 0, 0, 2, 1]" in line for line in lines), lines
+    assert any(line.startswith("deferred step: list ") and " vllm-chain " in line
+               and "parents=None" in line for line in lines), lines
+    assert "tree rows: tree valid=[1, 1, 1, 1, 0]" in lines, lines
+    assert any(line.startswith("bitmask: tree ") and "tree=True" in line for line in lines)
+    assert any(line.startswith("sampled: tree ") and f"tokens=[{tokens['b']}, {tokens['c']}]"
+               in line for line in lines), lines

@@ -16,6 +16,7 @@ Run on the staged GPU host (docs/gpu.md) with the tiny model and its head in
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -245,22 +246,46 @@ def tree_first_step(work, grammar_prompts):  # noqa: F811
     and the verification rows the scheduler's (vLLM's deferred step: the
     other engines here fill them in the worker, the default)."""
     return _counted_runs(work, grammar_prompts, {"grammar_drafts": "first",
-                                                 "grammar_rows": "scheduler"})
+                                                 "grammar_rows": "scheduler"}, traced=True)
 
 
-def _counted_runs(work, grammar_prompts, options: dict) -> dict:  # noqa: F811
+class _Lines(logging.Handler):
+    """The scheduler's trace of each constrained tree (`scheduler.trace`),
+    kept to name what it did with a request whose output differed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _counted_runs(work, grammar_prompts, options: dict,  # noqa: F811
+                  traced: bool = False) -> dict:
     """Our tree with `options` over TREE: its runs, spec-decode counts and
-    speculator stats."""
+    speculator stats (and with `traced`, the scheduler's trace: the engine
+    core runs in this process)."""
     from vllm_specplug.engine import shutdown_llm
+    from vllm_specplug.integration.scheduler import trace
     from vllm_specplug.metrics import read_spec_decode_counts
 
     llm = _engine(work, {**TREE, "model": str(_head(work)), **options}, dtype="float32")
+    lines = _Lines()
+    if traced:  # kept here only, not printed by the handlers above it
+        trace.addHandler(lines)
+        trace.setLevel(logging.DEBUG)
+        trace.propagate = False
     try:
         before = read_spec_decode_counts(llm)
         runs = _runs(llm, grammar_prompts)
         return {"runs": runs, "counts": read_spec_decode_counts(llm) - before,
-                "stats": llm.collective_rpc("specplug_speculator_stats")[0]}
+                "stats": llm.collective_rpc("specplug_speculator_stats")[0],
+                "trace": lines.lines}
     finally:
+        trace.removeHandler(lines)
+        trace.setLevel(logging.NOTSET)
+        trace.propagate = True
         shutdown_llm(llm)
 
 
@@ -270,7 +295,15 @@ def test_first_step_masks_in_the_graphs_are_exact_and_lift_the_tree(tree_first_s
     runs, counts = tree_first_step["runs"], tree_first_step["counts"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     for kind in ["json", *PATTERNS]:
-        _assert_exact(plain[kind], runs[kind], kind)
+        try:
+            _assert_exact(plain[kind], runs[kind], kind)
+        except AssertionError as error:  # what the scheduler did with those requests
+            ids = [o.request_id for o, p in zip(runs[kind], plain[kind])
+                   if o.outputs[0].token_ids != p.outputs[0].token_ids]
+            lines = [line for line in tree_first_step["trace"]
+                     if any(f" {i} " in line or f" {i}-" in line for i in ids)]
+            raise AssertionError(f"{error}\nthe scheduler's trace of {ids}:\n"
+                                 + "\n".join(lines)) from error
     _assert_schema_holds(_texts(runs["json"]))
     num_tokens = sum(len(ids) for outputs in runs.values() for ids in _tokens(outputs))
     steps = num_tokens - counts.num_accepted_tokens

@@ -817,3 +817,27 @@ def test_a_draining_wave_is_weighed_by_its_slowest_request():
     assert times[True] < 0.95 * times[False]
     assert times[True] < 1.10 * static[0]
     assert policy.stats.num_focused > 0
+
+
+def test_each_measured_step_is_traced_in_order_with_what_was_expected(caplog):
+    """`vllm_specplug.policy_trace` at DEBUG: every pure decode step the
+    policy measured, in order, with its length, batch, time, the time it
+    expected (none before a length has samples) and the host's speed."""
+    import logging
+    import re
+
+    policy = BatchDraftLength(draft_length_candidates(4))
+    engine = _ChainEngine(rates=RATES, fixed=4e-3, per_token=2e-5, per_draft=3e-4)
+    with caplog.at_level(logging.DEBUG, logger="vllm_specplug.policy_trace"):
+        _run(engine, 8, 200, policy)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm_specplug.policy_trace"]
+    pattern = re.compile(r"measured k=(\d+) batch=8 ms=([\d.]+) expected_ms=(-|[\d.]+) "
+                         r"host=([\d.]+) current=(\d+)")
+    found = [pattern.fullmatch(line) for line in lines]
+    assert lines and all(found), lines[:5]
+    assert len(lines) == policy.num_decode_steps
+    assert found[0].group(3) == "-"  # nothing measured yet
+    priced = [m for m in found if m.group(3) != "-"]
+    # what it expected is near what the steps took (3% noise, a steady cost)
+    assert priced and all(0.7 < float(m.group(3)) / float(m.group(2)) < 1.3 for m in priced)
+    assert {int(m.group(1)) for m in found} <= set(policy.lengths)

@@ -391,6 +391,7 @@ class BatchDraftLength:
             return
         self.num_decode_steps += 1
         expected = self.times.estimate(k, batch_size, self.current)
+        self.stats.trace_step(k, batch_size, seconds, expected, self.times.host, self.current)
         if expected is not None:
             self.stats.priced(k, seconds, expected[0])
         # the length it runs tells the host's speed (StepTimes.host); a

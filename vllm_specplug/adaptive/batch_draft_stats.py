@@ -3,7 +3,16 @@ reports: per-length bookkeeping, its step counters, and the keys `bench`
 reads of them (bench/offline.py, bench/report.py)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+# each pure decode step the policy measured (DEBUG): its length, batch, time,
+# what the policy expected of it and the host's speed then. The windows
+# (`step_windows`) keep normalised times only; run 17 on CPU priced K=0 at 65
+# ms where it took 123 (docs/results/batch_draft_length_cpu_run16), and only
+# the steps in order can say when the two parted. Engine core processes log
+# it to a file through vLLM's `VLLM_LOGGING_CONFIG_PATH` (docs/proposers.md).
+trace = logging.getLogger("vllm_specplug.policy_trace")
 
 # `counters` (read every step) takes the step times again after this many
 # decode steps: a quantile per length and bucket is too dear for every step
@@ -69,6 +78,15 @@ class BatchDraftStats:
     # the scheduler's wall time in the policy: its lookups (`__getitem__`),
     # what it observes of each output, its counters (issue 26: host work per step)
     host_seconds: float = 0.0
+
+    @staticmethod
+    def trace_step(k: int, batch_size: int, seconds: float, expected, host: float,
+                   current: int) -> None:
+        """`trace` one measured step (`expected`: (seconds, error) or None)."""
+        if trace.isEnabledFor(logging.DEBUG):
+            trace.debug("measured k=%d batch=%d ms=%.2f expected_ms=%s host=%.3f current=%d",
+                        k, batch_size, 1e3 * seconds,
+                        "-" if expected is None else f"{1e3 * expected[0]:.2f}", host, current)
 
     def priced(self, k: int, seconds: float, expected: float) -> None:
         self.priced_steps[k] = self.priced_steps.get(k, 0) + 1

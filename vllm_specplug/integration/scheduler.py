@@ -311,8 +311,9 @@ class SpecplugTreeAsyncScheduler(TreeGrammarScheduler, AsyncScheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         if trace.isEnabledFor(logging.DEBUG):
+            sampled_ids = model_runner_output.sampled_token_ids
             for req_id, sampled in zip(model_runner_output.req_ids,
-                                       model_runner_output.sampled_token_ids or ()):
+                                       () if sampled_ids is None else sampled_ids):
                 request = self.requests.get(req_id)
                 if request is not None and request.use_structured_output:
                     trace.debug("sampled: %s outputs=%d tokens=%s", req_id,

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from vllm_specplug.integration.batch_schedule import SpecplugBatchDraftTreeAsyncScheduler
 from vllm_specplug.integration.scheduler import SpecplugTreeAsyncScheduler
 from vllm_specplug.testing import grammar_async_sim as gsim
 from vllm_specplug.testing import scheduler_sim as sim
@@ -20,13 +21,13 @@ MAX_TOKENS = 24
 
 
 def _engine(tiny_model_dir, seed: int, hit: float, max_num_seqs: int = 16,
-            max_tokens: int = MAX_TOKENS):
+            max_tokens: int = MAX_TOKENS, scheduler_cls=SpecplugTreeAsyncScheduler):
     """(scheduler, worker) with NUM_REQUESTS regex requests added, their
     grammars compiled, and each one's reference output."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
-    scheduler = sim.make_scheduler(SpecplugTreeAsyncScheduler, str(tiny_model_dir),
+    scheduler = sim.make_scheduler(scheduler_cls, str(tiny_model_dir),
                                    async_scheduling=True,
                                    num_speculative_tokens=gsim.NUM_DRAFTS,
                                    max_num_seqs=max_num_seqs)
@@ -51,14 +52,18 @@ def _engine(tiny_model_dir, seed: int, hit: float, max_num_seqs: int = 16,
     return scheduler, gsim.TreeWorker(target, refs, hit=hit, seed=seed)
 
 
-@pytest.mark.parametrize("seed, max_num_seqs, max_tokens", [
-    (0, 16, MAX_TOKENS),  # every request at once
-    (1, 4, MAX_TOKENS),   # requests join as others finish: prefills beside trees
-    (2, 4, 8),            # trees drafted past max_tokens
-], ids=["all-at-once", "joining", "past-max-tokens"])
+@pytest.mark.parametrize("seed, max_num_seqs, max_tokens, scheduler_cls", [
+    (0, 16, MAX_TOKENS, SpecplugTreeAsyncScheduler),  # every request at once
+    # requests join as others finish: prefills beside trees
+    (1, 4, MAX_TOKENS, SpecplugTreeAsyncScheduler),
+    (2, 4, 8, SpecplugTreeAsyncScheduler),  # trees drafted past max_tokens
+    # one tree size per step ("adaptive": true on Model Runner V2)
+    (3, 4, MAX_TOKENS, SpecplugBatchDraftTreeAsyncScheduler),
+], ids=["all-at-once", "joining", "past-max-tokens", "one-size-per-step"])
 def test_scheduler_rows_through_the_deferred_step_equal_greedy_under_the_grammar(
-        tiny_model_dir, seed, max_num_seqs, max_tokens):
-    scheduler, worker = _engine(tiny_model_dir, seed, 0.8, max_num_seqs, max_tokens)
+        tiny_model_dir, seed, max_num_seqs, max_tokens, scheduler_cls):
+    scheduler, worker = _engine(tiny_model_dir, seed, 0.8, max_num_seqs, max_tokens,
+                                scheduler_cls)
     outputs = gsim.run(scheduler, worker)
     expected = {req_id: request.ref for req_id, request in worker.requests.items()}
     assert outputs == expected

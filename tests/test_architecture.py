@@ -33,6 +33,8 @@ EXTENSION_POINTS = {
         "vLLM's tensor-parallel group (get_tp_group), the collective a sharded model's "
         "own layers use: the first rank's decisions broadcast to the others",
     "vllm_specplug/testing/scheduler_sim.py": "test harness: vLLM's real scheduler classes",
+    "vllm_specplug/testing/grammar_async_sim.py":
+        "test harness: vLLM's step outputs for its real async scheduler",
     "vllm_specplug/testing/worker_probe.py": "test harness: worker extension",
 }
 STILL_TO_MOVE = {  # issue 28: behind patches/ or an extension point

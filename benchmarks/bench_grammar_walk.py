@@ -173,19 +173,14 @@ def rows_walk(tokens: list[int], parents: list[int], rows, choices) -> tuple[lis
     `greedy_choices`' logits (the argmax, else the allowed second): what
     the greedy way must give."""
     from vllm_specplug.verification.grammar_greedy import unpack_row
+    from vllm_specplug.verification.tree_greedy import follow_choices
 
-    node, accepted, emitted = 0, [0], []
-    while True:
+    def choose(node: int) -> int:
         allowed = unpack_row(rows[node].numpy(), rows.shape[1] * 32)
         argmax = int(choices.argmax_ids[node])
-        token = argmax if allowed[argmax] else int(choices.top_ids[node, 1])
-        emitted.append(token)
-        child = next((c for c in range(1, len(parents))
-                      if parents[c] == node and tokens[c] == token), None)
-        if child is None:
-            return accepted, emitted
-        accepted.append(child)
-        node = child
+        return argmax if allowed[argmax] else int(choices.top_ids[node, 1])
+
+    return follow_choices(parents, tokens, choose)
 
 
 def measure_step(new_grammar, cases, repeats: int, workers: int) -> dict[str, float]:

@@ -17,6 +17,7 @@ import torch
 
 from vllm_specplug.integration.grammar_choices import GrammarChoices
 from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
+from vllm_specplug.verification.tree_greedy import follow_choices
 
 from tests.test_grammar_greedy import (VOCAB, _grammar, _random_case, _reference, _row,
                                        compiled)
@@ -68,14 +69,7 @@ def test_a_batch_that_samples_keeps_its_rows(tiny_model_dir, tokens, temperature
 
 def _walk(draws: list[int], tokens: list[int], parents: list[int]):
     """The tree sampler's greedy walk over one request's draws."""
-    node, accepted = 0, [0]
-    while True:
-        child = next((c for c in range(1, len(parents))
-                      if parents[c] == node and tokens[c] == draws[node]), None)
-        if child is None:
-            return accepted, [tokens[n] for n in accepted[1:]] + [draws[node]]
-        accepted.append(child)
-        node = child
+    return follow_choices(parents, tokens, draws.__getitem__)
 
 
 def test_corrected_draws_walk_as_every_rows_would(compiled):

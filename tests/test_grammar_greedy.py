@@ -18,6 +18,7 @@ import xgrammar as xgr
 
 from vllm_specplug.verification.grammar_greedy import (GreedyGrammarWalk, masked_argmax,
                                                        node_choices, unpack_row)
+from vllm_specplug.verification.tree_greedy import follow_choices
 
 from tests.test_tree_walks import TEXT, VOCAB, _grammar, compiled
 
@@ -59,16 +60,8 @@ def _masked_choice(compiled, prefix: str, parents, tokens, logits, node: int) ->
 
 
 def _reference(compiled, prefix: str, parents, tokens, logits) -> tuple[list[int], list[int]]:
-    node, accepted, emitted = 0, [0], []
-    while True:
-        choice = _masked_choice(compiled, prefix, parents, tokens, logits, node)
-        emitted.append(choice)
-        child = next((c for c in range(1, len(parents))
-                      if parents[c] == node and tokens[c] == choice), None)
-        if child is None:
-            return accepted, emitted
-        accepted.append(child)
-        node = child
+    return follow_choices(parents, tokens, lambda node: _masked_choice(
+        compiled, prefix, parents, tokens, logits, node))
 
 
 def _node_logits(rng, row: np.ndarray | None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+from vllm_specplug.verification.tree_greedy import follow_choices
 
 # tokens of the test regex in the tiny model's vocabulary (def, class, " ",
 # "(", ")", ",", ":", "):", name, " name", "_") to draft beside random ones
@@ -114,19 +115,14 @@ class TreeWorker:
         """The tree sampler's walk: from the root, the masked choice at each
         node, then the child carrying it if that child is acceptable."""
         drafts, parents = request.tree or ([], [-1])
-        num_nodes = len(node_rows)
-        self.num_verified_trees += num_nodes > 1 and num_acceptable > 0
-        out, node = [], 0
-        while True:
-            token = self.target.choice(request.index, len(request.output) + len(out),
-                                       node_rows[node])
-            out.append(token)
-            child = next((c for c in range(1, min(num_nodes, num_acceptable + 1))
-                          if parents[c] == node and drafts[c - 1] == token), None)
-            if child is None:
-                return out
-            node = child
-            self.num_accepted += 1
+        num_nodes = min(len(node_rows), num_acceptable + 1)  # the nodes it may accept
+        self.num_verified_trees += num_nodes > 1
+        depths = iter(range(len(request.output), len(request.output) + num_nodes + 1))
+        accepted, out = follow_choices(
+            parents[:num_nodes], [0, *drafts][:num_nodes],
+            lambda node: self.target.choice(request.index, next(depths), node_rows[node]))
+        self.num_accepted += len(accepted) - 1
+        return out
 
     def _draft(self, request: _Request) -> tuple[list[int], list[int]]:
         """A tree of NUM_DRAFTS after the request's output so far."""

@@ -27,6 +27,25 @@ def _greedy_path(tokens, first_child, next_sibling, argmax) -> list[int]:
         path.append(child)
 
 
+def follow_choices(parents, token_ids, choose) -> tuple[list[int], list[int]]:
+    """The greedy walk over one tree in plain Python (the readable form the
+    tests, benchmarks and simulations share): from the root, `choose(node)`
+    is the target's token after `node`, and the walk moves to the child
+    carrying it. `parents` [N] (-1 at the root), `token_ids` [N] (node i's
+    token; the root's unused). Returns (accepted node ids, root first; the
+    tokens emitted, the bonus last)."""
+    node, accepted, emitted = 0, [0], []
+    while True:
+        token = choose(node)
+        emitted.append(token)
+        child = next((c for c in range(1, len(parents))
+                      if parents[c] == node and token_ids[c] == token), None)
+        if child is None:
+            return accepted, emitted
+        accepted.append(child)
+        node = child
+
+
 def verify_tree_greedy_reference(tree: DraftTree, target_argmax: torch.Tensor) -> VerifyOutput:
     """Plain-PyTorch specification; `target_argmax` [B, N] int64."""
     batch, num_nodes = tree.token_ids.shape

@@ -216,7 +216,8 @@ class TreeGrammarScheduler:
                                    rows[offset:offset + num_rows],
                                    lambda node, base=offset, grammar=grammar:
                                    manager._fill_bitmasks(((grammar, base + node, True),)))
-            trace.debug("tree rows: %s valid=%s", req_id, [int(v) for v in valid])
+            if trace.isEnabledFor(logging.DEBUG):  # no list built on the step's path otherwise
+                trace.debug("tree rows: %s valid=%s", req_id, [int(v) for v in valid])
             offset += num_rows
         return offset
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+from vllm_specplug.verification.grammar_greedy import masked_argmax, unpack_row
 from vllm_specplug.verification.tree_greedy import follow_choices
 
 # tokens of the test regex in the tiny model's vocabulary (def, class, " ",
@@ -36,12 +37,6 @@ PLAUSIBLE_IDS = (326, 492, 226, 13, 14, 17, 31, 311, 357, 446, 68)
 # a tree: 3 children of the root, 2 under the first path node, 2 under the next
 NUM_CHILDREN = (3, 2, 2)
 NUM_DRAFTS = sum(NUM_CHILDREN)
-
-
-def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """[vocab_size] bool of a bitmask row ([words] int32, 32 tokens a word)."""
-    bits = (row.astype(np.int64)[:, None] >> np.arange(32)) & 1
-    return bits.reshape(-1)[:vocab_size].astype(bool)
 
 
 @dataclass
@@ -56,8 +51,7 @@ class Target:
         if key not in self.scores:
             rng = np.random.default_rng(self.seed * 1_000_003 + index * 10_007 + position)
             self.scores[key] = rng.standard_normal(self.vocab_size)
-        masked = np.where(allowed_ids(row, self.vocab_size), self.scores[key], -np.inf)
-        return int(np.argmax(masked))
+        return masked_argmax(self.scores[key], unpack_row(row, self.vocab_size))
 
 
 def reference(target: Target, grammar, index: int, max_tokens: int,

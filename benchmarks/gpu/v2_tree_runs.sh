@@ -17,7 +17,7 @@
 #            sized rows plus our chain sized the same way as vLLM's; ROWS=adaptive: vLLM's
 #            eagle3 K=5 fixed, sized and with its adaptive verification, our chain K=5 with
 #            the same adaptive verification and our tree sized (issue 27); ROWS=bestk: vLLM's
-#            eagle3 at K 3, 5 and 7 and our tree 16 (issue 26's best K); HOST_PROFILE=1:
+#            eagle3 at K 3, 5 and 7, our chain K=5 and our tree 16 (issue 26); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
@@ -125,10 +125,11 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       printf '%s\n' --spec "ours-chain-K5-adaptive={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, $av}"
       printf '%s\n' --spec "ours-tree-sized={$tree, \"num_speculative_tokens_per_batch_size\": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]}" ;;
     bestk)
-      # issue 26's goal is over vLLM's best K: its eagle3 at K 3 and 7 beside K 5 (above)
-      # and our tree 16, nothing else
+      # issue 26's goals are over vLLM's best K and, for our chain, vLLM's at the same K:
+      # its eagle3 at K 3 and 7 beside K 5 (above), our chain K=5 and our tree 16
       printf '%s\n' --spec "vllm-eagle3-K3={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 3}" \
         --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
+        --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
         --spec "ours-tree16={$tree}" ;;
     *)
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"

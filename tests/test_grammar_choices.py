@@ -75,7 +75,9 @@ def _walk(draws: list[int], tokens: list[int], parents: list[int]):
 def test_corrected_draws_walk_as_every_rows_would(compiled):
     """Batches of a free request between two planned ones: each planned
     request's walk over its corrected draws is the rows' way's, the free
-    one's draws are untouched, the grammars end where they began."""
+    one's draws are untouched, the grammars end where they began, and the
+    tokens handed to the drafting pass (`take_emitted`) are the ones that
+    walk emits, once."""
     rng = random.Random(7)
     counts = np.zeros(3, dtype=np.int64)
     for _ in range(30):
@@ -93,6 +95,8 @@ def test_corrected_draws_walk_as_every_rows_would(compiled):
         draws = logits.argmax(-1)
         argmax = draws.clone()
         choices.correct(logits, draws, batch)
+        emitted = choices.take_emitted()
+        assert sorted(emitted) == ["r0", "r2"] and not choices.take_emitted()
         for i, (prefix, parents, tree_tokens, case_logits) in enumerate(cases):
             own = draws[batch.cu_num_logits_np[i]:batch.cu_num_logits_np[i + 1]].tolist()
             if i == 1:
@@ -100,6 +104,7 @@ def test_corrected_draws_walk_as_every_rows_would(compiled):
                 continue
             assert _walk(own, tree_tokens, parents) == _reference(
                 compiled, prefix, parents, tree_tokens, case_logits)
+            assert emitted[f"r{i}"] == _walk(own, tree_tokens, parents)[1]
             assert (grammars[i].num_processed_tokens, _row(grammars[i]).tobytes()) == befores[i]
         counts += choices.counts
     assert counts[0] == 60 and counts[1] > 0 and counts[2] > 0, counts
@@ -120,6 +125,7 @@ def test_a_node_the_grammar_cut_is_returned_as_its_logits_row(compiled):
     draws = logits.argmax(-1)
     batch = SimpleNamespace(req_ids=["r0", "r1"], num_reqs=2, cu_num_logits_np=np.array([0, 3, 6]))
     assert choices.correct(logits, draws, batch) == [5]
+    assert not choices.take_emitted()  # a cut path: its output is read, not taken from here
 
 
 def test_cut_rows_become_drafts_no_walk_accepts():

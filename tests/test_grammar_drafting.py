@@ -91,3 +91,45 @@ def test_the_drafters_grammar_is_vllms_and_follows_the_output(vllm_config, token
     assert grammars.num_masked_passes == 3
     grammars.forget("r")
     assert "r" not in grammars.tracked
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_tokens_decided_on_the_host_advance_the_grammar_until_the_output_says_otherwise(
+        vllm_config, tokenizer, backend):
+    """`advance_known` takes a step's tokens as the host decided them (the
+    choices of grammar_choices.py) without the output; the next output
+    confirms them, or the grammar is rolled back and follows the output:
+    a path the host took as "a" where the output says "b" leaves the
+    grammar allowing only "c" (after "b"), as if it had read the output."""
+    grammars = DraftGrammars(vllm_config)
+    params = _params(backend)
+    vocab_size = vllm_config.model_config.get_vocab_size()
+    a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
+    _compiled(grammars, params, [])
+    tracked = grammars.tracked["r"]
+    assert grammars.advance_known("r", params, [b])
+    assert tracked.num_accepted == 1 and tracked.unconfirmed == [b]
+    grammar = tracked.holder.structured_output_request.grammar
+    assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(tokenizer, "b")
+    assert not grammars.advance_known("r", params, [c])  # "b" still unconfirmed: read it
+    assert grammars.grammar_of("r", params, np.array([b])) is grammar
+    assert tracked.unconfirmed is None and grammars.num_known_repairs == 0
+    grammars.forget("r")
+    _compiled(grammars, params, [])
+    tracked = grammars.tracked["r"]
+    assert grammars.advance_known("r", params, [a])
+    assert _first_step_allowed(grammars, grammar_of_r(grammars), vocab_size) == allowed_after(
+        tokenizer, "a")
+    grammar = grammars.grammar_of("r", params, np.array([b]))  # the output disagrees
+    assert grammars.num_known_repairs == 1 and tracked.num_accepted == 1
+    assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(tokenizer, "b")
+    # an output shorter than the host's tokens: the same repair
+    assert grammars.advance_known("r", params, [c, tokenizer.eos_token_id])
+    grammar = grammars.grammar_of("r", params, np.array([b, c]))
+    assert grammars.num_known_repairs == 2 and tracked.num_accepted == 2
+    assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(tokenizer, "bc")
+    assert grammars.num_known_advances == 3
+
+
+def grammar_of_r(grammars: DraftGrammars):
+    return grammars.tracked["r"].holder.structured_output_request.grammar

@@ -70,7 +70,7 @@ def _speculator(structured: StructuredRequests):
         all_token_ids=SimpleNamespace(gpu=all_token_ids))
     speculator = SimpleNamespace(
         structured=structured, runtime=runtime, req_states=req_states,
-        device=torch.device("cpu"), root_masks=None, max_num_reqs=2,
+        device=torch.device("cpu"), root_masks=None, max_num_reqs=2, grammar_choices=None,
         vllm_config=structured.grammars.vllm_config,
         guard=ProposerGuard("specplug_eagle3", 8), tree_slots=None, rows_in_worker=False,
         drafter=SimpleNamespace(options=SimpleNamespace(masks_drafts=lambda: True)),
@@ -83,7 +83,8 @@ def _speculator(structured: StructuredRequests):
 def _batch(has_structured: bool = True):
     return SimpleNamespace(num_reqs=2, req_ids=["digits", "free"],
                            idx_mapping=torch.tensor([0, 1]), idx_mapping_np=np.array([0, 1]),
-                           has_structured_output_reqs=has_structured)
+                           has_structured_output_reqs=has_structured,
+                           seq_lens_cpu_upper_bound=np.array([PROMPT_LEN + 4] * 2))
 
 
 def _draft(speculator, masks) -> list[set[int]]:
@@ -170,6 +171,49 @@ def test_first_step_masks_load_rows_and_mask_the_roots_children_in_the_pass(tiny
     assert speculator.root_masks.num_masked_rows == 0
     assert bool(speculator.root_masks.allowed.all())
     assert torch.equal(tree().token_ids, unmasked.token_ids)
+
+
+def _emit(speculator, tokens: list[int]) -> None:
+    """A step's tokens for "digits" on the device: its output grows by them."""
+    req_states = speculator.req_states
+    end = int(req_states.total_len.gpu[0])
+    req_states.all_token_ids.gpu[0, end:end + len(tokens)] = torch.tensor(tokens)
+    req_states.total_len.gpu[0] = end + len(tokens)
+
+
+def test_first_step_masks_take_the_choices_tokens_and_the_next_rows_check_them(
+        tiny_model_dir):
+    """With the choices, the first step's masks advance "digits" by the
+    tokens its tree emitted, as decided on the host, with no read of the
+    outputs (a wait for the GPU); the copy queued beside them confirms them
+    at the next step's rows, again with no read. Where the host's tokens
+    differ from the output, those rows' grammar follows the output."""
+    from vllm_specplug.integration.grammar_choices import GrammarChoices
+
+    structured = _structured(tiny_model_dir)
+    speculator = _speculator(structured)
+    SpecplugV2HeadSpeculator._attach_root_masks(speculator)
+    SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch())  # reads the output, "1"
+    speculator.grammar_choices = GrammarChoices()
+    reads = []
+    outputs = structured._outputs
+    structured._outputs = lambda *args: reads.append(args) or outputs(*args)
+    tracked = structured.grammars.tracked["digits"]
+    digits = sorted(_allowed_after_one(structured) - {ONE})
+    for host, device in (([ONE, ONE], [ONE, ONE]), ([ONE], [digits[0]])):
+        structured.begin_step()
+        _emit(speculator, device)
+        speculator.grammar_choices.emitted = {"digits": host}  # as `correct` decided them
+        SpecplugV2HeadSpeculator._grammar_masks(speculator, _batch())
+        assert not reads and speculator.guard.num_failures == 0
+        assert tracked.unconfirmed == host and speculator.root_masks.num_masked_rows == 2
+        found = structured.verifying_grammars(["digits"], _batch(), speculator.req_states)
+        assert not reads and structured.num_device_reads == 0
+        assert tracked.unconfirmed is None and tracked.num_accepted == int(
+            speculator.req_states.total_len.gpu[0]) - PROMPT_LEN
+        assert found["digits"].num_processed_tokens == tracked.num_accepted
+    assert structured.grammars.num_known_repairs == 1
+    assert structured.grammars.num_known_advances == 2
 
 
 def test_first_step_masks_hold_a_chains_first_draft_to_the_grammar(tiny_model_dir):

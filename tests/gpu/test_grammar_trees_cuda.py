@@ -346,13 +346,16 @@ def tree_choices(work, grammar_prompts):  # noqa: F811
 def test_trees_decided_from_the_targets_choices_equal_no_speculation(tree_choices, plain):
     """Every constraint, alone and batched, equal to no speculation (near-tie
     flips aside) and valid; the trees were decided so (no row filled for
-    them), and drafts were accepted."""
+    them), the first step's masks took their emitted tokens from those
+    decisions (no read of the outputs), every one of them confirmed by the
+    output later, and drafts were accepted."""
     runs, counts, stats = tree_choices["runs"], tree_choices["counts"], tree_choices["stats"]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     for kind in ["json", *PATTERNS]:
         _assert_exact(plain[kind], runs[kind], kind)
     _assert_schema_holds(_texts(runs["json"]))
     assert stats["num_choice_requests"] > 0, stats
+    assert stats["num_known_outputs"] > 0 and stats["num_known_output_repairs"] == 0, stats
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts
 
 

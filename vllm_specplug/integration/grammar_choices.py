@@ -45,11 +45,24 @@ class GrammarChoices:
     def __init__(self, top_k: int = TOP_K) -> None:
         self.top_k = top_k
         self.planned: dict[str, PlannedTree] = {}
+        # {req_id: the tokens the step emitted} of the last `correct`, for the
+        # drafting pass that follows (`take_emitted`)
+        self.emitted: dict[str, list[int]] = {}
         # requests decided so, nodes decided from their top-k, from their full row
         self.counts = np.zeros(3, dtype=np.int64)
 
     def forget(self) -> None:
-        self.planned = {}
+        self.planned, self.emitted = {}, {}
+
+    def take_emitted(self) -> dict[str, list[int]]:
+        """{req_id: accepted drafts, then the bonus token} of each request
+        the last `correct` decided, whose path ended as its walk did (no
+        cut node): what the tree sampler emits for it. Once; then cleared.
+        The drafting pass advances those grammars by them instead of
+        reading the outputs from the device (a wait for this step's
+        sampling: StructuredRequests.root_bitmask)."""
+        emitted, self.emitted = self.emitted, {}
+        return emitted
 
     def plan(self, req_id: str, grammar, drafts: list[int], parents: list[int],
              num_rows: int) -> None:
@@ -65,6 +78,7 @@ class GrammarChoices:
         Returns the logits rows of nodes the walk must not accept
         (`GrammarPath.cut_node_ids`)."""
         planned, self.planned = self.planned, {}
+        self.emitted = {}
         if not planned:
             return []
         batch_rows = {req_id: b for b, req_id in
@@ -85,6 +99,8 @@ class GrammarChoices:
             fixes += [(start + node, token) for node, token in
                       zip(path.accepted_node_ids, path.output_token_ids) if token != argmax[node]]
             cut += [start + node for node in path.cut_node_ids]
+            if not path.cut_node_ids:
+                self.emitted[tree.req_id] = path.output_token_ids
             self.counts += (1, path.num_top_choices, len(path.full_row_node_ids))
             offset += num_nodes
         if fixes:

@@ -45,6 +45,10 @@ class _Tracked:
     holder: SimpleNamespace  # what vLLM's manager compiles into (`structured_output_request`)
     num_accepted: int = 0    # output tokens the grammar has accepted
     broken: bool = False     # compile failed or a verified token was refused: unmasked
+    # the last of those tokens as the host decided them (`advance_known`),
+    # not yet seen in the request's output, and the grammar's advances for them
+    unconfirmed: list[int] | None = None
+    num_unconfirmed_advances: int = 0
 
 
 @dataclass
@@ -55,6 +59,10 @@ class DraftGrammars:
     manager: object | None = None
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     num_masked_passes: int = 0  # drafting passes that masked at least one request
+    # requests advanced by tokens the host decided (`advance_known`), and
+    # those whose output then differed (rolled back and advanced by it)
+    num_known_advances: int = 0
+    num_known_repairs: int = 0
     first_step_only: bool = False  # mask the first drafting step only (the root's row)
     # [V_draft] int64 on the host: the target id of each of the head's draft
     # ids (taken from the head's layer at the first masked pass)
@@ -103,6 +111,8 @@ class DraftGrammars:
             # grammar's, and feeding them logged vLLM's "Failed to advance
             # FSM" on the H200 (docs/results/v2_schema_threads_h200)
             output_token_ids = output_token_ids[:max_tokens]
+        if tracked.unconfirmed is not None:
+            self._confirm(req_id, tracked, grammar, output_token_ids)
         new = output_token_ids[tracked.num_accepted:].tolist()
         if new and not grammar.accept_tokens(req_id, new):
             logger.warning("vllm-specplug: request %s: the drafter's grammar refused a "
@@ -114,6 +124,52 @@ class DraftGrammars:
             return None
         tracked.num_accepted = len(output_token_ids)
         return grammar
+
+    def advance_known(self, req_id: str, sampling_params, token_ids: list[int]) -> bool:
+        """Advance the request's grammar by `token_ids`, the tokens its last
+        step emitted as the host decided them (grammar_choices.py), without
+        reading its output. They stay unconfirmed until the next output
+        passed to this object shows them (`_confirm`). False, nothing done:
+        no usable grammar, or tokens still unconfirmed (read the output)."""
+        tracked = self.tracked.get(req_id)
+        if tracked is None or tracked.broken or tracked.unconfirmed is not None:
+            return False
+        grammar = tracked.holder.structured_output_request.grammar
+        if grammar is None or isinstance(grammar, Exception):
+            return False
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        if max_tokens is not None:  # as `_advanced` cuts the output
+            token_ids = token_ids[:max(0, max_tokens - tracked.num_accepted)]
+        num_advances = 0
+        for token in token_ids:
+            if grammar.is_terminated():  # vLLM ignores tokens after the end
+                break
+            if not grammar.accept_tokens(req_id, [token]):
+                grammar.rollback(num_advances)
+                return False
+            num_advances += 1
+        tracked.num_accepted += len(token_ids)
+        tracked.unconfirmed, tracked.num_unconfirmed_advances = list(token_ids), num_advances
+        self.num_known_advances += 1
+        return True
+
+    def _confirm(self, req_id: str, tracked: _Tracked, grammar,
+                 output_token_ids: np.ndarray) -> None:
+        """The tokens `advance_known` took, checked against the request's
+        output (cut at max_tokens): where they differ, the grammar is rolled
+        back to before them, and `_advanced` then feeds it the output."""
+        known, end = tracked.unconfirmed, tracked.num_accepted
+        start = end - len(known)
+        tracked.unconfirmed = None
+        if len(output_token_ids) >= end and output_token_ids[start:end].tolist() == known:
+            return
+        logger.warning("vllm-specplug: request %s: its output %s differs from the tokens %s "
+                       "decided on the host at positions %d-%d; its drafter's grammar is "
+                       "advanced by the output instead", req_id,
+                       output_token_ids[start:end].tolist(), known, start, end - 1)
+        grammar.rollback(tracked.num_unconfirmed_advances)
+        tracked.num_accepted = start
+        self.num_known_repairs += 1
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)

@@ -73,10 +73,13 @@ class HeadGrammar:
         allowed where no request has a grammar, or its fill failed."""
         if not structured:
             return self.root_masks.clear()
+        # the tokens this step's greedy trees emitted, as `grammar_verify:
+        # "choices"` decided them on the host: no read of those outputs
+        known = self.grammar_choices.take_emitted() if self.grammar_choices is not None else None
         with record_function("specplug::root_masks"):
             ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
                                           self.structured.root_bitmask, input_batch,
-                                          self.req_states,
+                                          self.req_states, known,
                                           effect="its drafts go unmasked this step")
             self.root_masks.load(bitmask if ok else None)
 

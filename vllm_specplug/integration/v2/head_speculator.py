@@ -142,6 +142,8 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                                 and self.tree_slots is not None
                                 and options.grammar_verify == "choices" else None)
         self.stats.grammar_choices = self.grammar_choices
+        self.stats.draft_grammars = (self.structured.grammars if self.grammar_choices is not None
+                                     else None)
         # grammar_drafts "first": the first step's masks inside the graphed
         # pass (root_masks.py), made at attach (they need the head's vocabulary)
         self.root_masks = None

@@ -382,6 +382,7 @@ class SpeculatorStats:
         self.host_counts = np.zeros(2, dtype=np.int64)
         self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
         self.grammar_choices = None  # a head's GrammarChoices (grammar_choices.py)
+        self.draft_grammars = None  # a head's DraftGrammars (grammar_drafting.py)
         # constrained requests' verification rows filled in the worker
         # (worker_rows.py): of them, those whose drafts were known (else
         # none of their drafts may be accepted), those whose output was read
@@ -408,6 +409,9 @@ class SpeculatorStats:
             num_requests, num_top, num_full = self.grammar_choices.counts.tolist()
             stats.update(num_choice_requests=num_requests, num_choice_top_nodes=num_top,
                          num_choice_full_rows=num_full)
+        if self.draft_grammars is not None:  # the drafter's grammars advanced without a read
+            stats.update(num_known_outputs=self.draft_grammars.num_known_advances,
+                         num_known_output_repairs=self.draft_grammars.num_known_repairs)
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,
                          num_kept_by_graph=self.deferred.num_replayed,

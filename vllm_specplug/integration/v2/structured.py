@@ -139,12 +139,15 @@ class StructuredRequests:
         found = queued.outputs()
         return {req_id: found[req_id] for req_id in req_ids if req_id in found}
 
-    def root_bitmask(self, input_batch, req_states) -> torch.Tensor | None:
+    def root_bitmask(self, input_batch, req_states,
+                     known: dict[str, list[int]] | None = None) -> torch.Tensor | None:
         """[num_reqs, words] int32 on the host: each structured request's
         bitmask in its root's state (its output so far), all bits set for
         the others (the first drafting step's masks, root_masks.py); None
-        when no request of the batch has a grammar to draft under."""
-        found = self._grammars(input_batch, req_states)
+        when no request of the batch has a grammar to draft under. `known`:
+        {req_id: the tokens its last step emitted}, where the host decided
+        them (grammar_choices.py): those requests' outputs are not read."""
+        found = self._grammars(input_batch, req_states, known)
         if found is None or all(grammar is None for grammar in found[1]):
             return None
         bitmask = self.grammars.manager.backend.allocate_token_bitmask(len(found[1]))
@@ -154,20 +157,23 @@ class StructuredRequests:
         self.grammars.num_masked_passes += 1
         return bitmask
 
-    def _grammars(self, input_batch, req_states) -> tuple[list[str], list] | None:
+    def _grammars(self, input_batch, req_states,
+                  known: dict[str, list[int]] | None = None) -> tuple[list[str], list] | None:
         """(req_ids, grammars) of the batch (None where a request has none),
         each grammar advanced to its request's output; None when no request
         is structured. Reads those requests' output from the device after
         the step's sampling: a sync, which only batches with structured
-        output pay."""
+        output pay, unless every one is `known` (`_advance_known`)."""
         num_reqs = input_batch.num_reqs
         req_ids = list(input_batch.req_ids[:num_reqs])
         rows = [b for b, req_id in enumerate(req_ids) if req_id in self.params]
         if not rows:
             return None
-        slots = input_batch.idx_mapping_np[:num_reqs][rows]
-        outputs = self._outputs(req_states, slots)
         grammars = [None] * num_reqs
+        if known:
+            rows = self._advance_known(input_batch, req_states, rows, known, grammars)
+        slots = input_batch.idx_mapping_np[:num_reqs][rows]
+        outputs = self._outputs(req_states, slots) if rows else []
         for b, output in zip(rows, outputs):
             if output is not None:  # None: before the request's first token
                 grammars[b] = self.grammar(req_ids[b], output)
@@ -175,6 +181,27 @@ class StructuredRequests:
             req_ids[b] for b, output in zip(rows, outputs) if output is not None
             and self._advanced_to(req_ids[b], len(output))))
         return req_ids, grammars
+
+    def _advance_known(self, input_batch, req_states, rows: list[int],
+                       known: dict[str, list[int]], grammars: list) -> list[int]:
+        """The grammars of the batch's `rows` whose last tokens are `known`,
+        advanced by them (`DraftGrammars.advance_known`) into `grammars`;
+        returns the rows left to read. Those requests' outputs are queued
+        to the host without a wait (`queue_outputs`): the next step's
+        `verifying_grammars` checks the tokens against them."""
+        req_ids, left = input_batch.req_ids, []
+        for b in rows:
+            req_id = req_ids[b]
+            tokens = known.get(req_id)
+            if tokens is None or not self.grammars.advance_known(req_id, self.params[req_id],
+                                                                 tokens):
+                left.append(b)
+                continue
+            grammar = self.grammars.tracked[req_id].holder.structured_output_request.grammar
+            grammars[b] = None if grammar.is_terminated() else grammar
+        if len(left) < len(rows):
+            self.queue_outputs(input_batch, req_states)
+        return left
 
     def _advanced_to(self, req_id: str, num_tokens: int) -> bool:
         tracked = self.grammars.tracked.get(req_id)

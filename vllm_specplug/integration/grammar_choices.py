@@ -76,7 +76,7 @@ class GrammarChoices:
         logits row) set to the masked choice on each planned request's
         accepted path; `logits` [num_logits, vocab] are the rows it drew from.
         Returns the logits rows of nodes the walk must not accept
-        (`GrammarPath.cut_node_ids`)."""
+        (`GrammarPath.cut_node_ids`). One copy to the host, at most one back."""
         planned, self.planned = self.planned, {}
         self.emitted = {}
         if not planned:
@@ -85,41 +85,40 @@ class GrammarChoices:
                       enumerate(input_batch.req_ids[:input_batch.num_reqs])}
         trees = [tree for req_id, tree in planned.items() if req_id in batch_rows]
         starts = [int(input_batch.cu_num_logits_np[batch_rows[t.req_id]]) for t in trees]
-        rows = torch.from_numpy(np.concatenate(
-            [np.arange(s, s + len(t.parents)) for s, t in zip(starts, trees)] or [[]]).astype(
-                np.int64)).to(logits.device)
-        choices = self.host_choices(logits, target_tokens, rows)
+        choices = self.host_choices(logits, target_tokens)
         fixes: list[tuple[int, int]] = []
         cut: list[int] = []
-        offset = 0
         for start, tree in zip(starts, trees):
             num_nodes = len(tree.parents)
-            path = _walk(tree, logits, start, _slice(choices, offset, num_nodes))
-            argmax = choices.argmax_ids[offset:offset + num_nodes]
+            path = _walk(tree, logits, start, _slice(choices, start, num_nodes))
+            argmax = choices.argmax_ids[start:start + num_nodes]
             fixes += [(start + node, token) for node, token in
                       zip(path.accepted_node_ids, path.output_token_ids) if token != argmax[node]]
             cut += [start + node for node in path.cut_node_ids]
             if not path.cut_node_ids:
                 self.emitted[tree.req_id] = path.output_token_ids
             self.counts += (1, path.num_top_choices, len(path.full_row_node_ids))
-            offset += num_nodes
-        if fixes:
-            at, tokens = zip(*fixes)
-            target_tokens[torch.tensor(at, device=logits.device)] = torch.tensor(
-                tokens, dtype=target_tokens.dtype).to(logits.device)
+        if fixes:  # rows and tokens in one upload
+            at, tokens = torch.tensor(fixes, dtype=torch.int64).to(logits.device).unbind(1)
+            target_tokens[at] = tokens.to(target_tokens.dtype)
         return cut
 
-    def host_choices(self, logits: torch.Tensor, target_tokens: torch.Tensor,
-                     rows: torch.Tensor) -> NodeChoices:
-        """The argmax and top-k of `rows`, on the host in one wait (`bench
-        offline --phases` times it as the grammar's wait). The top-k
-        runs over every logits row in their own dtype (a gather of the rows
-        first would copy [rows, vocab] logits: 214 MB in float32 for 64 trees
-        of 17 nodes over SmolLM2's vocabulary); a bfloat16 logit is exact in
-        float32, so ties and order are the draws' own."""
-        top = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
-        ids = torch.cat([target_tokens[rows][:, None], top.indices[rows]], dim=1).cpu().numpy()
-        return NodeChoices(ids[:, 0], ids[:, 1:], top.values[rows].float().cpu().numpy())
+    def host_choices(self, logits: torch.Tensor, target_tokens: torch.Tensor) -> NodeChoices:
+        """The argmax and top-k of every logits row, on the host in one
+        copy, one wait (`bench offline --phases` times it as the grammar's
+        wait); a free request's rows come along (a few KB), which spares an
+        upload of the planned rows' indices. The top-k runs over the rows
+        in their own dtype (a gather of the rows first would copy [rows,
+        vocab] logits: 214 MB in float32 for 64 trees of 17 nodes over
+        SmolLM2's vocabulary); a bfloat16 logit is exact in float32, so
+        ties and order are the draws' own."""
+        k = min(self.top_k, logits.shape[-1])
+        top = torch.topk(logits, k, dim=-1)
+        values = top.values.float().view(torch.int32).to(torch.int64)  # bits, not values
+        packed = torch.cat([target_tokens[:, None].to(torch.int64), top.indices, values], dim=1)
+        host = packed.cpu().numpy()
+        return NodeChoices(host[:, 0], host[:, 1:1 + k],
+                           host[:, 1 + k:].astype(np.int32).view(np.float32))
 
 
 def _slice(choices: NodeChoices, offset: int, num_nodes: int) -> NodeChoices:

@@ -129,6 +129,16 @@ def test_tokens_decided_on_the_host_advance_the_grammar_until_the_output_says_ot
     assert grammars.num_known_repairs == 2 and tracked.num_accepted == 2
     assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(tokenizer, "bc")
     assert grammars.num_known_advances == 3
+    # past max_tokens (a tree's path is not cut there): the tokens are cut
+    # as the output is, and the output past it confirms them
+    grammars.forget("r")
+    params.max_tokens = 1
+    _compiled(grammars, params, [])
+    tracked = grammars.tracked["r"]
+    assert grammars.advance_known("r", params, [b, c])
+    assert tracked.num_accepted == 1 and tracked.unconfirmed == [b]
+    grammars.grammar_of("r", params, np.array([b, c]))
+    assert grammars.num_known_repairs == 2 and tracked.unconfirmed is None
 
 
 def grammar_of_r(grammars: DraftGrammars):

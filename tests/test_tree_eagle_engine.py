@@ -1,8 +1,9 @@
 """specplug_eagle3 in a real engine: EAGLE-2 dynamic trees drafted by the
 built-in EAGLE-3 head, verified in one forward with tree attention, KV
 compacted. Greedy output equals no speculation token for token (chains and
-trees of 16 and 64 nodes, alone and batched, and the edge cases of a
-request's life); sampled output follows the target's distribution."""
+trees of 16 and 64 nodes, the drafter's steps compiled or not, alone and
+batched, and the edge cases of a request's life); sampled output follows
+the target's distribution."""
 from __future__ import annotations
 
 import re
@@ -24,7 +25,9 @@ TREES = {  # name: (topk, num_steps, num_draft_tokens)
     "chain_k3": (1, 3, 4),
     "tree16_topk4": (4, 4, 16),
     "tree64_topk8": (8, 8, 64),
+    "tree16_compiled": (4, 4, 16),  # draft_compile: the head's steps through inductor
 }
+OPTIONS = {"tree16_compiled": {"draft_compile": True}}  # beyond the shape
 
 
 def tree_config(head_dir, topk: int, num_steps: int, num_draft_tokens: int) -> dict:
@@ -34,7 +37,8 @@ def tree_config(head_dir, topk: int, num_steps: int, num_draft_tokens: int) -> d
 
 @pytest.fixture(scope="module", params=list(TREES))
 def tree_llm(request, tiny_model_dir, tiny_eagle3_dir):
-    llm = make_llm(tiny_model_dir, tree_config(tiny_eagle3_dir, *TREES[request.param]))
+    llm = make_llm(tiny_model_dir, {**tree_config(tiny_eagle3_dir, *TREES[request.param]),
+                                    **OPTIONS.get(request.param, {})})
     llm.tree_name = request.param
     yield llm
     shutdown_llm(llm)

@@ -36,6 +36,7 @@ def engine_args_error(model_dir, spec: dict) -> str:
     ({"depth": 3}, "depth"),
     ({"draft_temperature": 0.0}, "draft_temperature"),
     ({"draft_cudagraph": "yes"}, "draft_cudagraph"),
+    ({"draft_compile": "yes"}, "draft_compile"),
     ({"draft_dtype": "fp8"}, "draft_dtype"),
 ])
 def test_bad_options_name_the_field(tiny_model_dir, tiny_eagle3_dir, options, field):

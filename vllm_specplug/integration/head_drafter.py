@@ -92,7 +92,8 @@ class HeadDrafter:
         layer = self.loaded.build(self.device, self.draft_dtype)
         self.runtime = HeadRuntime(layer, token_embedding(target_model),
                                    self.options.draft_temperature, num_slots=num_slots,
-                                   cuda_graphs=self.cuda_graphs)
+                                   cuda_graphs=self.cuda_graphs,
+                                   compile_steps=self.options.draft_compile)
         return self.runtime
 
     def target_hidden(self, hidden_states, aux_hidden_states, rows, out=None):

@@ -54,6 +54,12 @@ class TreeOptions(ProposerOptions):
     # On CUDA, replay each drafting pass as a captured CUDA graph (off under
     # enforce_eager). False drafts eagerly: slower, same trees.
     draft_cudagraph: bool = True
+    # The drafter's dense steps (projections, norms, rope, MLP, logits)
+    # through torch.compile (inductor), which fuses their elementwise
+    # kernels, as vLLM compiles its own eagle3 head (proposers/draft_compile.py).
+    # Start-up compiles them (seconds). Selection only: lossless either way.
+    # Opt-in: not yet measured on a GPU.
+    draft_compile: bool = False
     # The drafter's weights and activations: "auto" is the target's dtype,
     # as vLLM's eagle3 runs its head; "float32" costs about twice the time of
     # bfloat16 on a GPU (the 8B-shaped head is bandwidth-bound at batch 1 and

@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_specplug.proposers.draft_compile import compiled_steps
 from vllm_specplug.proposers.draft_layers import as_draft_layer
 from vllm_specplug.proposers.draft_topk import draft_topk
 from vllm_specplug.proposers.head_attention import attend_cached, attend_draft, draft_context
@@ -73,13 +74,21 @@ def _pad_host(arrays: list[np.ndarray], fill: int) -> np.ndarray:
 class HeadRuntime:
     def __init__(self, head, embed: Callable[[torch.Tensor], torch.Tensor],
                  draft_temperature: float = 1.0, num_slots: int = MIN_SLOTS,
-                 cuda_graphs: bool = False, attention_backend: Backend = "auto"):
+                 cuda_graphs: bool = False, attention_backend: Backend = "auto",
+                 compile_steps: bool = False):
         """head: an `Eagle3Head` or a `draft_layers` drafter (MTP). num_slots:
         requests the cache pool is first sized for (it grows). cuda_graphs:
         run each drafting pass as a captured CUDA graph (CUDA only).
         attention_backend: the attention over the cache (`head_attention.py`;
-        `auto`: the Triton kernel on CUDA, einsums over copied keys elsewhere)."""
+        `auto`: the Triton kernel on CUDA, einsums over copied keys elsewhere).
+        compile_steps: the layer's dense steps through `torch.compile`
+        (`draft_compile.py`)."""
         self.layer = as_draft_layer(head)
+        steps = compiled_steps(self.layer) if compile_steps else {}
+        self.compiled_steps = steps
+        self._qkv_step = steps.get("qkv", self.layer.qkv)
+        self._finish = steps.get("finish", self.layer.finish)
+        self._logits_step = steps.get("logits", self.layer.logits)
         self.draft_temperature = draft_temperature
         self.embed = embed  # target token ids [T] -> [T, H] (the target's embedding)
         self.scale = self.layer.head_dim ** -0.5
@@ -129,10 +138,10 @@ class HeadRuntime:
         """[R, H] inputs at positions [R] -> q [R, nh, hd], k, v [R, kvh, hd]
         (roped q, k) and the residual base [R, H]. rope: the positions'
         (cos, sin) [R, hd], when already computed."""
-        return self.layer.qkv(embeds, hidden, positions, rope)
+        return self._qkv_step(embeds, hidden, positions, rope)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.layer.logits(out)
+        return self._logits_step(out)
 
     @torch.inference_mode()
     def ingest(self, req_id: str, target_hidden: torch.Tensor, next_token_ids: torch.Tensor,
@@ -194,7 +203,7 @@ class HeadRuntime:
             rows = slice(starts[group[0]], starts[group[-1] + 1])
             attn[rows] = self._attend(q[rows], slots[group], [
                 host_positions[starts[r]:starts[r + 1]] for r in group])
-        out = self.layer.finish(attn.reshape(attn.shape[0], -1), base)
+        out = self._finish(attn.reshape(attn.shape[0], -1), base)
         last = starts[1:] - 1
         pool.set_last(to_device(slots, pool.device), out[last],
                       self._logits(out[last]))
@@ -235,7 +244,7 @@ class HeadRuntime:
         pool.write(slots, cuts, slots.repeat_interleave(rows), positions.flatten(), k, v)
         queries = q.view(batch, rows, -1, self.group, q.shape[-1])
         attn = self._attend_slots(queries, slots, positions, num_keys)
-        out = self.layer.finish(attn.reshape(batch * rows, -1), base).view(batch, rows, -1)
+        out = self._finish(attn.reshape(batch * rows, -1), base).view(batch, rows, -1)
         pool.set_last(slots, out[:, -1], self._logits(out[:, -1]))
 
     @torch.inference_mode()
@@ -317,7 +326,7 @@ class HeadRuntime:
         path_v = torch.cat([path_kv[1], v.view(batch, width, -1, 1, v.shape[-1])], 3)
         attn = attend_draft(ctx, self.pool, q.view(batch, width, -1, q.shape[-1]),
                             (path_k, path_v), position.view(batch, width), self.scale)
-        out = self.layer.finish(attn.reshape(batch * width, -1), base)
+        out = self._finish(attn.reshape(batch * width, -1), base)
         return out.view(batch, width, -1), (path_k, path_v)
 
     @torch.inference_mode()

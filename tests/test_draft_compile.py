@@ -1,0 +1,63 @@
+"""`draft_compile` (proposers/draft_compile.py): the drafter's dense steps
+through torch.compile (inductor; on this CPU its C++ backend). A random
+EAGLE-3 head with grouped-query attention ingests the same positions and
+drafts the same trees and chains with and without it: the caches and
+logits agree to float32 rounding, the trees node for node, and the
+compiled steps served every call. A step whose compiled run fails runs
+eagerly from then on, with the same result. The GPU run, where it is
+meant to save kernels, is `tests/gpu/test_tree_eagle_cuda.py`'s engines
+(not yet with this option) and `bench offline`."""
+from __future__ import annotations
+
+import torch
+
+from tests.test_tree_eagle_unit import _gqa_head
+from vllm_specplug.proposers.draft_compile import COMPILED_STEPS, CompiledStep
+from vllm_specplug.proposers.eagle3_head import HeadRuntime
+
+
+def _runtimes():
+    head = _gqa_head(seed=7)
+    embed = torch.nn.Embedding(50, 32, _weight=torch.randn(
+        50, 32, generator=torch.Generator().manual_seed(8)))
+    return HeadRuntime(head, embed), HeadRuntime(head, embed, compile_steps=True)
+
+
+def test_compiled_steps_draft_what_the_eager_ones_draft():
+    eager, compiled = _runtimes()
+    generator = torch.Generator().manual_seed(9)
+    lengths = {"a": 7, "b": 12}
+    for req_id, n in lengths.items():
+        hidden, ids = torch.randn(n, 48, generator=generator), torch.randint(
+            0, 50, (n,), generator=generator)
+        for runtime in (eager, compiled):
+            runtime.ingest(req_id, hidden, ids, torch.arange(n))
+    for req_id in lengths:
+        a, b = eager.cache_of(req_id), compiled.cache_of(req_id)
+        for name in ("keys", "values", "last_out", "last_logits"):
+            torch.testing.assert_close(getattr(b, name), getattr(a, name), atol=1e-5, rtol=1e-5)
+    roots, positions = torch.tensor([3, 4]), torch.tensor([7, 12])
+    for shape in ((4, 3, 8), (1, 4, 5)):  # a tree, a chain
+        want = eager.draft_trees(["a", "b"], roots, positions, *shape)
+        got = compiled.draft_trees(["a", "b"], roots, positions, *shape)
+        assert torch.equal(got.token_ids, want.token_ids), shape
+        assert torch.equal(got.parent_ids, want.parent_ids), shape
+    assert all(compiled.compiled_steps[name].num_calls > 0 for name in COMPILED_STEPS)
+    assert all(step.compiled is not None for step in compiled.compiled_steps.values())
+
+
+def test_a_step_that_fails_compiled_runs_eagerly_from_then_on():
+    calls = []
+
+    def step(x):
+        calls.append(x.shape)
+        return x * 2
+
+    def broken(*_):
+        raise RuntimeError("no compiler")
+
+    compiled = CompiledStep("finish", step)
+    compiled.compiled = broken
+    x = torch.ones(3)
+    assert torch.equal(compiled(x), x * 2) and compiled.compiled is None
+    assert torch.equal(compiled(x), x * 2) and len(calls) == 2 and compiled.num_calls == 0

@@ -23,7 +23,7 @@ RUNS = [
     *[("tiny-batchk", {"BATCHK": rows}) for rows in
       ("heads", "lean", "free", "tree", "zero", "floor", "pin", "shapes")],
     ("smollm2", {}), ("smollm2", {"ROWS": "sized"}), ("smollm2", {"ROWS": "adaptive"}),
-    ("smollm2", {"ROWS": "bestk"}),
+    ("smollm2", {"ROWS": "bestk"}), ("smollm2", {"ROWS": "compile"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-batchk", {}), ("smollm2-tp", {}),
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),

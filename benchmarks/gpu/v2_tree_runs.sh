@@ -17,7 +17,9 @@
 #            sized rows plus our chain sized the same way as vLLM's; ROWS=adaptive: vLLM's
 #            eagle3 K=5 fixed, sized and with its adaptive verification, our chain K=5 with
 #            the same adaptive verification and our tree sized (issue 27); ROWS=bestk: vLLM's
-#            eagle3 at K 3, 5 and 7, our chain K=5 and our tree 16 (issue 26); HOST_PROFILE=1:
+#            eagle3 at K 3, 5 and 7, our chain K=5 and our tree 16 (issue 26); ROWS=compile:
+#            vLLM's eagle3 K=5, our chain K=5 and tree 16 each eager and with
+#            draft_compile; HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
@@ -131,6 +133,14 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
         --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
         --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
         --spec "ours-tree16={$tree}" ;;
+    compile)
+      # draft_compile: our chain and tree with the drafter's dense steps through
+      # torch.compile beside the same rows eager (issue 26: our drafting's GPU
+      # time at batch 16 and 64 was 1.3-2.3x vLLM's compiled head's)
+      local chain="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5"
+      printf '%s\n' --spec "ours-chain-K5={$chain}" \
+        --spec "ours-chain-K5-compiled={$chain, \"draft_compile\": true}" \
+        --spec "ours-tree16={$tree}" --spec "ours-tree16-compiled={$tree, \"draft_compile\": true}" ;;
     *)
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
       printf '%s\n' --spec "ours-tree16={$tree}" ;;

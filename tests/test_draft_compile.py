@@ -1,14 +1,15 @@
 """`draft_compile` (proposers/draft_compile.py): the drafter's dense steps
 through torch.compile (inductor; on this CPU its C++ backend). A random
-EAGLE-3 head with grouped-query attention ingests the same positions and
-drafts the same trees and chains with and without it: the caches and
-logits agree to float32 rounding, the trees node for node, and the
-compiled steps served every call. A step whose compiled run fails runs
-eagerly from then on, with the same result. The GPU run, where it is
-meant to save kernels, is `tests/gpu/test_tree_eagle_cuda.py`'s engines
-(not yet with this option) and `bench offline`."""
+EAGLE-3 head with grouped-query attention, and a random MTP layer, each
+ingest the same positions and draft the same trees and chains with and
+without it: the caches and logits agree to float32 rounding, the trees
+node for node, and the compiled steps served every call. A step whose
+compiled run fails runs eagerly from then on, with the same result. On
+the GPU: `benchmarks/gpu/bench_draft_compile.py` (the pass alone) and
+`ROWS=compile` of `benchmarks/gpu/v2_tree_runs.sh` (engines)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.test_tree_eagle_unit import _gqa_head
@@ -16,19 +17,31 @@ from vllm_specplug.proposers.draft_compile import COMPILED_STEPS, CompiledStep
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
 
-def _runtimes():
-    head = _gqa_head(seed=7)
-    embed = torch.nn.Embedding(50, 32, _weight=torch.randn(
-        50, 32, generator=torch.Generator().manual_seed(8)))
-    return HeadRuntime(head, embed), HeadRuntime(head, embed, compile_steps=True)
+def _runtimes(drafter: str):
+    """(eager, compiled) runtimes over one random drafter (an EAGLE-3 head
+    or an MTP layer), and the width of what the target hands it a row."""
+    from vllm_specplug.proposers.draft_layers import MtpDraftLayer
+
+    if drafter == "eagle3":
+        head, width, vocab = _gqa_head(seed=7), 48, 50
+    else:
+        from tests.test_mtp_unit import random_layer
+
+        vocab = 100  # the target's: the MTP layer drafts over its lm_head
+        head, width = MtpDraftLayer(random_layer(7), torch.randn(
+            vocab, 32, generator=torch.Generator().manual_seed(7))), 32
+    embed = torch.nn.Embedding(vocab, 32, _weight=torch.randn(
+        vocab, 32, generator=torch.Generator().manual_seed(8)))
+    return HeadRuntime(head, embed), HeadRuntime(head, embed, compile_steps=True), width
 
 
-def test_compiled_steps_draft_what_the_eager_ones_draft():
-    eager, compiled = _runtimes()
+@pytest.mark.parametrize("drafter", ["eagle3", "mtp"])
+def test_compiled_steps_draft_what_the_eager_ones_draft(drafter):
+    eager, compiled, width = _runtimes(drafter)
     generator = torch.Generator().manual_seed(9)
     lengths = {"a": 7, "b": 12}
     for req_id, n in lengths.items():
-        hidden, ids = torch.randn(n, 48, generator=generator), torch.randint(
+        hidden, ids = torch.randn(n, width, generator=generator), torch.randint(
             0, 50, (n,), generator=generator)
         for runtime in (eager, compiled):
             runtime.ingest(req_id, hidden, ids, torch.arange(n))

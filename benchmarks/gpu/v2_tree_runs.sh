@@ -80,7 +80,8 @@
 #            PER_CLIENT requests per client a stage (default 1: a pass of 766 requests
 #            lasted 5-9 s on the tiny model, run13; benchmarks/gpu/ramp_servers.py);
 #            start it, then wait over two calls
-#   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree, on the tiny
+#   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree (MTP_COMPILE=1: both
+#            also with draft_compile), on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
 #            it; TP=2 shards the target over a 2-GPU kind; RUN_NAME names the results)
@@ -256,6 +257,8 @@ run() {
         --spec 'vllm-mtp-K5={"method": "mtp", "num_speculative_tokens": 5}' \
         --spec 'ours-mtp-chain-K5={"method": "specplug_mtp", "topk": 1, "num_steps": 5}' \
         --spec "ours-mtp-tree16={$mtp_tree, \"num_draft_tokens\": 16}" \
+        ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-chain-K5-compiled={\"method\": \"specplug_mtp\", \"topk\": 1, \"num_steps\": 5, \"draft_compile\": true}"} \
+        ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-tree16-compiled={$mtp_tree, \"num_draft_tokens\": 16, \"draft_compile\": true}"} \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 \
         --repeats 3 --max-tokens 96 --dtype float32 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1100}}' \

@@ -74,3 +74,14 @@ def test_a_step_that_fails_compiled_runs_eagerly_from_then_on():
     x = torch.ones(3)
     assert torch.equal(compiled(x), x * 2) and compiled.compiled is None
     assert torch.equal(compiled(x), x * 2) and len(calls) == 2 and compiled.num_calls == 0
+
+
+def test_the_status_names_each_steps_compiled_calls_or_its_fall_back():
+    from vllm_specplug.proposers.draft_compile import compile_status
+
+    _, compiled, width = _runtimes("eagle3")
+    compiled.ingest("a", torch.randn(3, width), torch.randint(0, 50, (3,)), torch.arange(3))
+    status = compile_status(compiled.compiled_steps)
+    assert set(status) == set(COMPILED_STEPS) and all(n and n > 0 for n in status.values())
+    compiled.compiled_steps["finish"].compiled = None
+    assert compile_status(compiled.compiled_steps)["finish"] is None

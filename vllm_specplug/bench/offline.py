@@ -191,6 +191,8 @@ def captures_delta(total: dict | None, before: dict | None, after: dict | None
     for key in ("num_captures", "capture_seconds"):
         total[key] += after[key] - before[key]
     total["num_graphs"] = after["num_graphs"]
+    if "draft_compile" in after:  # as of `after`: each step's compiled calls (None: eager)
+        total["draft_compile"] = after["draft_compile"]
     compiles = Counter(total["kernel_compiles"])
     compiles.update(Counter(after.get("kernel_compiles", {})) - Counter(
         before.get("kernel_compiles", {})))

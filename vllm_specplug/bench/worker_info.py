@@ -59,8 +59,14 @@ def graph_captures(worker) -> dict | None:
     if graphs is None:
         return None
     compiles = getattr(speculator, "service_compiles", None)
-    return {**graphs.service_captures(),
-            "kernel_compiles": dict(compiles.counts) if compiles is not None else {}}
+    found = {**graphs.service_captures(),
+             "kernel_compiles": dict(compiles.counts) if compiles is not None else {}}
+    steps = getattr(speculator.runtime, "compiled_steps", None)
+    if steps:  # draft_compile: each step's compiled calls, None where it fell back to eager
+        from vllm_specplug.proposers.draft_compile import compile_status
+
+        found["draft_compile"] = compile_status(steps)
+    return found
 
 
 def adaptive_controller(worker):

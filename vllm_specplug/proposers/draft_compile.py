@@ -61,3 +61,9 @@ def compiled_steps(layer) -> dict[str, CompiledStep]:
     """{step: the layer's step, compiled} for `COMPILED_STEPS` of a
     `draft_layers` drafter."""
     return {name: CompiledStep(name, getattr(layer, name)) for name in COMPILED_STEPS}
+
+
+def compile_status(steps: dict[str, CompiledStep]) -> dict[str, int | None]:
+    """{step: calls served compiled; None once it fell back to eager}."""
+    return {name: step.num_calls if step.compiled is not None else None
+            for name, step in steps.items()}

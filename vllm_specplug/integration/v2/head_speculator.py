@@ -208,7 +208,6 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         from vllm_specplug.integration import cuda_tree_attention
 
         self.runtime = self.drafter.load_model(target_model, self.max_num_reqs)
-        self.stats.compiled_steps = self.runtime.compiled_steps  # draft_compile's
         pool = self.runtime.make_pool(self.max_num_reqs, self.drafter.draft_dtype, self.device)
         # Sized now, while the engine has not yet measured its memory: the
         # pool counts as the model's, not taken from the KV cache later.

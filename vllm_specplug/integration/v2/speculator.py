@@ -383,7 +383,6 @@ class SpeculatorStats:
         self.deferred = None  # a head's kept rows (v2/deferred_rows.py): their counts
         self.grammar_choices = None  # a head's GrammarChoices (grammar_choices.py)
         self.draft_grammars = None  # a head's DraftGrammars (grammar_drafting.py)
-        self.compiled_steps = {}  # a head's draft_compile steps (draft_compile.py)
         # constrained requests' verification rows filled in the worker
         # (worker_rows.py): of them, those whose drafts were known (else
         # none of their drafts may be accepted), those whose output was read
@@ -413,10 +412,6 @@ class SpeculatorStats:
         if self.draft_grammars is not None:  # the drafter's grammars advanced without a read
             stats.update(num_known_outputs=self.draft_grammars.num_known_advances,
                          num_known_output_repairs=self.draft_grammars.num_known_repairs)
-        if self.compiled_steps:  # each step: compiled calls, or None where it fell back
-            from vllm_specplug.proposers.draft_compile import compile_status
-
-            stats["draft_compile"] = compile_status(self.compiled_steps)
         if self.deferred is not None:
             stats.update(num_kept_steps=self.deferred.num_kept_steps,
                          num_kept_by_graph=self.deferred.num_replayed,

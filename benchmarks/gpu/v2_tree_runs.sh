@@ -7,7 +7,8 @@
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
 #   tiny3    the same without tree 32, on fewer prompts, in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3 (TP=2: the target
-#            sharded over a 2-GPU kind, detached: about 11 minutes)
+#            sharded over a 2-GPU kind, detached: about 11 minutes; ROWS as smollm2's,
+#            e.g. ROWS=compile)
 #   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30)
 #   tiny-profile  tiny3's engines at batch 64, one repeat, with `--host-profile`
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
@@ -225,8 +226,10 @@ tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]:
 run() {
   case "$1" in
     tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
-    # the same minus tree 32, fewer prompts: fits one 10-minute call
-    tiny3) tiny_bench tiny3 three 8 32 64 96 1100 ;;
+    # the same minus tree 32, fewer prompts: fits one 10-minute call (ROWS picks other
+    # rows, e.g. ROWS=compile: our chain and tree with and without draft_compile,
+    # a run that needs no SmolLM2 head)
+    tiny3) tiny_bench tiny3 "${ROWS:-three}" 8 32 64 96 1100 ;;
     # the same under a JSON schema (issue 30; compare with tiny3)
     tiny3-schema) tiny_bench tiny3-schema three 8 32 64 96 1100 \
       --json-schema benchmarks/json_schema.json ;;

@@ -82,7 +82,7 @@
 #            lasted 5-9 s on the tiny model, run13; benchmarks/gpu/ramp_servers.py);
 #            start it, then wait over two calls
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree (MTP_COMPILE=1: both
-#            also with draft_compile), on the tiny
+#            also with draft_compile; MTP_SIZED=1: vLLM's mtp and our tree sized by batch), on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
 #            it; TP=2 shards the target over a 2-GPU kind; RUN_NAME names the results)
@@ -256,12 +256,18 @@ run() {
         --out "$RESULTS/${RUN_NAME:-smollm2-batchk}" ;;
     tiny-mtp)
       local mtp_tree='"method": "specplug_mtp", "topk": 4, "num_steps": 4, "draft_temperature": 0.25'
+      # MTP_SIZED=1: vLLM's mtp and our tree sized by batch (issue 26: the tree at batch 64
+      # cost more than its tokens, docs/mtp.md), the tables of the EAGLE-3 rows (specs)
+      local sized_k='"num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 24, 3], [25, 1024, 2]]'
+      local sized_tree='"num_speculative_tokens_per_batch_size": [[1, 4, 15], [5, 24, 5], [25, 1024, 2]]'
       host tiny-bench --model "$W/tiny-mtp" \
         --spec 'vllm-mtp-K5={"method": "mtp", "num_speculative_tokens": 5}' \
         --spec 'ours-mtp-chain-K5={"method": "specplug_mtp", "topk": 1, "num_steps": 5}' \
         --spec "ours-mtp-tree16={$mtp_tree, \"num_draft_tokens\": 16}" \
         ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-chain-K5-compiled={\"method\": \"specplug_mtp\", \"topk\": 1, \"num_steps\": 5, \"draft_compile\": true}"} \
         ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-tree16-compiled={$mtp_tree, \"num_draft_tokens\": 16, \"draft_compile\": true}"} \
+        ${MTP_SIZED:+--spec} ${MTP_SIZED:+"vllm-mtp-sized={\"method\": \"mtp\", \"num_speculative_tokens\": 5, $sized_k}"} \
+        ${MTP_SIZED:+--spec} ${MTP_SIZED:+"ours-mtp-tree-sized={$mtp_tree, \"num_draft_tokens\": 16, $sized_tree}"} \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 \
         --repeats 3 --max-tokens 96 --dtype float32 --phases \
         --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1100}}' \

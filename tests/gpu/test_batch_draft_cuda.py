@@ -128,7 +128,7 @@ def test_the_same_requests_again_capture_no_graph_of_the_head(batch_llm, prompts
 
 # what the speculator's capture() launches (integration/v2/kernel_warmup.py)
 WARMED_KERNELS = {"verify_tree_greedy_rows_kernel", "compact_kv_layers_kernel",
-                  "verified_rows_kernel"}
+                  "verified_rows_kernel", "head_attention_kernel"}
 
 
 def test_the_tree_steps_eager_kernels_compile_at_start_up(batch_llm, prompts,  # noqa: F811

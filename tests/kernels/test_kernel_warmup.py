@@ -1,11 +1,13 @@
 """The tree step's eager kernels warmed up at start-up
 (integration/v2/kernel_warmup.py): each launched once, on scratch inputs,
-and nothing of the slots' trees or the KV caches written."""
+and nothing of the slots' trees or the KV caches written; the head's
+attention launched as its eager ingest launches it, at every row tile."""
 from __future__ import annotations
 
 import torch
 
-from vllm_specplug.integration.v2.kernel_warmup import row_variants, warm_up_tree_kernels
+from vllm_specplug.integration.v2.kernel_warmup import (row_variants, warm_up_prefill_attention,
+                                                        warm_up_tree_kernels)
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 
 
@@ -39,6 +41,40 @@ def test_warm_up_launches_each_kernel_and_writes_nothing_it_reads(device):
         assert torch.equal(cache, copy)
     slots.kv_layers = None  # caches not bound: no compaction
     assert warm_up_tree_kernels(slots, (7,), num_steps=4) == 1 + 1
+
+
+def test_the_heads_prefill_attention_is_warmed_as_an_eager_ingest_launches_it(device,
+                                                                               monkeypatch):
+    """Each launch is keyed as Triton keys its compiled variants here: the
+    index dtypes and the row tile (BLOCK_M). The warm-up launches every row
+    tile with the dtypes of an eager ingest (prefills: int64 slots and
+    positions from host arrays), so a new request's prefill finds its
+    variant compiled; the pool is only read."""
+    from tests.kernels.test_head_attention import _ingests, _runtimes
+    from vllm_specplug.proposers import head_attention
+
+    (_, kernel), width = _runtimes("eagle3", device)
+    launches = []
+
+    def recorded(queries, pool, slots, positions, *args, **kwargs):
+        launches.append((slots.dtype, positions.dtype, kwargs["backend"],
+                         head_attention.row_tile(queries.shape[1], kernel.group)))
+        return call(queries, pool, slots, positions, *args, **kwargs)
+
+    call = head_attention.slot_attention
+    monkeypatch.setattr(head_attention, "slot_attention", recorded)
+    assert warm_up_prefill_attention(kernel) == ()  # no pool yet: nothing to read
+    _ingests(kernel, width, device)
+    prefills = set(launches)
+    pool = kernel.pool
+    before = [torch.as_tensor(t).clone() for t in
+              (pool.keys, pool.values, pool.valid, pool.last_positions)]
+    launches.clear()
+    assert warm_up_prefill_attention(kernel) == head_attention.ROW_TILES == (16, 32, 64)
+    assert len(launches) == 3 and prefills <= set(launches), (prefills, launches)
+    after = (pool.keys, pool.values, pool.valid, pool.last_positions)
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+               for a, b in zip(before, after))
 
 
 def test_service_compiles_count_our_kernels_and_keep_the_hook_before(monkeypatch):

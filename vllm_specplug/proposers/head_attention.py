@@ -35,6 +35,7 @@ from vllm_specplug.verification.tree_attention import MIN_DOT
 
 MAX_ROW_TILE = 64  # query rows (tokens x heads of one KV group) per program
 BLOCK_KEYS = 64  # keys a program reads at a time
+ROW_TILES = tuple(MIN_DOT << i for i in range((MAX_ROW_TILE // MIN_DOT).bit_length()))  # 16-64
 
 
 def slot_attention_reference(queries: torch.Tensor, pool, slots: torch.Tensor,
@@ -64,6 +65,12 @@ def slot_attention_reference(queries: torch.Tensor, pool, slots: torch.Tensor,
     return out.to(queries.dtype)
 
 
+def row_tile(num_rows: int, group: int) -> int:
+    """The kernel's BLOCK_M for `num_rows` query rows of `group` heads a KV
+    head: a compiled variant of the kernel each (kernel_warmup.py warms them)."""
+    return min(MAX_ROW_TILE, max(MIN_DOT, next_power_of_2(num_rows * group)))
+
+
 def slot_attention(queries: torch.Tensor, pool, slots: torch.Tensor, positions: torch.Tensor,
                    num_keys: int, scale: float,
                    path_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -86,7 +93,7 @@ def slot_attention(queries: torch.Tensor, pool, slots: torch.Tensor, positions: 
     num_path = path_k.shape[3] if path_kv is not None else 0
     if path_kv is not None and (path_k.stride() != path_v.stride() or path_k.stride(-1) != 1):
         path_k, path_v = path_k.contiguous(), path_v.contiguous()
-    block_m = min(MAX_ROW_TILE, max(MIN_DOT, next_power_of_2(num_rows * group)))
+    block_m = row_tile(num_rows, group)
     grid = (num_groups, keys.shape[1], -(-num_rows * group // block_m))
     if num_groups and num_rows:
         head_attention_kernel[grid](

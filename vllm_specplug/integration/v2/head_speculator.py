@@ -244,6 +244,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         failure costs those graphs or compiles (done on first use instead),
         never the engine."""
         from vllm_specplug.integration.v2.kernel_warmup import (ServiceCompiles,
+                                                                warm_up_prefill_attention,
                                                                 warm_up_tree_kernels)
         from vllm_specplug.integration.v2.step_warmup import (step_keys, table_of, target_layout,
                                                               warm_up_kept_rows,
@@ -270,6 +271,8 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
             self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
                             self.drafter.options.num_steps, effect="they compile on first use")
+        self.guard.call("capture", [], warm_up_prefill_attention, self.runtime,
+                        effect="the head's eager ingest compiles its attention on first use")
         if self.service_compiles is None:  # one hook, should vLLM capture again
             self.service_compiles = ServiceCompiles()
             self.guard.call("capture", [], self.service_compiles.watch,

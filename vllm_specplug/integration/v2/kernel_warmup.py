@@ -13,8 +13,11 @@ engine's R=2 and R=4 rows compiled on a served engine's first requests
 (2-4 s). The speculator's `capture()` runs each here once, on scratch
 inputs with the dtypes, widths and alignment a step hands them: every
 output goes to scratch, and the slots' trees and the KV caches are only
-read (no node is accepted, so compaction moves nothing). `ServiceCompiles`
-then counts what of ours still compiles in service.
+read (no node is accepted, so compaction moves nothing). The head's
+attention is launched there too as its eager ingest launches it
+(`warm_up_prefill_attention`: prefills and new requests, outside the
+graphs). `ServiceCompiles` then counts what of ours still compiles in
+service.
 """
 from __future__ import annotations
 
@@ -93,6 +96,38 @@ def warm_up_tree_kernels(tree_slots, lengths: tuple[int, ...], num_steps: int) -
     logger.info("vllm-specplug: %d launches of the tree step's eager kernels warmed up in "
                 "%.1f s", launches, time.perf_counter() - started)
     return launches
+
+
+def warm_up_prefill_attention(runtime) -> tuple[int, ...]:
+    """Launch the head's attention as an eager ingest does (prefills, new
+    requests: `HeadRuntime._attend`, slots and positions int64 from host
+    arrays) once per row tile it can take; returns the tiles reached.
+
+    The decode steps' graphs (step_warmup.py) launch it with the runner's
+    index dtypes, another compiled variant: on the 8B shape (H200) vLLM's
+    JIT monitor saw `head_attention_kernel` compile on the first prefill
+    in service (docs/results/v2_steps8b_compile_h200). Reads slot 0 of the
+    pool, writes only its own output.
+
+    Args:
+        runtime: the speculator's `HeadRuntime`, its pool made (None: nothing).
+    """
+    from vllm_specplug.proposers.head_attention import ROW_TILES, attend_cached, row_tile
+
+    layer, pool = runtime.layer, runtime.pool
+    if pool is None:
+        return ()
+    device, reached = pool.keys.device, []
+    for tile in ROW_TILES:
+        num_rows = max(1, tile // runtime.group)
+        queries = torch.zeros(1, num_rows, layer.num_kv_heads, runtime.group, layer.head_dim,
+                              dtype=pool.keys.dtype, device=device)  # [G, T, kvh, g, hd]
+        positions = torch.arange(num_rows, dtype=torch.int64, device=device)[None]  # [G, T]
+        slots = torch.zeros(1, dtype=torch.int64, device=device)  # [G] int64
+        attend_cached(queries, pool, slots, positions, num_rows, runtime.scale,
+                      runtime.attention_backend)
+        reached.append(row_tile(num_rows, runtime.group))
+    return tuple(sorted(set(reached)))
 
 
 class ServiceCompiles:

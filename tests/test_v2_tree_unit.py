@@ -398,14 +398,17 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     """`warm_up_step_graphs` (what the head speculator's `capture()` runs on
     CUDA, there capturing each step as a graph; here eagerly) runs one
     placeholder step per padded batch size and per steady step of the
-    lengths vLLM may ask for, then forgets them: the head's cache, the trees
-    and the drafts are as before, and a runtime that ran them drafts and
-    caches what one that did not does."""
+    lengths vLLM may ask for, and `warm_up_mixed_passes` the two passes a
+    step with prefills runs apart at the same keys; then both forget them:
+    the head's cache, the trees and the drafts are as before, and a runtime
+    that ran them drafts and caches what one that did not does."""
     from tests.test_tree_eagle_unit import _gqa_head
     from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
     from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
     from vllm_specplug.integration.v2.step_warmup import (padded_sizes, steady_steps, step_keys,
+                                                          warm_up_mixed_passes,
                                                           warm_up_step_graphs)
+    from vllm_specplug.proposers.head_graphs import MAX_GRAPHS
     from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
     head = _gqa_head(3)
@@ -427,10 +430,16 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     steps = steady_steps(lengths, (4, 4, 16), step_tree_shape)
     assert steps == [(1, (1, 1, 2)), (8, (4, 4, 5)), (8, (4, 4, 16))]
     assert padded_sizes(4) == [1, 2, 4] and padded_sizes(13) == [1, 2, 4, 8, 16]
-    count = warm_up_step_graphs(warm, step_keys(lengths, None, (4, 4, 16), step_tree_shape, 4),
-                                48, torch.float32)
+    keys = step_keys(lengths, None, (4, 4, 16), step_tree_shape, 4)
+    count = warm_up_step_graphs(warm, keys, 48, torch.float32)
     assert count == 9 and sorted(emitted) == [1, 1, 1, 2, 2, 2, 4, 4, 4]
     assert not runtimes[0].pool.valid.any() and not warm.drafts.any()
+    # a step with prefills runs the ingest and the drafting pass apart: both,
+    # at every key, also forgotten; none where they would crowd the graphs
+    assert warm_up_mixed_passes(warm, keys, 48, torch.float32) == 2 * len(keys) == 18
+    assert not runtimes[0].pool.valid.any() and not warm.drafts.any()
+    crowded = keys * (MAX_GRAPHS // (3 * len(keys)) + 1)  # a policy's many lengths
+    assert warm_up_mixed_passes(warm, crowded, 48, torch.float32) == 0
     for name in ("parents", "depths", "is_tree", "num_drafted"):
         assert torch.equal(getattr(warm.tree_slots, name), getattr(fresh_slots, name)), name
     # then the same requests on both runtimes: same caches, same trees

@@ -248,6 +248,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                                                                 warm_up_tree_kernels)
         from vllm_specplug.integration.v2.step_warmup import (step_keys, table_of, target_layout,
                                                               warm_up_kept_rows,
+                                                              warm_up_mixed_passes,
                                                               warm_up_step_graphs)
 
         if self.runtime is None or self.runtime.graphs is None or self.guard.disabled:
@@ -268,6 +269,8 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         if ok:
             logger.info("vllm-specplug %s: %d decode-step graphs of the head captured in "
                         "%.1f s", self.method, count, time.perf_counter() - started)
+        self.guard.call("capture", [], warm_up_mixed_passes, self, keys, *layout,
+                        effect="a step with prefills captures the head's passes on first use")
         if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
             self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
                             self.drafter.options.num_steps, effect="they compile on first use")

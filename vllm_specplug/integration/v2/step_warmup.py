@@ -25,7 +25,7 @@ import torch
 
 from vllm_specplug.integration import batch_schedule
 from vllm_specplug.integration.batch_schedule import table_lengths
-from vllm_specplug.proposers.head_graphs import STEP_KIND, padded_batch
+from vllm_specplug.proposers.head_graphs import MAX_GRAPHS, STEP_KIND, padded_batch
 from vllm_specplug.verification.tree_rows import rows_per_request
 
 logger = logging.getLogger("vllm_specplug.tree_drafter")
@@ -156,18 +156,71 @@ def warm_up_step_graphs(speculator, keys: list[tuple[int, int, tuple[int, int, i
     return count
 
 
-def _placeholder_step(speculator, size: int, num_rows: int, shape: tuple[int, int, int],
-                      width: int, dtype: torch.dtype) -> None:
-    """One fused decode step of `size` placeholder requests, in the
-    speculator's persistent buffers (the addresses service replays from)."""
-    inputs, device = speculator.step_inputs, speculator.device
-    rows = inputs.rows(size, num_rows)
+MIXED_KINDS = ("ingest", "draft")  # the head's passes of a step with prefills
+
+
+def warm_up_mixed_passes(speculator, keys: list[tuple[int, int, tuple[int, int, int]]],
+                         width: int, dtype: torch.dtype) -> int:
+    """Capture the two passes a step with prefills runs apart (the decodes'
+    padded ingest, then the drafting pass: `SpecplugV2HeadSpeculator._step`)
+    for every key of `keys`, on placeholders forgotten afterwards; returns
+    the passes run. On the 8B shape (H200) each was captured in service on
+    first use, 10-18 ms a stall (docs/results/v2_steps8b_compile_h200).
+    Skipped where they would crowd the fused steps' graphs out of the
+    graphs' LRU (MAX_GRAPHS: a policy's many lengths)."""
+    graphs = speculator.runtime.graphs
+    if 3 * len(keys) > MAX_GRAPHS:
+        logger.info("vllm-specplug: %d step shapes: the head's passes of steps with prefills "
+                    "are captured on first use", len(keys))
+        return 0
+    disabled = graphs.disabled if graphs is not None else set()
+    was_disabled, count = disabled & set(MIXED_KINDS), 0
+    try:
+        for size, num_rows, shape in keys:
+            _placeholder_passes(speculator, size, num_rows, shape, width, dtype)
+            count += 2
+    finally:
+        _forget_placeholders(speculator)
+    for kind in (disabled - was_disabled) & set(MIXED_KINDS):  # service tries again
+        disabled.discard(kind)
+        logger.warning("vllm-specplug: the head's %s pass was not captured at start-up; it is "
+                       "captured on first use instead", kind)
+    return count
+
+
+def _placeholder_passes(speculator, size: int, num_rows: int, shape: tuple[int, int, int],
+                        width: int, dtype: torch.dtype) -> None:
+    """A step with prefills' two passes for `size` placeholder decodes, in the
+    index dtypes service hands them (slots int32 from the runner's
+    idx_mapping for the drafting pass)."""
+    rows = speculator.step_inputs.rows(size, num_rows)
+    _placeholder_rows(speculator, rows, size, num_rows)
+    target = speculator.step_inputs.hidden(size * num_rows, width, dtype)
+    target.zero_()
+    runtime = speculator.runtime
+    runtime.ingest_padded(rows.slots, target, rows.next_ids, rows.positions, rows.cuts, num_rows)
+    runtime.draft_slots(rows.slots.to(torch.int32), rows.root_ids, rows.root_positions,
+                        num_rows + 1, *shape)
+
+
+def _placeholder_rows(speculator, rows, size: int, num_rows: int) -> None:
+    """Request i in slot i mod S, its rows at positions 0..R-1, its root after."""
+    device = speculator.device
     rows.slots.copy_(torch.arange(size, device=device) % speculator.max_num_reqs)
     rows.positions.copy_(torch.arange(num_rows, device=device).expand(size, num_rows))
     rows.cuts.zero_()
     rows.next_ids.zero_()
     rows.root_ids.zero_()
     rows.root_positions.fill_(num_rows)
+
+
+def _placeholder_step(speculator, size: int, num_rows: int, shape: tuple[int, int, int],
+                      width: int, dtype: torch.dtype) -> None:
+    """One fused decode step of `size` placeholder requests, in the
+    speculator's persistent buffers (the addresses service replays from)."""
+    inputs = speculator.step_inputs
+    rows = inputs.rows(size, num_rows)
+    _placeholder_rows(speculator, rows, size, num_rows)
     target = inputs.hidden(size * num_rows, width, dtype)
     target.zero_()
     speculator.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,

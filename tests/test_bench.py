@@ -415,7 +415,14 @@ def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():
     assert abs(waves.request_decode_ms - 400) < 1e-6  # median of 400, 1000, 300
     total = waves.merged(None)
     assert waves.merged(total)["num_waves"] == 2 and WaveTimes().merged(total) == total
-    assert wave_cells(total).split() == ["1", "100.0", "1000.0", "2.50"]
+    assert wave_cells(total).split() == ["1", "100.0", "100.0", "1000.0", "2.50"]
+    stalled = WaveTimes()  # a second repeat whose first step stalled: the max shows it
+    stalled.add([output(5.0, 5.4, 6.0)])
+    both = stalled.merged(total)
+    assert abs(both["first_step_max_ms"] - 400) < 1e-6 and abs(both["first_step_ms"] - 500) < 1e-6
+    assert wave_cells(both).split()[1:3] == ["250.0", "400.0"]
+    del total["first_step_max_ms"]  # a result written before the max was recorded
+    assert wave_cells(total).split()[2] == "-"
 
 
 def _check_phases(rows) -> None:

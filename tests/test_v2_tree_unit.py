@@ -438,8 +438,13 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     # at every key, also forgotten; none where they would crowd the graphs
     assert warm_up_mixed_passes(warm, keys, 48, torch.float32) == 2 * len(keys) == 18
     assert not runtimes[0].pool.valid.any() and not warm.drafts.any()
-    crowded = keys * (MAX_GRAPHS // (3 * len(keys)) + 1)  # a policy's many lengths
+    crowded = keys * (MAX_GRAPHS // (2 * len(keys)) + 1)  # a policy's many lengths
     assert warm_up_mixed_passes(warm, crowded, 48, torch.float32) == 0
+    # graphs held already count: the fused steps' and kept rows' are not pushed out
+    held = dict.fromkeys(range(MAX_GRAPHS - 2 * len(keys) + 1))
+    warm.runtime.graphs = SimpleNamespace(graphs=held, disabled=set())
+    assert warm_up_mixed_passes(warm, keys, 48, torch.float32) == 0
+    warm.runtime.graphs = None
     for name in ("parents", "depths", "is_tree", "num_drafted"):
         assert torch.equal(getattr(warm.tree_slots, name), getattr(fresh_slots, name)), name
     # then the same requests on both runtimes: same caches, same trees
@@ -459,6 +464,22 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
         assert torch.equal(getattr(warmed, name)[:3, :, :10], getattr(plain, name)[:3, :, :10])
     for name in ("last_out", "last_logits"):
         assert torch.equal(getattr(warmed, name)[:3], getattr(plain, name)[:3]), name
+
+
+def test_a_kind_whose_start_up_capture_failed_is_tried_again_in_service(caplog):
+    """A warm-up whose capture failed (PassGraphs put its kind in `disabled`)
+    hands that kind back to first use in service, with a warning; a kind
+    disabled before the warm-up, or one the warm-up does not capture, stays
+    as it was."""
+    from vllm_specplug.integration.v2.step_warmup import MIXED_KINDS, _enable_again
+
+    disabled = {"ingest", "draft", "step"}  # "ingest" failed before, "draft" and "step" now
+    with caplog.at_level("WARNING", logger="vllm_specplug.tree_drafter"):
+        _enable_again(disabled, {"ingest"}, MIXED_KINDS)
+    assert disabled == {"ingest", "step"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "vllm-specplug: the head's draft graphs were not captured at start-up; "
+        "they are captured on first use instead"]
 
 
 def test_start_up_covers_the_steps_where_a_tables_draft_length_changes():

@@ -137,8 +137,8 @@ def warm_up_step_graphs(speculator, keys: list[tuple[int, int, tuple[int, int, i
     `width`), then clear the head's cache, the trees and the drafts. Returns
     the number of steps run."""
     # eager (graphs None, as on CPU) they only run: what the test checks
-    disabled = speculator.runtime.graphs.disabled if speculator.runtime.graphs else set()
-    was_disabled, count = STEP_KIND in disabled, 0
+    disabled = _disabled_kinds(speculator)
+    was_disabled, count = disabled & {STEP_KIND}, 0
     try:
         for size, num_rows, shape in keys:
             if STEP_KIND in disabled:
@@ -147,13 +147,25 @@ def warm_up_step_graphs(speculator, keys: list[tuple[int, int, tuple[int, int, i
             count += 1
     finally:  # also after a failed capture: service starts clean either way
         _forget_placeholders(speculator)
-    if STEP_KIND in disabled and not was_disabled:
-        # a capture failed here (PassGraphs logged why): service still tries
-        # each on first use, as before start-up capture existed
-        disabled.discard(STEP_KIND)
-        logger.warning("vllm-specplug: the head's decode steps were not captured at start-up; "
-                       "they are captured on first use instead")
+    _enable_again(disabled, was_disabled, (STEP_KIND,))
     return count
+
+
+def _disabled_kinds(speculator) -> set:
+    """The pass kinds the head's graphs gave up capturing (a set that
+    `PassGraphs` updates); an empty one when eager (graphs None, as on CPU)."""
+    graphs = speculator.runtime.graphs
+    return graphs.disabled if graphs is not None else set()
+
+
+def _enable_again(disabled: set, was_disabled: set, kinds) -> None:
+    """Kinds among `kinds` whose capture failed during a warm-up (PassGraphs
+    logged why) are tried again on first use in service, as before start-up
+    capture existed; kinds disabled before the warm-up stay disabled."""
+    for kind in (disabled - was_disabled) & set(kinds):
+        disabled.discard(kind)
+        logger.warning("vllm-specplug: the head's %s graphs were not captured at start-up; "
+                       "they are captured on first use instead", kind)
 
 
 MIXED_KINDS = ("ingest", "draft")  # the head's passes of a step with prefills
@@ -166,14 +178,16 @@ def warm_up_mixed_passes(speculator, keys: list[tuple[int, int, tuple[int, int, 
     for every key of `keys`, on placeholders forgotten afterwards; returns
     the passes run. On the 8B shape (H200) each was captured in service on
     first use, 10-18 ms a stall (docs/results/v2_steps8b_compile_h200).
-    Skipped where they would crowd the fused steps' graphs out of the
-    graphs' LRU (MAX_GRAPHS: a policy's many lengths)."""
+    Skipped where they would crowd the graphs start-up already holds (the
+    fused steps', the kept rows') out of the graphs' LRU (MAX_GRAPHS: a
+    policy's many lengths)."""
     graphs = speculator.runtime.graphs
-    if 3 * len(keys) > MAX_GRAPHS:
+    held = len(graphs.graphs) if graphs is not None else 0
+    if held + len(MIXED_KINDS) * len(keys) > MAX_GRAPHS:
         logger.info("vllm-specplug: %d step shapes: the head's passes of steps with prefills "
                     "are captured on first use", len(keys))
         return 0
-    disabled = graphs.disabled if graphs is not None else set()
+    disabled = _disabled_kinds(speculator)
     was_disabled, count = disabled & set(MIXED_KINDS), 0
     try:
         for size, num_rows, shape in keys:
@@ -181,10 +195,7 @@ def warm_up_mixed_passes(speculator, keys: list[tuple[int, int, tuple[int, int, 
             count += 2
     finally:
         _forget_placeholders(speculator)
-    for kind in (disabled - was_disabled) & set(MIXED_KINDS):  # service tries again
-        disabled.discard(kind)
-        logger.warning("vllm-specplug: the head's %s pass was not captured at start-up; it is "
-                       "captured on first use instead", kind)
+    _enable_again(disabled, was_disabled, MIXED_KINDS)
     return count
 
 

@@ -157,6 +157,8 @@ def test_installed_environment_has_the_alias():
      "/nonexistent/model"),
     (["bench", "offline", "--model", "tiny", "--engine-args", '{"dtype": "float32"}'],
      "--engine-args sets 'dtype', which --dtype sets: pass --dtype float32 instead"),
+    (["bench", "offline", "--model", "tiny", "--parallel-starts", "--order", "restart"],
+     "--parallel-starts starts every engine at once: it needs --order interleaved"),
     (["bench", "online", "--url", "http://127.0.0.1:9", "--prompts", "held-out"],
      "cannot reach http://127.0.0.1:9/v1/models"),
     (["bench", "online", "--url", "localhost:8000", "--prompts", "held-out"],
@@ -321,8 +323,11 @@ def test_partial_results_are_written_whole_after_each_step(tmp_path):
 
 def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
     """Interleaved engines over two prompt sets (repeat-and-edit prompts; one
-    more with a two-turn chat), each set with its own rows and table. (The
-    phase probes: the restart test below, on engines that start in seconds.)"""
+    more with a two-turn chat), each set with its own rows and table. The
+    three engines start at once (`--parallel-starts`): each row still reads
+    its own engine's counters (vLLM's stat loggers, made at once, race for
+    the metrics registry: bench/starts.py). (The phase probes: the restart
+    test below, on engines that start in seconds.)"""
     from vllm_specplug.models.corpus import repetitive_prompts
 
     out = tmp_path / "out"
@@ -340,10 +345,10 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
                  *[f"--spec={s}" for s in specs], "--warmup-runs", "1",
-                 "--out", str(out)])
+                 "--parallel-starts", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "offline.json").read_text())
-    assert result["settings"]["order"] == "interleaved"
+    assert result["settings"]["order"] == "interleaved" and result["settings"]["parallel_starts"]
     assert result["settings"]["prompts"] == [str(edits), str(chats)]
     assert result["settings"]["num_turns"] == 6
     assert result["settings"]["prompt_limits"] == {"4": 2}
@@ -392,6 +397,86 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
         assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
     assert "adaptive: method" in table
     assert "waves (engine timestamps): method" in table
+
+
+def test_collectors_made_at_once_stay_each_threads_own():
+    """`collectors_by_thread`: two threads each make a stat logger's worth of
+    `vllm:` collectors at once, as vLLM's does (unregister every `vllm:`
+    collector, then register its own), with a barrier between the two
+    halves so that each sweeps and registers while the other is halfway.
+    Neither fails on a duplicate or on a collector already gone; each
+    thread's own are recorded; the registry's methods are back after."""
+    import threading
+
+    from prometheus_client import REGISTRY, Counter
+
+    from vllm_specplug.metrics import collectors_by_thread, vllm_collectors
+
+    barrier, made, errors = threading.Barrier(2, timeout=30), {}, []
+
+    def stat_logger(tag: str) -> None:
+        try:
+            for collector in [c for c in list(REGISTRY._collector_to_names)
+                              if getattr(c, "_name", "").startswith("vllm:")]:
+                REGISTRY.unregister(collector)  # vLLM's unregister_vllm_metrics
+            barrier.wait()
+            made[tag] = [Counter(f"vllm:test_made_at_once_{i}", tag) for i in range(3)]
+            barrier.wait()
+            made[tag + " found"] = recorder.collectors()
+        except Exception as error:  # noqa: BLE001 - the test reports it below
+            errors.append(error)
+
+    before = vllm_collectors()
+    try:
+        with collectors_by_thread() as recorder:
+            threads = [threading.Thread(target=stat_logger, args=(t,)) for t in "ab"]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert not errors, errors
+        for tag in "ab":
+            assert made[tag + " found"] == made[tag]
+        assert len({c._name for c in vllm_collectors()}) == 3  # one of each name: no duplicate
+        assert "register" not in vars(REGISTRY) and "unregister" not in vars(REGISTRY)
+    finally:
+        for collector in vllm_collectors():
+            REGISTRY.unregister(collector)
+        for collector in before:
+            REGISTRY.register(collector)
+
+
+def test_an_engine_that_fails_among_the_others_is_left_to_start_alone(monkeypatch):
+    """`start_all`: a spec whose engine fails to start among the others is
+    left out (`run_offline` then starts it alone), its rows without the
+    error and its stack closed; the others are warmed up, each with the
+    collectors its own thread registered."""
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench import starts
+
+    closed = []
+
+    def start_engine(stack, model, spec, engine_kwargs, prompts, rows):
+        stack.callback(closed.append, spec.name)
+        if spec.name == "flaky":
+            rows[0].error = "RuntimeError: address already in use"
+            return None
+        return f"engine of {spec.name}"
+
+    monkeypatch.setattr(starts, "start_engine", start_engine)
+    specs = [SimpleNamespace(name=n) for n in ("none", "flaky", "ours")]
+    rows = [[SimpleNamespace(error=None)] for _ in specs]
+    warmed = []
+    with ExitStack() as outer:
+        stacks = {s: outer.enter_context(ExitStack()) for s in range(3)}
+        started = starts.start_all(stacks, "tiny", specs, {}, [], rows,
+                                   lambda llm, s: warmed.append((llm, s)))
+        assert closed == ["flaky"]  # the others' engines are still up
+    assert sorted(started) == [0, 2] and started[2] == ("engine of ours", [])
+    assert rows[1][0].error is None and sorted(warmed) == [("engine of none", 0),
+                                                          ("engine of ours", 2)]
 
 
 def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():

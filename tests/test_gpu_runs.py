@@ -77,3 +77,22 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
     config = named_specs(_specs(arguments))[2].config
     assert (config["topk"], config["num_steps"], config["num_draft_tokens"]) == (8, 1, 9)
     assert config["grammar_drafts"] == "first"
+
+
+@pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2"])
+def test_parallel_starts_give_every_engine_its_kv_cache_size(name, tmp_path):
+    """PARALLEL=1: the run starts its engines at once, each with the KV cache
+    size that parallel starts need on a GPU (bench/starts.py), in engine
+    arguments that are still one JSON object; without it, neither."""
+    import json
+
+    from vllm_specplug.bench.starts import check_parallel_starts
+
+    for env, parallel in (({"PARALLEL": "1"}, True), ({}, False)):
+        arguments = _dry_run(name, env, tmp_path)
+        engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+        assert ("--parallel-starts" in arguments) == parallel
+        assert ("kv_cache_memory_bytes" in engine_kwargs) == parallel
+        if parallel:
+            assert engine_kwargs["kv_cache_memory_bytes"] == 8_000_000_000
+            check_parallel_starts(engine_kwargs, "interleaved")  # passes on a GPU too

@@ -13,6 +13,9 @@ it had (`vllm_collectors`, taken right after it was made).
 from __future__ import annotations
 
 import re
+import threading
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
@@ -90,6 +93,54 @@ def vllm_collectors() -> list:
 
     return [collector for collector in list(REGISTRY._collector_to_names)
             if getattr(collector, "_name", "").startswith("vllm:")]
+
+
+class ThreadCollectors:
+    """vLLM's collectors that each thread registered (`collectors_by_thread`)."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[int, list] = defaultdict(list)
+
+    def collectors(self) -> list:
+        """The calling thread's, in the order it registered them."""
+        return list(self.by_thread.get(threading.get_ident(), ()))
+
+
+@contextmanager
+def collectors_by_thread():
+    """While engines are made in several threads at once (bench/starts.py):
+    vLLM's collectors kept per registering thread, the latest registration
+    of a name winning over an earlier one, and the unregistration of one
+    already gone ignored. vLLM's stat loggers, made at once, would otherwise
+    unregister each other's collectors halfway (`unregister_vllm_metrics`)
+    and register duplicates (prometheus_client's ValueError). Each logger is
+    made in the thread that makes its engine. The registry's own methods
+    are back on exit."""
+    from prometheus_client import REGISTRY
+
+    lock, found = threading.RLock(), ThreadCollectors()
+    register, unregister = REGISTRY.register, REGISTRY.unregister
+
+    def register_latest(collector) -> None:
+        with lock:
+            name = getattr(collector, "_name", "")
+            if name.startswith("vllm:"):
+                found.by_thread[threading.get_ident()].append(collector)
+                for other in [c for c in REGISTRY._collector_to_names
+                              if getattr(c, "_name", None) == name]:
+                    unregister(other)
+            register(collector)
+
+    def unregister_present(collector) -> None:
+        with lock:
+            if collector in REGISTRY._collector_to_names:
+                unregister(collector)
+
+    REGISTRY.register, REGISTRY.unregister = register_latest, unregister_present
+    try:
+        yield found
+    finally:
+        del REGISTRY.register, REGISTRY.unregister
 
 
 def read_engine_counts(llm, collectors: list | None) -> SpecDecodeCounts:

@@ -98,6 +98,12 @@ export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
 OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
+# PARALLEL=1: tiny3, tiny-mtp and smollm2 start their engines at once (bench offline
+# --parallel-starts, bench/starts.py), each with a KV cache of PARALLEL_KV bytes
+# (8 GB: the tiny model and SmolLM2 at batch 64 need far less), not one after the
+# other (80-120 s an engine on the H200, docs/results/v2_mtp_sized_h200)
+PAR_KV=${PARALLEL:+"\"kv_cache_memory_bytes\": ${PARALLEL_KV:-8000000000}, "}
+PAR_ARG=${PARALLEL:+--parallel-starts}
 
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
@@ -219,8 +225,8 @@ tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]:
   host tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
     --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
     --max-tokens "$6" --dtype float32 --phases \
-    --engine-args "{${TP:+\"tensor_parallel_size\": $TP, }\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
-    --out "$RESULTS/$1" "${@:8}"
+    --engine-args "{$PAR_KV${TP:+\"tensor_parallel_size\": $TP, }\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
+    --out "$RESULTS/$1" ${PAR_ARG} "${@:8}"
 }
 
 run() {
@@ -270,8 +276,8 @@ run() {
         ${MTP_SIZED:+--spec} ${MTP_SIZED:+"ours-mtp-tree-sized={$mtp_tree, \"num_draft_tokens\": 16, $sized_tree}"} \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 \
         --repeats 3 --max-tokens 96 --dtype float32 --phases \
-        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1100}}' \
-        --out "$RESULTS/${RUN_NAME:-tiny-mtp}" ;;
+        --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1100}}" \
+        --out "$RESULTS/${RUN_NAME:-tiny-mtp}" ${PAR_ARG} ;;
     smollm2|smollm2-humaneval)
       # smollm2: MT-Bench (both turns); smollm2-humaneval: HumanEval
       local prompts=mt-bench; [ "$1" = smollm2-humaneval ] && prompts=humaneval
@@ -279,8 +285,8 @@ run() {
       host real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases ${HOST_PROFILE:+--host-profile} \
-        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
-        --out "$RESULTS/${RUN_NAME:-$1}" ;;
+        --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-sets)
       # MT-Bench and HumanEval on the same engines (an engine's start costs more
       # than its generations here); ROWS=full (default): vLLM's eagle3 at K 3/5/7,

@@ -50,13 +50,13 @@ from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatc
 from vllm_specplug.bench.prompts import (BenchPrompt, bench_prompt_of_input,
                                          sampling_params_for)
 from vllm_specplug.bench.specs import NamedSpec
-from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME, engine_record
+from vllm_specplug.bench.starts import check_parallel_starts, start_all, start_engine
+from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME
 from vllm_specplug.bench.waves import WaveTimes
-from vllm_specplug.engine import generate, running_llm
+from vllm_specplug.engine import generate
 from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts, vllm_collectors
 
 logger = logging.getLogger("vllm_specplug.bench")
-NUM_WARMUP_PROMPTS = 2
 ORDERS = ("interleaved", "restart", "sequential")
 
 
@@ -270,27 +270,6 @@ def _schedule(specs: list[NamedSpec], repeats: int, order: str) -> list[tuple[in
     return [(r, s) for s in range(len(specs)) for r in range(repeats)]
 
 
-def _start(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, prompts,
-           rows: list[OfflineRow]):
-    """The spec's running engine, warmed up; None (rows marked) if it fails."""
-    from vllm import SamplingParams
-
-    kwargs = {**engine_kwargs, **spec.engine_kwargs}
-    try:
-        llm = stack.enter_context(running_llm(model, spec.config, **kwargs))
-        generate(llm, [p.input_for(llm.get_tokenizer()) for p in prompts[:NUM_WARMUP_PROMPTS]],
-                 SamplingParams(temperature=0, max_tokens=8))
-    except Exception as error:  # one bad config must not lose the others
-        logger.error("spec %s failed: %s", spec.name, error)
-        for row in rows:
-            row.error = f"{type(error).__name__}: {error}"
-        return None
-    record = engine_record(llm, kwargs)
-    for row in rows:
-        row.engine = record
-    return llm
-
-
 def _warm_up(llm, rows: list[OfflineRow], prompt_sets: dict[str, list[BenchPrompt]],
              limits: dict[int, int], params, runs: int) -> None:
     """`runs` unmeasured passes of each row's batch: the shapes a measured
@@ -320,7 +299,8 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
                 batch_sizes: list[int], repeats: int, params, order: str = "interleaved",
                 prompt_limits: dict[int, int] | None = None, phases: bool = False,
                 host_profile: bool = False, warmup_runs: int = 0,
-                on_step=None, **engine_kwargs) -> list[OfflineRow]:
+                on_step=None, parallel_starts: bool = False,
+                **engine_kwargs) -> list[OfflineRow]:
     """One row per (spec, prompt set, batch size). `prompts`: a list of
     `BenchPrompt`s, or {set name: list} to run several sets on the same
     engines (an engine's start costs more than its generations on a GPU).
@@ -331,7 +311,11 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
     went, after its last repeat; with `host_profile` too, the functions its
     host time went to. `warmup_runs`: unmeasured passes of every row when an
     engine has started. `on_step(rows)`, if given, sees every row after each
-    (repeat, spec) step: a run cut short keeps what it measured."""
+    (repeat, spec) step: a run cut short keeps what it measured.
+    `parallel_starts`: every engine started (and warmed up) at once, each
+    in a thread (bench/starts.py; interleaved order only)."""
+    if parallel_starts:
+        check_parallel_starts(engine_kwargs, order)
     limits = prompt_limits or {}
     prompt_sets = _as_sets(prompts)
     schedule = _schedule(specs, repeats, order)
@@ -347,11 +331,19 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
     with ExitStack() as all_engines, tqdm(total=len(schedule) * len(rows[0]),
                                           desc="bench", unit="run") as progress:
         stacks = {s: all_engines.enter_context(ExitStack()) for s in range(len(specs))}
+        first_prompts = next(iter(prompt_sets.values()))
+        if parallel_starts:
+            progress.set_postfix_str(f"{len(specs)} engines starting at once")
+            started = start_all(stacks, model, specs, engine_kwargs, first_prompts, rows,
+                                lambda llm, s: _warm_up(llm, rows[s], prompt_sets, limits,
+                                                        params, warmup_runs))
+            for s, (llm, found) in started.items():
+                engines[s], collectors[s] = llm, found
         for step, (repeat, s) in enumerate(schedule):
             progress.set_postfix_str(f"{specs[s].name} repeat {repeat + 1}")
-            if s not in engines:
-                engines[s] = _start(stacks[s], model, specs[s], engine_kwargs,
-                                    next(iter(prompt_sets.values())), rows[s])
+            if s not in engines:  # not started yet, or failed among the others
+                engines[s] = start_engine(stacks[s], model, specs[s], engine_kwargs,
+                                          first_prompts, rows[s])
                 collectors[s] = vllm_collectors()
                 if engines[s] is not None and warmup_runs:
                     progress.set_postfix_str(f"{specs[s].name} warm-up")

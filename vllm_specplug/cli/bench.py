@@ -62,6 +62,11 @@ def add_parser(sub) -> None:
                          "time, started and stopped at each (less memory; quick with "
                          "VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU); sequential: one "
                          "engine at a time, all its repeats in a row")
+    offline.add_argument("--parallel-starts", action="store_true",
+                         help="interleaved order: start (and warm up) every engine at once, "
+                         "each in a thread, instead of one after the other; on a GPU it "
+                         "needs \"kv_cache_memory_bytes\" in --engine-args (vLLM would size "
+                         "each KV cache from the whole device's free memory)")
     offline.add_argument("--limit-prompts", action="append", default=[], metavar="BATCH=N",
                          help="at batch size BATCH run only the first N prompts "
                          "(e.g. 1=12: batch 1 over a whole set takes long); repeatable")
@@ -229,6 +234,7 @@ def run_offline_command(args) -> int:
     from vllm_specplug.bench.prompts import PromptFileError
     from vllm_specplug.bench.report import format_offline_table
     from vllm_specplug.bench.specs import SpecError, named_specs
+    from vllm_specplug.bench.starts import check_parallel_starts
     from vllm_specplug.models.named import resolve_model
 
     try:
@@ -249,6 +255,8 @@ def run_offline_command(args) -> int:
         if model.startswith(("/", ".", "~")) and not os.path.isdir(model):
             raise ValueError(f"--model {model}: no such directory (a local model "
                              "directory, a hub id, or a built-in name such as 'tiny')")
+        if args.parallel_starts:
+            check_parallel_starts(engine_kwargs, args.order)
         schema = _json_schema(args.json_schema)
         prompt_sets = _load_prompt_sets(args)
         _check_schemas(schema, prompt_sets)
@@ -268,14 +276,15 @@ def run_offline_command(args) -> int:
                        order=args.order, prompt_limits=limits, phases=args.phases,
                        host_profile=args.host_profile, warmup_runs=args.warmup_runs,
                        on_step=_partial_writer(args.out), max_model_len=args.max_model_len,
-                       dtype=args.dtype, **engine_kwargs)
+                       parallel_starts=args.parallel_starts, dtype=args.dtype, **engine_kwargs)
     all_prompts = [p for set_prompts in prompt_sets.values() for p in set_prompts]
     settings = {"model": model, "prompts": args.prompts[0] if len(args.prompts) == 1
                 else args.prompts, "num_prompts": len(all_prompts),
                 "num_turns": sum(p.num_turns for p in all_prompts),
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "repeats": args.repeats, "warmup_runs": args.warmup_runs,
-                "order": args.order, "prompt_limits": limits, "json_schema": schema,
+                "order": args.order, "parallel_starts": args.parallel_starts,
+                "prompt_limits": limits, "json_schema": schema,
                 "specs": {s.name: s.config for s in specs}}
     print(f"\n{model}: {len(all_prompts)} prompts ({settings['num_turns']} turns), "
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "

@@ -1,0 +1,110 @@
+"""Starting a bench's engines: one at a time, or all at once (`--parallel-starts`).
+
+An engine's start is mostly the work of its own engine-core process: vLLM
+loads the model, compiles it and captures its CUDA graphs there. On the
+H200 that took 80-120 s an engine, and six engines took 9 minutes of a
+30-minute lease before the first measured repeat
+(docs/results/v2_mtp_sized_h200). Those processes can run side by side.
+What the calling process does for an engine (`vllm.LLM`'s configuration,
+its stat logger) takes it a few seconds. So, all at once, each engine is
+made and warmed up in a thread of its own.
+
+Three things of this process are shared between engines, and made at once
+they would race:
+- **vLLM's general plugins** (ours add our methods to vLLM's speculative
+  config). They are loaded once before the threads, so that no thread
+  builds a config before they are in.
+- **vLLM's Prometheus collectors.** Each new stat logger unregisters every
+  `vllm:` collector and registers its own (`unregister_vllm_metrics`).
+  Made at once, loggers remove each other's halfway and register
+  duplicates. `metrics.collectors_by_thread` keeps each thread's own and
+  lets the latest registration of a name win.
+- **GPU memory.** vLLM sizes an engine's KV cache from the whole device's
+  free memory before and after its profiling run, which the other
+  engines' starts change. On CUDA, parallel starts need
+  `kv_cache_memory_bytes` (vLLM then skips that measurement).
+
+An engine whose start fails among the others is started again alone, after
+them (`run_offline` starts every engine it does not hold yet).
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+from vllm_specplug.bench.specs import NamedSpec
+from vllm_specplug.bench.worker_info import engine_record
+from vllm_specplug.engine import generate, running_llm
+from vllm_specplug.metrics import collectors_by_thread
+
+logger = logging.getLogger("vllm_specplug.bench")
+NUM_WARMUP_PROMPTS = 2
+
+
+def start_engine(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, prompts,
+                 rows: list) -> object | None:
+    """The spec's running engine, after two prompts of 8 tokens; None, with
+    its rows' `error` set, if it fails (one bad config must not lose the
+    others)."""
+    from vllm import SamplingParams
+
+    kwargs = {**engine_kwargs, **spec.engine_kwargs}
+    try:
+        llm = stack.enter_context(running_llm(model, spec.config, **kwargs))
+        generate(llm, [p.input_for(llm.get_tokenizer()) for p in prompts[:NUM_WARMUP_PROMPTS]],
+                 SamplingParams(temperature=0, max_tokens=8))
+    except Exception as error:
+        logger.error("spec %s failed: %s", spec.name, error)
+        for row in rows:
+            row.error = f"{type(error).__name__}: {error}"
+        return None
+    record = engine_record(llm, kwargs)
+    for row in rows:
+        row.engine = record
+    return llm
+
+
+def check_parallel_starts(engine_kwargs: dict, order: str) -> None:
+    """A clear error where engines cannot start at once: another order than
+    interleaved (only it keeps every engine alive), or a GPU without
+    `kv_cache_memory_bytes` (the module's docstring)."""
+    if order != "interleaved":
+        raise ValueError(f"--parallel-starts starts every engine at once: it needs --order "
+                         f"interleaved, not {order!r}")
+    if engine_kwargs.get("kv_cache_memory_bytes"):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        raise ValueError("--parallel-starts on a GPU needs each engine's KV cache size: add "
+                         "\"kv_cache_memory_bytes\" to --engine-args (e.g. 8000000000); vLLM "
+                         "would size it from the whole device's free memory, which the other "
+                         "engines' starts change")
+
+
+def start_all(stacks: dict[int, ExitStack], model: str, specs: list[NamedSpec],
+              engine_kwargs: dict, prompts, rows: list[list], warm_up) -> dict[int, tuple]:
+    """Every spec's engine started at once, each in a thread that then runs
+    `warm_up(llm, spec_index)`: {spec index: (engine, its vLLM collectors)}
+    for those that started. A spec that failed is left out, its rows' error
+    cleared and its stack closed, to be started again alone."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # before any thread builds a config
+
+    def start(s: int):
+        llm = start_engine(stacks[s], model, specs[s], engine_kwargs, prompts, rows[s])
+        found = recorder.collectors()
+        if llm is None:
+            logger.warning("spec %s: its engine will be started again, alone", specs[s].name)
+            stacks[s].close()
+            for row in rows[s]:
+                row.error = None
+            return None
+        warm_up(llm, s)
+        return llm, found
+
+    with collectors_by_thread() as recorder, ThreadPoolExecutor(len(specs)) as pool:
+        started = list(pool.map(start, range(len(specs))))
+    return {s: pair for s, pair in enumerate(started) if pair is not None}

@@ -81,14 +81,14 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
 
 @pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2"])
 def test_parallel_starts_give_every_engine_its_kv_cache_size(name, tmp_path):
-    """PARALLEL=1: the run starts its engines at once, each with the KV cache
+    """By default the run starts its engines at once, each with the KV cache
     size that parallel starts need on a GPU (bench/starts.py), in engine
-    arguments that are still one JSON object; without it, neither."""
+    arguments that are still one JSON object; with PARALLEL empty, neither."""
     import json
 
     from vllm_specplug.bench.starts import check_parallel_starts
 
-    for env, parallel in (({"PARALLEL": "1"}, True), ({}, False)):
+    for env, parallel in (({}, True), ({"PARALLEL": ""}, False)):
         arguments = _dry_run(name, env, tmp_path)
         engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
         assert ("--parallel-starts" in arguments) == parallel

@@ -98,10 +98,12 @@ export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
 OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
-# PARALLEL=1: tiny3, tiny-mtp and smollm2 start their engines at once (bench offline
+# tiny3, tiny-mtp and smollm2 start their engines at once (bench offline
 # --parallel-starts, bench/starts.py), each with a KV cache of PARALLEL_KV bytes
 # (8 GB: the tiny model and SmolLM2 at batch 64 need far less), not one after the
-# other (80-120 s an engine on the H200, docs/results/v2_mtp_sized_h200)
+# other (80-120 s an engine on the H200; three at once took 141 s instead of 338,
+# docs/results/bench_parallel_starts_h200). PARALLEL= (empty): one after the other
+PARALLEL=${PARALLEL-1}
 PAR_KV=${PARALLEL:+"\"kv_cache_memory_bytes\": ${PARALLEL_KV:-8000000000}, "}
 PAR_ARG=${PARALLEL:+--parallel-starts}
 

@@ -450,15 +450,20 @@ def test_an_engine_that_fails_among_the_others_is_left_to_start_alone(monkeypatc
     """`start_all`: a spec whose engine fails to start among the others is
     left out (`run_offline` then starts it alone), its rows without the
     error and its stack closed; the others are warmed up, each with the
-    collectors its own thread registered."""
+    collectors its own thread registered. Every engine started at once gets
+    a core process of its own, also where the suite asks for in-process
+    cores (two in-process cores in two threads aborted a CI run)."""
     from contextlib import ExitStack
     from types import SimpleNamespace
 
     from vllm_specplug.bench import starts
+    from vllm_specplug.engine import InProcessEngines
 
-    closed = []
+    closed, in_process = [], []
+    assert InProcessEngines.requested()  # tests/conftest.py: cores in this process
 
     def start_engine(stack, model, spec, engine_kwargs, prompts, rows):
+        in_process.append(InProcessEngines.requested())
         stack.callback(closed.append, spec.name)
         if spec.name == "flaky":
             rows[0].error = "RuntimeError: address already in use"
@@ -477,6 +482,7 @@ def test_an_engine_that_fails_among_the_others_is_left_to_start_alone(monkeypatc
     assert sorted(started) == [0, 2] and started[2] == ("engine of ours", [])
     assert rows[1][0].error is None and sorted(warmed) == [("engine of none", 0),
                                                           ("engine of ours", 2)]
+    assert in_process == [False] * 3 and InProcessEngines.requested()  # and back after
 
 
 def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():

@@ -71,7 +71,7 @@ class InProcessEngines:
             self.live.add(llm)
             return llm
         logger.info("vllm-specplug: this engine's core runs in its own process (%s)", reason)
-        with _multiprocessing_on():
+        with cores_in_own_processes():
             return LLM(**options)
 
     def _own_process_reason(self, own_process: bool) -> str | None:
@@ -97,7 +97,14 @@ IN_PROCESS = InProcessEngines()
 
 
 @contextmanager
-def _multiprocessing_on() -> Iterator[None]:
+def cores_in_own_processes() -> Iterator[None]:
+    """Every engine made inside runs its core in a process of its own, also
+    where `VLLM_ENABLE_V1_MULTIPROCESSING=0` asks for this one. Engines
+    started at once in threads (bench/starts.py) need it: in-process cores
+    share vLLM's process-wide state (a CPU forward of one engine aborted
+    the process while another's ran). Set once around them all: the
+    variable is process-wide, and threads saving and restoring it each
+    would restore it under each other."""
     import vllm.envs
 
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")

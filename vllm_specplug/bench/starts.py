@@ -9,8 +9,13 @@ What the calling process does for an engine (`vllm.LLM`'s configuration,
 its stat logger) takes it a few seconds. So, all at once, each engine is
 made and warmed up in a thread of its own.
 
-Three things of this process are shared between engines, and made at once
+Four things of this process are shared between engines, and made at once
 they would race:
+- **Engine cores in this process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+  as the test suite runs them: `engine.InProcessEngines`). Such cores share
+  vLLM's process-wide state; in CI two of them running their forwards in
+  two threads aborted the process. Every core started at once runs in a
+  process of its own (`engine.cores_in_own_processes`).
 - **vLLM's general plugins** (ours add our methods to vLLM's speculative
   config). They are loaded once before the threads, so that no thread
   builds a config before they are in.
@@ -35,7 +40,7 @@ from contextlib import ExitStack
 
 from vllm_specplug.bench.specs import NamedSpec
 from vllm_specplug.bench.worker_info import engine_record
-from vllm_specplug.engine import generate, running_llm
+from vllm_specplug.engine import cores_in_own_processes, generate, running_llm
 from vllm_specplug.metrics import collectors_by_thread
 
 logger = logging.getLogger("vllm_specplug.bench")
@@ -105,6 +110,7 @@ def start_all(stacks: dict[int, ExitStack], model: str, specs: list[NamedSpec],
         warm_up(llm, s)
         return llm, found
 
-    with collectors_by_thread() as recorder, ThreadPoolExecutor(len(specs)) as pool:
+    with cores_in_own_processes(), collectors_by_thread() as recorder, \
+            ThreadPoolExecutor(len(specs)) as pool:
         started = list(pool.map(start, range(len(specs))))
     return {s: pair for s, pair in enumerate(started) if pair is not None}

@@ -485,6 +485,21 @@ def test_an_engine_that_fails_among_the_others_is_left_to_start_alone(monkeypatc
     assert in_process == [False] * 3 and InProcessEngines.requested()  # and back after
 
 
+def test_engines_started_at_once_on_a_gpu_get_half_their_share_as_kv_cache():
+    """vLLM would size each KV cache from the whole device's free memory,
+    which the other starts change: `with_kv_cache_size` gives each half its
+    share of the device, unless the caller set a size; on CPU (vLLM's CPU
+    backend sizes its cache from VLLM_CPU_KVCACHE_SPACE) nothing."""
+    from vllm_specplug.bench.starts import kv_cache_bytes, with_kv_cache_size
+
+    h200 = 150_754_820_096  # bytes
+    assert kv_cache_bytes(0.142, h200) == int(0.5 * 0.142 * h200)  # six engines: 10.7 GB each
+    assert kv_cache_bytes(0.85 / 8, 80 * 2**30) < 0.85 / 8 * 80 * 2**30 / 2 + 1
+    given = {"kv_cache_memory_bytes": 4_000_000_000, "gpu_memory_utilization": 0.2}
+    assert with_kv_cache_size(given) is given
+    assert with_kv_cache_size({"dtype": "float32"}) == {"dtype": "float32"}  # no GPU here
+
+
 def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():
     """`WaveTimes` from the engine core's per-request timestamps: the first
     step from the wave's first schedule to its first token, its decoding to

@@ -99,12 +99,12 @@ OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
 # tiny3, tiny-mtp and smollm2 start their engines at once (bench offline
-# --parallel-starts, bench/starts.py), each with a KV cache of PARALLEL_KV bytes
-# (8 GB: the tiny model and SmolLM2 at batch 64 need far less), not one after the
-# other (80-120 s an engine on the H200; three at once took 141 s instead of 338,
-# docs/results/bench_parallel_starts_h200). PARALLEL= (empty): one after the other
+# --parallel-starts, bench/starts.py: each with a KV cache of half its memory share,
+# or of PARALLEL_KV bytes), not one after the other (80-120 s an engine on the H200;
+# three at once took 141 s instead of 338, docs/results/bench_parallel_starts_h200).
+# PARALLEL= (empty): one after the other
 PARALLEL=${PARALLEL-1}
-PAR_KV=${PARALLEL:+"\"kv_cache_memory_bytes\": ${PARALLEL_KV:-8000000000}, "}
+PAR_KV=${PARALLEL_KV:+"\"kv_cache_memory_bytes\": $PARALLEL_KV, "}
 PAR_ARG=${PARALLEL:+--parallel-starts}
 
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's

@@ -50,7 +50,8 @@ from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatc
 from vllm_specplug.bench.prompts import (BenchPrompt, bench_prompt_of_input,
                                          sampling_params_for)
 from vllm_specplug.bench.specs import NamedSpec
-from vllm_specplug.bench.starts import check_parallel_starts, start_all, start_engine
+from vllm_specplug.bench.starts import (check_parallel_starts, start_all, start_engine,
+                                        with_kv_cache_size)
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME
 from vllm_specplug.bench.waves import WaveTimes
 from vllm_specplug.engine import generate
@@ -315,13 +316,15 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
     `parallel_starts`: every engine started (and warmed up) at once, each
     in a thread (bench/starts.py; interleaved order only)."""
     if parallel_starts:
-        check_parallel_starts(engine_kwargs, order)
+        check_parallel_starts(order)
     limits = prompt_limits or {}
     prompt_sets = _as_sets(prompts)
     schedule = _schedule(specs, repeats, order)
     engine_kwargs = serving_defaults(engine_kwargs, num_engines=len(specs)
                                      if order == "interleaved" else 1)
     engine_kwargs.setdefault("max_num_seqs", max(batch_sizes))
+    if parallel_starts:
+        engine_kwargs = with_kv_cache_size(engine_kwargs)
     rows = [[OfflineRow(s.name, b, set_name) for set_name in prompt_sets for b in batch_sizes]
             for s in specs]
     # restart: each (repeat, spec) step starts its engine and stops it after

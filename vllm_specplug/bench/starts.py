@@ -26,8 +26,12 @@ they would race:
   lets the latest registration of a name win.
 - **GPU memory.** vLLM sizes an engine's KV cache from the whole device's
   free memory before and after its profiling run, which the other
-  engines' starts change. On CUDA, parallel starts need
-  `kv_cache_memory_bytes` (vLLM then skips that measurement).
+  engines' starts change. On CUDA, engines started at once get a KV cache
+  of `kv_cache_memory_bytes` (vLLM then skips that measurement): the
+  caller's, or half of each engine's share of the device
+  (`KV_CACHE_SHARE` of its `gpu_memory_utilization`), leaving the other
+  half to its weights, graphs and activations. A model whose weights need
+  more passes its own.
 
 An engine whose start fails among the others is started again alone, after
 them (`run_offline` starts every engine it does not hold yet).
@@ -45,6 +49,7 @@ from vllm_specplug.metrics import collectors_by_thread
 
 logger = logging.getLogger("vllm_specplug.bench")
 NUM_WARMUP_PROMPTS = 2
+KV_CACHE_SHARE = 0.5  # of an engine's share of the GPU, when started with the others
 
 
 def start_engine(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: dict, prompts,
@@ -70,22 +75,35 @@ def start_engine(stack: ExitStack, model: str, spec: NamedSpec, engine_kwargs: d
     return llm
 
 
-def check_parallel_starts(engine_kwargs: dict, order: str) -> None:
+def check_parallel_starts(order: str) -> None:
     """A clear error where engines cannot start at once: another order than
-    interleaved (only it keeps every engine alive), or a GPU without
-    `kv_cache_memory_bytes` (the module's docstring)."""
+    interleaved (only it keeps every engine alive)."""
     if order != "interleaved":
         raise ValueError(f"--parallel-starts starts every engine at once: it needs --order "
                          f"interleaved, not {order!r}")
+
+
+def kv_cache_bytes(utilization: float, total_memory: int) -> int:
+    """The KV cache of an engine started with the others: `KV_CACHE_SHARE`
+    of its share of the device (`utilization` of `total_memory` bytes)."""
+    return int(KV_CACHE_SHARE * utilization * total_memory)
+
+
+def with_kv_cache_size(engine_kwargs: dict) -> dict:
+    """On CUDA, `engine_kwargs` with `kv_cache_memory_bytes` where the caller
+    set none (`kv_cache_bytes` of its `gpu_memory_utilization`, vLLM's 0.9
+    if unset); elsewhere (vLLM's CPU backend sizes its cache from
+    VLLM_CPU_KVCACHE_SPACE) as they are."""
     if engine_kwargs.get("kv_cache_memory_bytes"):
-        return
+        return engine_kwargs
     import torch
 
-    if torch.cuda.is_available():
-        raise ValueError("--parallel-starts on a GPU needs each engine's KV cache size: add "
-                         "\"kv_cache_memory_bytes\" to --engine-args (e.g. 8000000000); vLLM "
-                         "would size it from the whole device's free memory, which the other "
-                         "engines' starts change")
+    if not torch.cuda.is_available():
+        return engine_kwargs
+    size = kv_cache_bytes(engine_kwargs.get("gpu_memory_utilization", 0.9),
+                          torch.cuda.get_device_properties(0).total_memory)
+    logger.info("engines started at once: a KV cache of %.1f GB each", size / 1e9)
+    return {**engine_kwargs, "kv_cache_memory_bytes": size}
 
 
 def start_all(stacks: dict[int, ExitStack], model: str, specs: list[NamedSpec],

@@ -64,9 +64,10 @@ def add_parser(sub) -> None:
                          "engine at a time, all its repeats in a row")
     offline.add_argument("--parallel-starts", action="store_true",
                          help="interleaved order: start (and warm up) every engine at once, "
-                         "each in a thread, instead of one after the other; on a GPU it "
-                         "needs \"kv_cache_memory_bytes\" in --engine-args (vLLM would size "
-                         "each KV cache from the whole device's free memory)")
+                         "each in a thread, instead of one after the other; on a GPU each "
+                         "gets a KV cache of half its memory share unless --engine-args sets "
+                         "\"kv_cache_memory_bytes\" (vLLM would size it from the whole "
+                         "device's free memory, which the other starts change)")
     offline.add_argument("--limit-prompts", action="append", default=[], metavar="BATCH=N",
                          help="at batch size BATCH run only the first N prompts "
                          "(e.g. 1=12: batch 1 over a whole set takes long); repeatable")
@@ -256,7 +257,7 @@ def run_offline_command(args) -> int:
             raise ValueError(f"--model {model}: no such directory (a local model "
                              "directory, a hub id, or a built-in name such as 'tiny')")
         if args.parallel_starts:
-            check_parallel_starts(engine_kwargs, args.order)
+            check_parallel_starts(args.order)
         schema = _json_schema(args.json_schema)
         prompt_sets = _load_prompt_sets(args)
         _check_schemas(schema, prompt_sets)

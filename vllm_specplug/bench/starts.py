@@ -100,11 +100,10 @@ def with_kv_cache_size(engine_kwargs: dict) -> dict:
 
     if not torch.cuda.is_available():
         return engine_kwargs
-    from vllm.platforms import current_platform
-
-    # vLLM's reading (NVML on CUDA): no CUDA context in this process
-    total_memory = current_platform.get_device_total_memory(0)
-    size = kv_cache_bytes(engine_kwargs.get("gpu_memory_utilization", 0.9), total_memory)
+    # a device query, no allocation; vLLM's engine cores start with spawn
+    # where this process has CUDA initialised
+    size = kv_cache_bytes(engine_kwargs.get("gpu_memory_utilization", 0.9),
+                          torch.cuda.get_device_properties(0).total_memory)
     logger.info("engines started at once: a KV cache of %.1f GB each", size / 1e9)
     return {**engine_kwargs, "kv_cache_memory_bytes": size}
 

@@ -335,11 +335,14 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
                                           desc="bench", unit="run") as progress:
         stacks = {s: all_engines.enter_context(ExitStack()) for s in range(len(specs))}
         first_prompts = next(iter(prompt_sets.values()))
+
+        def warm_up(llm, s: int) -> None:
+            _warm_up(llm, rows[s], prompt_sets, limits, params, warmup_runs)
+
         if parallel_starts:
             progress.set_postfix_str(f"{len(specs)} engines starting at once")
             started = start_all(stacks, model, specs, engine_kwargs, first_prompts, rows,
-                                lambda llm, s: _warm_up(llm, rows[s], prompt_sets, limits,
-                                                        params, warmup_runs))
+                                warm_up)
             for s, (llm, found) in started.items():
                 engines[s], collectors[s] = llm, found
         for step, (repeat, s) in enumerate(schedule):
@@ -350,7 +353,7 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
                 collectors[s] = vllm_collectors()
                 if engines[s] is not None and warmup_runs:
                     progress.set_postfix_str(f"{specs[s].name} warm-up")
-                    _warm_up(engines[s], rows[s], prompt_sets, limits, params, warmup_runs)
+                    warm_up(engines[s], s)
             for row in rows[s]:
                 if engines[s] is not None:
                     _run_row(engines[s], row, prompt_sets, limits, params, collectors[s],

@@ -204,14 +204,23 @@ def _placeholder_passes(speculator, size: int, num_rows: int, shape: tuple[int, 
     """A step with prefills' two passes for `size` placeholder decodes, in the
     index dtypes service hands them (slots int32 from the runner's
     idx_mapping for the drafting pass)."""
-    rows = speculator.step_inputs.rows(size, num_rows)
-    _placeholder_rows(speculator, rows, size, num_rows)
-    target = speculator.step_inputs.hidden(size * num_rows, width, dtype)
-    target.zero_()
+    rows, target = _placeholder_inputs(speculator, size, num_rows, width, dtype)
     runtime = speculator.runtime
     runtime.ingest_padded(rows.slots, target, rows.next_ids, rows.positions, rows.cuts, num_rows)
     runtime.draft_slots(rows.slots.to(torch.int32), rows.root_ids, rows.root_positions,
                         num_rows + 1, *shape)
+
+
+def _placeholder_inputs(speculator, size: int, num_rows: int, width: int,
+                        dtype: torch.dtype):
+    """`size` placeholder requests of `num_rows` rows in the speculator's
+    persistent buffers (the addresses service replays from), and zero
+    hidden states of `width`: (VerifiedRows, [size * num_rows, width])."""
+    rows = speculator.step_inputs.rows(size, num_rows)
+    _placeholder_rows(speculator, rows, size, num_rows)
+    target = speculator.step_inputs.hidden(size * num_rows, width, dtype)
+    target.zero_()
+    return rows, target
 
 
 def _placeholder_rows(speculator, rows, size: int, num_rows: int) -> None:
@@ -229,11 +238,7 @@ def _placeholder_step(speculator, size: int, num_rows: int, shape: tuple[int, in
                       width: int, dtype: torch.dtype) -> None:
     """One fused decode step of `size` placeholder requests, in the
     speculator's persistent buffers (the addresses service replays from)."""
-    inputs = speculator.step_inputs
-    rows = inputs.rows(size, num_rows)
-    _placeholder_rows(speculator, rows, size, num_rows)
-    target = inputs.hidden(size * num_rows, width, dtype)
-    target.zero_()
+    rows, target = _placeholder_inputs(speculator, size, num_rows, width, dtype)
     speculator.runtime.decode_step(rows.slots, target, rows.next_ids, rows.positions, rows.cuts,
                                    rows.root_ids, rows.root_positions, num_rows + 1, shape,
                                    speculator._emit)

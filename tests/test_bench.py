@@ -551,6 +551,12 @@ def _check_phases(rows) -> None:
             assert ("draft" in phases) == (row["name"] != "none")
             if row["name"] != "none":
                 assert phases["draft"]["calls"] == 1
+            # one wave a pass: its first step, then steps that decode; each
+            # counted but the pass's last (step_kinds.py)
+            kinds = measured["step_kinds"]
+            assert kinds["first"]["num_steps"] == 1 and "mixed" not in kinds, kinds
+            assert kinds["decode"]["num_steps"] == measured["num_steps"] - 2, kinds
+            assert min(kind["wall_ms"] for kind in kinds.values()) > 0
         assert "gpu_ms" in row["phases"]["profiled"]["phases"]["forward"]
 
 
@@ -856,6 +862,51 @@ def test_phase_probe_times_the_grammars_own_work_on_model_runner_v2():
     runner.structured_outputs_worker.apply_grammar_bitmask()
     runner.sample_tokens()
     assert probe.stop()["phases"]["grammar"]["calls"] == 1  # vLLM's bitmask alone
+
+
+def test_steps_are_timed_by_kind_from_one_to_the_next():
+    """`--phases` (bench/step_kinds.py): a step that opens a wave, one where
+    prefills (new requests or prompt chunks) run beside decodes, and one where
+    every request decodes, each timed to the next step's start; the step
+    before a wave's first (idle between waves) and the last go uncounted, and
+    a schedule of no tokens is not a step."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.report import format_step_kinds_table
+    from vllm_specplug.bench.step_kinds import StepClock, step_kind
+
+    def output(new=(), cached=(), counts=None, drafts=None):
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached)),
+            num_scheduled_tokens=counts or {}, scheduled_spec_decode_tokens=drafts or {})
+
+    first = output(new=["a", "b"], counts={"a": 40, "b": 30})
+    joining = output(new=["c"], cached=["a", "b"], counts={"a": 6, "b": 6, "c": 50},
+                     drafts={"a": [1] * 5, "b": [1] * 5})
+    chunk = output(cached=["a", "c"], counts={"a": 6, "c": 20}, drafts={"a": [1] * 5})
+    decode = output(cached=["a", "c"], counts={"a": 6, "c": 1}, drafts={"a": [1] * 5})
+    assert [step_kind(o) for o in (first, joining, chunk, decode)] == [
+        "first", "mixed", "mixed", "decode"]
+    assert step_kind(output()) is None and step_kind(None) is None
+    clock = StepClock()
+    # wave 1: first at 0, mixed at 10 ms, mixed at 14, decode at 17, 20; idle;
+    # wave 2: first at 100, decode at 108, and the pass ends
+    for kind, ms in [("first", 0), ("mixed", 10), (None, 12), ("mixed", 14), ("decode", 17),
+                     ("decode", 20), ("first", 100), ("decode", 108)]:
+        clock.step(kind, ms / 1e3)
+    summary = clock.summary()
+    assert {k: v["num_steps"] for k, v in summary.items()} == {
+        "first": 2, "mixed": 2, "decode": 1}
+    assert [round(summary[k]["wall_ms"], 6) for k in ("first", "mixed", "decode")] == [
+        9.0, 3.5, 3.0]
+    row = SimpleNamespace(name="ours", batch_size=64, error=None,
+                          phases={"timed": {"step_kinds": summary}})
+    table = format_step_kinds_table([row, SimpleNamespace(name="x", batch_size=1, error=None,
+                                                          phases={})])
+    assert table.splitlines()[-1].split() == ["ours", "64", "2", "9.00", "2", "3.50", "1",
+                                              "3.00"]
+    assert len(table.splitlines()) == 3  # the row without a probe is left out
 
 
 def test_top_gpu_ops_keep_device_operations_by_time_per_step():

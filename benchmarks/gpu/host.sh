@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu/host.sh real-bench ARGS  # `vllm-specplug bench offline --model smollm2 ARGS`
 #   bash benchmarks/gpu/host.sh v2-tree-tests    # specplug_eagle3 chains/trees on Model Runner V2
 #   bash benchmarks/gpu/host.sh tiny-bench ARGS  # `bench offline` on the tiny model and its head
+#   bash benchmarks/gpu/host.sh pytest ARGS      # pytest ARGS with this host's environment (a
+#                                                # plain `python3 -m pytest` lacks it: no flashinfer)
 #   bash benchmarks/gpu/host.sh head-build [NAME]  # build-model NAME (smollm2-eagle3-large) on
 #                                                  # the GPU; resumable: repeat until it prints the dir
 #   bash benchmarks/gpu/host.sh head-pack [NAME]   # that head into $OUT as parts of 15 MB
@@ -94,6 +96,12 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     timeout 570 python3 -m pytest -q -rs tests/kernels/test_tree_rows.py tests/kernels/test_gumbel_reference.py \
       tests/kernels/test_topp_rows.py tests/gpu/test_batch_draft_cuda.py \
       tests/gpu/test_tree_eagle_cuda.py 2>&1 | tee "$OUT/pytest_v2_tree.log" | quiet | tail -30 ;;
+  pytest)
+    # one file or test: without VLLM_USE_FLASHINFER_SAMPLER=0 (above) every engine
+    # test failed at set-up on this host, which has no flashinfer (2026-12-03)
+    shift
+    timeout "${PYTEST_TIMEOUT:-570}" python3 -m pytest -q -rs "$@" 2>&1 \
+      | tee "$OUT/pytest.log" | quiet | tail -30 ;;
   tiny-bench)
     shift
     python3 -m vllm_specplug.cli.main bench offline --model "$SPECPLUG_GPU_WORK/tiny" \
@@ -113,6 +121,6 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     (cd "$dir" && sha256sum model.safetensors) > "$OUT/head.sha256"; ls -la "$OUT" ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|tiny-bench"
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|pytest|tiny-bench"
      exit 2 ;;
 esac

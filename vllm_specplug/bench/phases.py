@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_specplug.bench.step_kinds import StepClock, step_kind
+
 V2_PHASES = {"forward": ("", "execute_model"), "verify": ("", "sample"),
              "draft": ("speculator", "propose")}
 # the grammar's own host work in the worker under structured outputs, inside
@@ -85,6 +87,7 @@ class PhaseProbe:
     profiler: object = None
     host_profiler: cProfile.Profile | None = None
     started: float = 0.0
+    clock: StepClock = field(default_factory=StepClock)  # the steps by kind (step_kinds.py)
 
     def start(self) -> None:
         for target, method, phases in _phase_methods(self.runner):
@@ -114,7 +117,8 @@ class PhaseProbe:
                 setattr(target, method, own)  # the instance's own attribute back
         num_steps = max(self.num_calls["sample_tokens"], 1)
         result = {"num_steps": self.num_calls["sample_tokens"],
-                  "wall_ms": 1e3 * wall / num_steps, "phases": {}}
+                  "wall_ms": 1e3 * wall / num_steps, "phases": {},
+                  "step_kinds": self.clock.summary()}
         for phase, seconds in self.host_seconds.items():
             result["phases"][phase] = {"host_ms": 1e3 * seconds / num_steps,
                                        "calls": self.num_calls[phase] / num_steps}
@@ -135,6 +139,8 @@ class PhaseProbe:
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
+            if method == "execute_model":  # args[0]: the scheduler output
+                probe.clock.step(step_kind(args[0] if args else None), started)
             with ExitStack() as ranges:
                 for label in labels:
                     ranges.enter_context(torch.profiler.record_function(label))

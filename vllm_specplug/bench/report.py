@@ -205,6 +205,19 @@ def format_waves_table(rows) -> str:
         lambda row: wave_cells(row.waves))
 
 
+def format_step_kinds_table(rows) -> str:
+    """The phases pass's steps by kind (bench/step_kinds.py): per kind, its
+    steps and ms a step, from one step's start to the next's; "" where no
+    row was probed."""
+    from vllm_specplug.bench.step_kinds import STEP_KINDS, step_kind_cells
+
+    probed = [r for r in rows if ((r.phases or {}).get("timed") or {}).get("step_kinds")]
+    return _decision_table(
+        probed, "phases", "steps by kind (phases pass)",
+        "".join(f"{kind + ' steps':>12}{'ms':>6}" for kind in STEP_KINDS),
+        lambda row: step_kind_cells(row.phases["timed"]["step_kinds"]))
+
+
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",
                "draft_tree", "grammar", "grammar_wait", "worker_rows", "root_masks",
                "grammar_choices")

@@ -909,6 +909,87 @@ def test_steps_are_timed_by_kind_from_one_to_the_next():
     assert len(table.splitlines()) == 3  # the row without a probe is left out
 
 
+def test_phase_probe_times_our_head_speculators_steps_with_prefills():
+    """On Model Runner V2 the probe also times our head speculator's parts of
+    a step with prefills (bench/phases.py, V2_HEAD_PARTS), each its own
+    phase; a speculator without them (vLLM's) is left alone."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.phases import PhaseProbe
+
+    class Speculator:
+        def __init__(self):
+            self.prefix = SimpleNamespace(schedule=lambda: _time.sleep(0.001))
+
+        def propose(self):
+            self.prefix.schedule()
+            self._adopt_prefixes()
+            self._ingest_prefills()
+            self._draft()
+
+        def _adopt_prefixes(self):
+            _time.sleep(0.001)
+
+        def _ingest_prefills(self):
+            _time.sleep(0.002)
+
+        def _draft(self):
+            _time.sleep(0.001)
+
+    class Runner:
+        def execute_model(self):
+            pass
+
+        def sample_tokens(self):
+            self.speculator.propose()
+
+    Runner.__module__ = "vllm.v1.worker.gpu.model_runner"
+    runner = Runner()
+    runner.speculator = Speculator()
+    probe = PhaseProbe(runner, profile_gpu=False)
+    probe.start()
+    runner.execute_model()
+    runner.sample_tokens()
+    phases = probe.stop()["phases"]
+    for name, ms in [("save_prefixes", 1.0), ("adopt_prefixes", 1.0), ("ingest_prefills", 2.0),
+                     ("draft_apart", 1.0)]:
+        # inside the draft phase (propose), which holds all of them
+        assert phases[name]["calls"] == 1, name
+        assert ms <= phases[name]["host_ms"] < phases["draft"]["host_ms"], name
+    assert 5.0 <= phases["draft"]["host_ms"] and "ingest_decodes" not in phases
+    assert "_draft" not in vars(runner.speculator)  # the class's method again
+    runner.speculator = SimpleNamespace(propose=lambda: None)  # vLLM's: nothing to wrap
+    probe = PhaseProbe(runner, profile_gpu=False)
+    probe.start()
+    runner.sample_tokens()
+    assert set(probe.stop()["phases"]) == {"step", "draft"}
+
+
+def test_a_phases_gpu_time_is_its_kernels_not_its_span_on_the_device():
+    """The profiled pass's GPU ms per phase (bench/phases.py): each range's
+    kernels, nested ranges' included, from the range's host side only; its
+    copy on the device's timeline (a user annotation spanning the idle time
+    between its kernels) is not added. Before, the eager prefill ingest's
+    GPU time looked like its wall time (docs/results/v2_tiny3_compile_h200)."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.phases import _profiled
+
+    def event(name, device_type, device_us, children=()):
+        return SimpleNamespace(name=name, device_type=device_type, device_time_total=device_us,
+                               cpu_children=list(children))
+
+    launch = event("cudaLaunchKernel", "DeviceType.CPU", 0.0)
+    graph = event("cudaGraphLaunch", "DeviceType.CPU", 0.0)
+    ingest = event("specplug::ingest", "DeviceType.CPU", 300.0, [launch, launch])
+    events = [ingest, event("specplug::ingest", "DeviceType.CUDA", 2500.0),  # the span
+              event("specplug::draft", "DeviceType.CPU", 900.0, [ingest, graph]),
+              event("specplug::draft", "DeviceType.CUDA", 4000.0)]
+    assert _profiled(SimpleNamespace(events=lambda: events)) == {
+        "ingest": (300.0, 2), "draft": (900.0, 3)}
+
+
 def test_top_gpu_ops_keep_device_operations_by_time_per_step():
     """The profiled pass's heaviest device operations (bench/phases.py): kernels
     and copies by GPU time per step, host operations left out (their time

@@ -13,6 +13,7 @@ probe runs, so nothing of vLLM's code changes):
 | verify | `sample` (sampler / rejection sampler) | `_sample` |
 | draft | `speculator.propose` | `propose_draft_token_ids` |
 | grammar | inside the phases above: `structured_outputs_worker.apply_grammar_bitmask`, `speculator.verification_rows`, `speculator.structured.{root_bitmask, path_masks, queue_outputs}` | - |
+| ingest_prefills, ingest_decodes, draft_apart, adopt_prefixes, save_prefixes | our head speculator's steps with prefills: `speculator._ingest_prefills` (eager), `_ingest_decodes` and `_draft` (graphed), `_adopt_prefixes` (prefix-cache hits), `speculator.prefix.schedule` (finished requests' rows saved) | - |
 | grammar_wait | the grammar's waits for the GPU: `take_draft_token_ids` (the drafts' host copy: inside our `verification_rows`, or vLLM's deferred step's RPC), `speculator.structured.{_queued_outputs, _outputs}` (the outputs' copy) | - |
 
 (The engine core's grammar work, the rows vLLM's scheduler fills, runs in
@@ -65,6 +66,16 @@ V2_GRAMMAR_WAIT = (("", "take_draft_token_ids"),
                    ("speculator.structured", "_queued_outputs"),
                    ("speculator.structured", "_outputs"),
                    ("speculator.grammar_choices", "host_choices"))
+# our head speculator's parts of a step with prefills (issue 26: our first
+# steps of a wave took twice vLLM's, docs/results/v2_tiny3_compile_h200):
+# the prefills' eager ingest, the decodes' graphed ingest and the drafting
+# pass apart from them, prefix-cache hits adopted, finished requests' rows
+# saved; vLLM's speculators have none of them
+V2_HEAD_PARTS = (("ingest_prefills", ("speculator", "_ingest_prefills")),
+                 ("ingest_decodes", ("speculator", "_ingest_decodes")),
+                 ("draft_apart", ("speculator", "_draft")),
+                 ("adopt_prefixes", ("speculator", "_adopt_prefixes")),
+                 ("save_prefixes", ("speculator.prefix", "schedule")))
 V1_PHASES = {"forward": ("", "_model_forward"), "verify": ("", "_sample"),
              "draft": ("", "propose_draft_token_ids")}
 STEP_METHODS = ("execute_model", "sample_tokens")
@@ -166,7 +177,8 @@ def _phase_methods(runner) -> list[tuple[object, str, list[str]]]:
     for phase, (owner, method) in [("step", ("", m)) for m in STEP_METHODS] + list(
             (V2_PHASES if v2 else V1_PHASES).items()) + [
             ("grammar", where) for where in (V2_GRAMMAR if v2 else ())] + [
-            ("grammar_wait", where) for where in (V2_GRAMMAR_WAIT if v2 else ())]:
+            ("grammar_wait", where) for where in (V2_GRAMMAR_WAIT if v2 else ())] + list(
+            V2_HEAD_PARTS if v2 else ()):
         target = _owner(runner, owner)
         if target is not None and hasattr(target, method):
             methods.setdefault((id(target), method), (target, method, []))[2].append(phase)
@@ -191,15 +203,24 @@ def _activities():
 
 def _profiled(profiler) -> dict[str, tuple[float, int]]:
     """{phase: (GPU microseconds of the kernels launched inside it, launches)}
-    over every `specplug::` range, nested ones included."""
+    over every `specplug::` range, nested ones included. Only the host side
+    of a range counts: the profiler also puts each range on the device's
+    timeline (a user annotation), whose time is the range's span there, idle
+    gaps between its kernels included; counted too, it had made an eager
+    range's GPU time look as long as its host time."""
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for event in profiler.events():
-        if not event.name.startswith(MARK_PREFIX):
+        if not event.name.startswith(MARK_PREFIX) or not _on_host(event):
             continue
         total = totals[event.name[len(MARK_PREFIX):]]
         total[0] += event.device_time_total
         total[1] += _num_launches(event)
     return {phase: tuple(total) for phase, total in totals.items()}
+
+
+def _on_host(event) -> bool:
+    """The host side of a profiled event (not its copy on the device's timeline)."""
+    return str(getattr(event, "device_type", "DeviceType.CPU")).endswith("CPU")
 
 
 def top_gpu_ops(averages, num_steps: int, num_ops: int = NUM_TOP_GPU_OPS) -> list[dict]:

@@ -219,8 +219,9 @@ def format_step_kinds_table(rows) -> str:
 
 
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",
-               "draft_tree", "grammar", "grammar_wait", "worker_rows", "root_masks",
-               "grammar_choices")
+               "draft_tree", "ingest_prefills", "ingest_decodes", "draft_apart",
+               "adopt_prefixes", "save_prefixes", "grammar", "grammar_wait", "worker_rows",
+               "root_masks", "grammar_choices")
 
 
 def format_phases_table(rows) -> str:

@@ -367,6 +367,59 @@ def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():
     assert 8 not in prefix.store.blocks and 7 in prefix.store.blocks
 
 
+def test_prefix_hits_of_one_step_are_adopted_together_as_one_by_one():
+    """Several new requests' prefix-cache hits in one step are written into
+    their slots together (`PrefixBlocks.adopt_all`, a few launches whatever
+    their number: one by one, 64 hits had cost 8 launches each): the pool
+    ends as with one `adopt` after the other, each slot holding its own
+    prefix with that prefix's last row left out; a miss among them gets
+    nothing."""
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+    from vllm_specplug.proposers.head_cache import HeadCachePool
+
+    def scheduled(finished=(), new=()):
+        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
+                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
+                                      for r, ids, n in new],
+                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
+
+    def saved_pool_and_blocks():
+        pool = HeadCachePool(2, 3, 3, 5, torch.float32, torch.device("cpu"), num_slots=8)
+        positions = torch.arange(pool.capacity, dtype=torch.float32)
+        pool.keys[0, 0, :, 0], pool.values[0, 1, :, 2] = positions, -positions
+        pool.keys[1, 1, :, 1] = 100 + positions
+        pool.valid[0, :12] = True
+        pool.valid[1, :8] = True
+        prefix = PrefixBlocks(block_size=4)
+        slots, computed = {"a": 0, "d": 1}, (lambda slot: 12 if slot == 0 else 8)
+        prefix.schedule(scheduled(new=[("a", [7, 8, 9], 0), ("d", [4, 5], 0)]), slots.get,
+                        computed, pool)
+        prefix.schedule(scheduled(finished=["a", "d"]), slots.get, computed, pool)
+        # "b" hits a's 3 blocks, "c" a block never saved, "e" d's 2 blocks
+        prefix.schedule(scheduled(new=[("b", [7, 8, 9, 6], 12), ("c", [3, 2], 8),
+                                       ("e", [4, 5, 1], 8)]), slots.get, computed, pool)
+        return pool, prefix
+
+    requests = [("b", 5, 12), ("c", 6, 8), ("e", 7, 8)]
+    together, prefix = saved_pool_and_blocks()
+    assert prefix.adopt_all(requests, together).tolist() == [True, False, True]
+    assert prefix.num_adopted == 2
+    one_by_one, prefix = saved_pool_and_blocks()
+    assert [prefix.adopt(*request, one_by_one) for request in requests] == [True, False, True]
+    for name in ("keys", "values", "valid"):
+        assert torch.equal(getattr(together, name), getattr(one_by_one, name)), name
+    assert np.array_equal(together.last_positions, one_by_one.last_positions)
+    assert together.last_positions[5:].tolist() == [11, -1, 7]
+    assert together.keys[5, 0, :12, 0].tolist() == list(range(12))
+    assert together.values[5, 1, :12, 2].tolist() == [-float(i) for i in range(12)]
+    assert together.keys[7, 1, :8, 1].tolist() == [100.0 + i for i in range(8)]
+    assert together.valid[5].tolist()[:13] == [True] * 11 + [False, False]
+    assert together.valid[7].tolist()[:9] == [True] * 7 + [False, False]
+    assert not together.valid[6].any()
+
+
 def test_drafts_vllm_marks_invalid_are_never_accepted():
     """A request under a reasoning section's chain rules: vLLM marks its
     drafts past the valid chain prefix invalid by logits row

@@ -142,13 +142,24 @@ class HeadCachePool:
     def adopt_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                    valid: torch.Tensor) -> None:
         """`adopt` by slot (device copies only: no sync)."""
-        num = keys.shape[1]
-        self.reserve(0, num)
-        self.keys[slot, :, :num] = keys.to(self.dtype)
-        self.values[slot, :, :num] = values.to(self.dtype)
-        self.valid[slot] = False
-        self.valid[slot, :num] = valid
-        self.last_positions[slot] = num - 1
+        self.adopt_slots([slot], keys, values, valid, [keys.shape[1]])
+
+    def adopt_slots(self, slots: list[int], keys: torch.Tensor, values: torch.Tensor,
+                    valid: torch.Tensor, lengths: list[int]) -> None:
+        """Several slots start with rows at positions 0..L-1 each, one slot's
+        after the other's (keys, values [kvh, sum L, hd], valid [sum L]):
+        a few launches whatever their number (a batch of 64 prefix-cache
+        hits had cost 8 launches each, `HeadBlockStore.gather_many`). Device
+        copies only: no sync."""
+        self.reserve(0, max(lengths))
+        row_slots = to_device(np.repeat(np.asarray(slots, dtype=np.int64), lengths), self.device)
+        positions = to_device(np.concatenate([np.arange(n) for n in lengths]), self.device)
+        self.valid.index_fill_(0, to_device(np.asarray(slots, dtype=np.int64), self.device),
+                               False)
+        self.keys[row_slots, :, positions] = keys.transpose(0, 1).to(self.dtype)
+        self.values[row_slots, :, positions] = values.transpose(0, 1).to(self.dtype)
+        self.valid[row_slots, positions] = valid
+        self.last_positions[slots] = np.asarray(lengths) - 1
 
     def store(self, slots: np.ndarray, cuts: np.ndarray, row_slots: np.ndarray,
               row_positions: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -220,13 +231,26 @@ class HeadBlockStore:
         with the token that followed the prefix in the request that saved
         it, which the new request need not share (kept, it made a repeated
         seeded request draft, and so sample, differently)."""
-        rows = [self.blocks.get(int(b)) for b in block_ids]
-        if not rows or any(r is None for r in rows):
+        if not self.has_all(block_ids):
             return None
+        return self.gather_many([block_ids])[:3]
+
+    def has_all(self, block_ids) -> bool:
+        """Whether every one of `block_ids` (at least one) is stored."""
+        return len(block_ids) > 0 and all(int(b) in self.blocks for b in block_ids)
+
+    def gather_many(self, block_lists) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                list[int]]:
+        """`gather` for several prefixes at once (each stored: `has_all`),
+        one after the other: keys, values [kvh, N, hd], validity [N] (each
+        prefix's last row invalid) and each prefix's length; 4 launches."""
+        rows = [self.blocks[int(b)] for block_ids in block_lists for b in block_ids]
         keys, values, valid = (torch.cat([r[i] for r in rows], -2 if i < 2 else 0)
                                for i in range(3))
-        valid[-1] = False
-        return keys, values, valid
+        lengths = [sum(self.blocks[int(b)][2].shape[0] for b in block_ids)
+                   for block_ids in block_lists]
+        valid.index_fill_(0, to_device(np.cumsum(lengths) - 1, valid.device), False)
+        return keys, values, valid, lengths
 
     def drop(self, block_ids: np.ndarray) -> None:
         for block_id in block_ids:

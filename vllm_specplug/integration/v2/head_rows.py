@@ -79,10 +79,10 @@ class HeadRows:
         """Requests new to their slot that start on cached blocks get the
         head's saved rows of them, and keep them (no longer `new`)."""
         first = input_batch.num_computed_prefill_tokens_np
-        for row in rows:
-            if self.prefix.adopt(input_batch.req_ids[row], int(input_batch.idx_mapping_np[row]),
-                                 int(first[row]), self.runtime.pool):
-                new[row] = False
+        adopted = self.prefix.adopt_all(
+            [(input_batch.req_ids[row], int(input_batch.idx_mapping_np[row]), int(first[row]))
+             for row in rows], self.runtime.pool)
+        new[rows[adopted]] = False
 
     def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,
                         last_sampled, max_position: int) -> None:

@@ -28,6 +28,8 @@ computed with the token that followed it in the request that saved it.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from vllm_specplug.proposers.head_cache import HeadBlockStore
 
 
@@ -78,12 +80,22 @@ class PrefixBlocks:
         """Give new request `req_id` (state slot `slot`, first computed
         position `first_position`) its prefix's saved rows; True when it got
         them (its cache must then be kept below `first_position`)."""
-        hit = self.hits.pop(req_id, 0)
-        if not hit or hit != first_position:
-            return False
-        rows = self.store.gather(self.block_ids.get(req_id, [])[:hit // self.block_size])
-        if rows is None:
-            return False
-        pool.adopt_slot(slot, *rows)
-        self.num_adopted += 1
-        return True
+        return bool(self.adopt_all([(req_id, slot, first_position)], pool)[0])
+
+    def adopt_all(self, requests: list[tuple[str, int, int]], pool) -> np.ndarray:
+        """`adopt` for (request, slot, first position) of several new
+        requests, their rows written in a few launches together. Returns
+        which got them ([R] bool)."""
+        adopted = np.zeros(len(requests), dtype=bool)
+        slots, block_lists = [], []
+        for r, (req_id, slot, first_position) in enumerate(requests):
+            hit = self.hits.pop(req_id, 0)
+            block_ids = self.block_ids.get(req_id, [])[:hit // self.block_size]
+            if hit and hit == first_position and self.store.has_all(block_ids):
+                adopted[r] = True
+                slots.append(slot)
+                block_lists.append(block_ids)
+        if slots:
+            pool.adopt_slots(slots, *self.store.gather_many(block_lists))
+            self.num_adopted += len(slots)
+        return adopted

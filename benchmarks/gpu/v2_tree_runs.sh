@@ -5,7 +5,7 @@
 # to $OUT: keep 5 N under the call's timeout, or the call dies before the copy;
 # `dry-run NAME` prints the host.sh arguments a bench run would pass, on any machine):
 #   tiny     vLLM eagle3 vs our chain and trees, tiny model + built-in head
-#   tiny3    the same without tree 32, on fewer prompts, in one call:
+#   tiny3    the same without tree 32, on fewer prompts (12 / 64 / 192), in one call:
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3 (TP=2: the target
 #            sharded over a 2-GPU kind, detached: about 11 minutes; ROWS as smollm2's,
 #            e.g. ROWS=compile)
@@ -237,9 +237,12 @@ run() {
     # the same minus tree 32, fewer prompts: fits one 10-minute call (ROWS picks other
     # rows, e.g. ROWS=compile: our chain and tree with and without draft_compile,
     # a run that needs no SmolLM2 head)
-    tiny3) tiny_bench tiny3 "${ROWS:-three}" 8 32 64 96 1100 ;;
+    # prompts at batch 1 / 16 / 64: 12 / 64 / 192, 2-3 waves a repeat beyond batch 1 (one
+    # wave of 0.4 s a repeat at 64 had spread our chain's ratio over 0.75-1.39x,
+    # docs/results/v2_tiny3_compile_h200)
+    tiny3) tiny_bench tiny3 "${ROWS:-three}" 12 64 192 96 1100 ;;
     # the same under a JSON schema (issue 30; compare with tiny3)
-    tiny3-schema) tiny_bench tiny3-schema three 8 32 64 96 1100 \
+    tiny3-schema) tiny_bench tiny3-schema three 12 64 192 96 1100 \
       --json-schema benchmarks/json_schema.json ;;
     # where each row's host time goes at batch 64 (one repeat; bench offline --host-profile)
     tiny-profile) tiny_bench tiny-profile three 8 32 64 96 1100 \
@@ -276,7 +279,7 @@ run() {
         ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-tree16-compiled={$mtp_tree, \"num_draft_tokens\": 16, \"draft_compile\": true}"} \
         ${MTP_SIZED:+--spec} ${MTP_SIZED:+"vllm-mtp-sized={\"method\": \"mtp\", \"num_speculative_tokens\": 5, $sized_k}"} \
         ${MTP_SIZED:+--spec} ${MTP_SIZED:+"ours-mtp-tree-sized={$mtp_tree, \"num_draft_tokens\": 16, $sized_tree}"} \
-        --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 --limit-prompts 64=64 \
+        --batch-sizes 1 16 64 --limit-prompts 1=12 --limit-prompts 16=64 --limit-prompts 64=192 \
         --repeats 3 --max-tokens 96 --dtype float32 --phases \
         --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1100}}" \
         --out "$RESULTS/${RUN_NAME:-tiny-mtp}" ${PAR_ARG} ;;

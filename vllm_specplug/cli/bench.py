@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-BUILTIN_PROMPT_SETS = ("held-out", "repeat-edit")  # the built-in tiny model's
-# chat sets, from the package index (mt-bench-json: answers under a JSON schema)
-PUBLIC_PROMPT_SETS = ("mt-bench", "humaneval", "mt-bench-json", "mt-bench-json-free")
+from vllm_specplug.cli.bench_inputs import (BUILTIN_PROMPT_SETS, PUBLIC_PROMPT_SETS,
+                                            check_schemas, json_schema, load_prompt_sets,
+                                            positive, prompt_limits)
 
 
 def _common(parser) -> None:
@@ -130,55 +130,6 @@ def _raw_formatter():
     return argparse.RawDescriptionHelpFormatter
 
 
-def _builtin_prompt_sets():  # built-in model's sets, plain completion text
-    from vllm_specplug.models import held_out_prompts
-    from vllm_specplug.models.corpus import repetitive_prompts
-
-    return {"held-out": held_out_prompts, "repeat-edit": repetitive_prompts}
-
-
-def _load_prompt_sets(args) -> dict:
-    """{--prompts value: its prompts}, each --prompts in the order given."""
-    if not args.prompts:
-        raise ValueError("--prompts is required: a JSONL file, a public set "
-                         f"({', '.join(PUBLIC_PROMPT_SETS)}), or a built-in set "
-                         f"({', '.join(BUILTIN_PROMPT_SETS)}) for the built-in model")
-    if len(set(args.prompts)) != len(args.prompts):
-        raise ValueError(f"--prompts {' '.join(args.prompts)}: a set is given twice")
-    return {name: _load_prompts(name, args.num_prompts) for name in args.prompts}
-
-
-def _load_prompts(name: str, num_prompts: int | None):
-    from vllm_specplug.bench.prompts import BenchPrompt, read_bench_prompts
-
-    if name in BUILTIN_PROMPT_SETS:
-        texts = _builtin_prompt_sets()[name](num_prompts or 24)
-        return [BenchPrompt(text=t) for t in texts]
-    if name in PUBLIC_PROMPT_SETS:
-        from vllm_specplug.bench.sets import load_public_set
-
-        return load_public_set(name, num_prompts)
-    return read_bench_prompts(name, num_prompts)
-
-
-def _positive(args, *names) -> None:
-    for name in names:
-        values = getattr(args, name)
-        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-
-
-def _prompt_limits(arguments: list[str]) -> dict[int, int]:
-    limits = {}
-    for argument in arguments:
-        batch, _, number = argument.partition("=")
-        if not (batch.isdigit() and number.isdigit() and int(batch) > 0 and int(number) > 0):
-            raise ValueError(f"--limit-prompts {argument!r}: expected BATCH=N with two "
-                             "positive whole numbers, e.g. 1=12")
-        limits[int(batch)] = int(number)
-    return limits
-
-
 def _fail(error: Exception) -> int:
     print(f"error: {error}", file=sys.stderr)
     return 2
@@ -200,33 +151,6 @@ def _finish(rows, table: str, out: str | None, mode: str, settings: dict) -> int
     return 1 if failed else 0
 
 
-def _json_schema(path: str | None) -> dict | None:
-    """--json-schema FILE: a JSON object (the schema), or None without it."""
-    if path is None:
-        return None
-    try:
-        schema = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--json-schema {path}: no such file") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--json-schema {path}: not JSON ({error})") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"--json-schema {path}: a JSON schema is an object, e.g. "
-                         '{"type": "object", "properties": {...}}')
-    return schema
-
-
-def _check_schemas(schema: dict | None, prompt_sets: dict) -> None:
-    """--json-schema holds every answer to one schema: refused beside a set
-    whose prompts carry their own (one of them would silently win)."""
-    own = [name for name, prompts in prompt_sets.items()
-           if any(p.json_schema is not None for p in prompts)]
-    if schema is not None and own:
-        raise ValueError(f"--json-schema and --prompts {', '.join(own)}: that set holds "
-                         "its answers to its own schema; drop --json-schema (or run "
-                         "that set's -free twin under it)")
-
-
 def run_offline_command(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.bench.offline import run_offline
@@ -239,11 +163,11 @@ def run_offline_command(args) -> int:
     from vllm_specplug.models.named import resolve_model
 
     try:
-        _positive(args, "batch_sizes", "repeats", "max_tokens")
+        positive(args, "batch_sizes", "repeats", "max_tokens")
         if args.warmup_runs < 0:
             raise ValueError("--warmup-runs must be >= 0 (0: no warm-up)")
         specs = named_specs(args.spec)
-        limits = _prompt_limits(args.limit_prompts)
+        limits = prompt_limits(args.limit_prompts)
         engine_kwargs = json.loads(args.engine_args)
         if not isinstance(engine_kwargs, dict):
             raise ValueError("--engine-args must be a JSON object")
@@ -258,9 +182,9 @@ def run_offline_command(args) -> int:
                              "directory, a hub id, or a built-in name such as 'tiny')")
         if args.parallel_starts:
             check_parallel_starts(args.order)
-        schema = _json_schema(args.json_schema)
-        prompt_sets = _load_prompt_sets(args)
-        _check_schemas(schema, prompt_sets)
+        schema = json_schema(args.json_schema)
+        prompt_sets = load_prompt_sets(args)
+        check_schemas(schema, prompt_sets)
     except (SpecError, PromptFileError, AssetError, MissingDependencyError, ValueError,
             FileNotFoundError) as error:
         return _fail(error)
@@ -399,8 +323,8 @@ def run_online_command(args) -> int:
     from vllm_specplug.bench.report import format_online_table
 
     try:
-        _positive(args, "concurrency", "max_tokens")
-        prompt_sets = _load_prompt_sets(args)
+        positive(args, "concurrency", "max_tokens")
+        prompt_sets = load_prompt_sets(args)
         if len(prompt_sets) > 1:
             raise ValueError("bench online takes one --prompts set; run it once per set")
         prompts = next(iter(prompt_sets.values()))
@@ -425,7 +349,7 @@ def _run_ramp(args, servers, prompts, settings: dict) -> int:
     from vllm_specplug.bench.report import format_online_table, format_ramp_summary
 
     try:
-        _positive(args, "requests_per_client", "repeats")
+        positive(args, "requests_per_client", "repeats")
         stages = ramp_stages(*args.ramp)
     except ValueError as error:
         return _fail(error)

@@ -420,6 +420,44 @@ def test_prefix_hits_of_one_step_are_adopted_together_as_one_by_one():
     assert not together.valid[6].any()
 
 
+def test_a_finished_prefix_hit_keeps_the_saved_rows_of_its_hit_blocks():
+    """A request that finishes on a prefix-cache hit saves only its blocks
+    not saved yet (PrefixBlocks._save): its hit blocks' saved rows stay as
+    they were, with the row its adoption left out, and so do the rows of a
+    hit it could not adopt, which its head never ingested; the blocks it
+    filled itself are saved."""
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+    from vllm_specplug.proposers.head_cache import HeadCachePool
+
+    def scheduled(finished=(), new=()):
+        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
+                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
+                                      for r, ids, n in new],
+                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
+
+    pool = HeadCachePool(1, 2, 3, 5, torch.float32, torch.device("cpu"), num_slots=4)
+    pool.keys[0, 0, :, 0] = torch.arange(pool.capacity, dtype=torch.float32)
+    pool.valid[0, :8] = True
+    prefix = PrefixBlocks(block_size=4)
+    slots, computed = {"a": 0, "b": 1}, (lambda slot: 8 if slot == 0 else 12)
+    prefix.schedule(scheduled(new=[("a", [7, 8], 0)]), slots.get, computed, pool)
+    prefix.schedule(scheduled(finished=["a"]), slots.get, computed, pool)
+    saved = {b: [t.clone() for t in prefix.store.blocks[b]] for b in (7, 8)}
+    # "b" hits blocks 7 and 8, adopts them, then fills block 5 itself
+    prefix.schedule(scheduled(new=[("b", [7, 8, 5], 8)]), slots.get, computed, pool)
+    assert prefix.adopt("b", 1, 8, pool) and not pool.valid[1, 7]  # the left-out row
+    pool.keys[1, 0, 8:12, 0] = torch.tensor([50.0, 51.0, 52.0, 53.0])
+    pool.valid[1, 8:12] = True
+    prefix.schedule(scheduled(finished=["b"]), slots.get, computed, pool)
+    for b in (7, 8):  # as "a" saved them: row 7 still valid
+        assert all(torch.equal(x, y) for x, y in zip(prefix.store.blocks[b], saved[b])), b
+    assert prefix.store.blocks[8][2].tolist() == [True] * 4
+    assert prefix.store.blocks[5][0][0, :, 0].tolist() == [50.0, 51.0, 52.0, 53.0]
+    assert prefix.store.blocks[5][2].tolist() == [True] * 4
+
+
 def test_drafts_vllm_marks_invalid_are_never_accepted():
     """A request under a reasoning section's chain rules: vLLM marks its
     drafts past the valid chain prefix invalid by logits row

@@ -70,10 +70,17 @@ class PrefixBlocks:
                 self.block_ids.setdefault(req_id, []).extend(new_ids[0])
 
     def _save(self, block_ids: list[int], slot: int, num_positions: int, pool) -> None:
+        """The request's whole blocks from its first one not saved yet: a
+        block still saved was a prefix-cache hit of this request (a block
+        handed out fresh is dropped), whose rows it adopted, less the row
+        adoption leaves out, or, where the hit was not adopted, never
+        ingested: saved again, they would only lose rows."""
         num_blocks = min(len(block_ids), num_positions // self.block_size,
                          pool.capacity // self.block_size)
-        span = slice(0, num_blocks * self.block_size)
-        self.store.save_blocks(block_ids[:num_blocks], pool.keys[slot, :, span],
+        first = next((b for b in range(num_blocks) if int(block_ids[b]) not in self.store.blocks),
+                     num_blocks)
+        span = slice(first * self.block_size, num_blocks * self.block_size)
+        self.store.save_blocks(block_ids[first:num_blocks], pool.keys[slot, :, span],
                                pool.values[slot, :, span], pool.valid[slot, span])
 
     def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:

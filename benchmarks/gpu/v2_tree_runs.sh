@@ -240,7 +240,8 @@ run() {
     # prompts at batch 1 / 16 / 64: 12 / 64 / 192, 2-3 waves a repeat beyond batch 1 (one
     # wave of 0.4 s a repeat at 64 had spread our chain's ratio over 0.75-1.39x,
     # docs/results/v2_tiny3_compile_h200)
-    tiny3) tiny_bench tiny3 "${ROWS:-three}" 12 64 192 96 1100 ;;
+    # HOST_PROFILE=1: plus where each row's host time goes (`--host-profile`)
+    tiny3) tiny_bench tiny3 "${ROWS:-three}" 12 64 192 96 1100 ${HOST_PROFILE:+--host-profile} ;;
     # the same under a JSON schema (issue 30; compare with tiny3)
     tiny3-schema) tiny_bench tiny3-schema three 12 64 192 96 1100 \
       --json-schema benchmarks/json_schema.json ;;

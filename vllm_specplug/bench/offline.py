@@ -2,8 +2,9 @@
 side by side with no speculation, one `vllm.LLM` engine per config.
 
 **Interleaved** (the default): every engine starts first, then each repeat
-runs every config in turn, so drift of the machine (clocks, other tenants)
-falls on every row alike; a row's ratio to no speculation is taken per repeat
+runs every config in turn, each repeat starting one config later, so drift
+of the machine (clocks, other tenants) and a config's place in the turn fall
+on every row alike; a row's ratio to no speculation is taken per repeat
 (repeat r over the baseline's repeat r) and reported as median and range.
 `order="restart"` interleaves the same way with one engine alive at a time:
 each (repeat, config) step starts its engine and stops it after, for
@@ -263,12 +264,16 @@ def _probe_phases(llm, row: OfflineRow, prompts, params, host_profile: bool = Fa
 
 
 def _schedule(specs: list[NamedSpec], repeats: int, order: str) -> list[tuple[int, int]]:
-    """(repeat, spec index) in the order they run."""
+    """(repeat, spec index) in the order they run. Interleaved, each repeat
+    starts one spec later than the one before (a Latin square): a spec's
+    place in the turn, right after a heavy row or first after another
+    spec's, does not favour it in every repeat."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r}: choose one of {ORDERS}")
+    n = len(specs)
     if order in ("interleaved", "restart"):
-        return [(r, s) for r in range(repeats) for s in range(len(specs))]
-    return [(r, s) for s in range(len(specs)) for r in range(repeats)]
+        return [(r, (r + s) % n) for r in range(repeats) for s in range(n)]
+    return [(r, s) for s in range(n) for r in range(repeats)]
 
 
 def _warm_up(llm, rows: list[OfflineRow], prompt_sets: dict[str, list[BenchPrompt]],

@@ -228,7 +228,8 @@ tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]:
     --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
     --max-tokens "$6" --dtype float32 --phases \
     --engine-args "{$PAR_KV${TP:+\"tensor_parallel_size\": $TP, }\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
-    --out "$RESULTS/$1" ${PAR_ARG} "${@:8}"
+    --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} "${@:8}"  # where `wait` looks (it had copied
+  # only the logs of a tiny3 run started with RUN_NAME, 2026-12-03)
 }
 
 run() {

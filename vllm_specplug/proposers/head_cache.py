@@ -243,7 +243,7 @@ class HeadBlockStore:
                                                 list[int]]:
         """`gather` for several prefixes at once (each stored: `has_all`),
         one after the other: keys, values [kvh, N, hd], validity [N] (each
-        prefix's last row invalid) and each prefix's length; 4 launches."""
+        prefix's last row invalid) and each prefix's length; five launches."""
         rows = [self.blocks[int(b)] for block_ids in block_lists for b in block_ids]
         keys, values, valid = (torch.cat([r[i] for r in rows], -2 if i < 2 else 0)
                                for i in range(3))

@@ -214,7 +214,7 @@ def format_step_kinds_table(rows) -> str:
     probed = [r for r in rows if ((r.phases or {}).get("timed") or {}).get("step_kinds")]
     return _decision_table(
         probed, "phases", "steps by kind (phases pass)",
-        "".join(f"{kind + ' steps':>12}{'ms':>6}" for kind in STEP_KINDS),
+        "".join(f"{kind + ' steps':>13}{'ms':>7}" for kind in STEP_KINDS),
         lambda row: step_kind_cells(row.phases["timed"]["step_kinds"]))
 
 

@@ -77,6 +77,6 @@ def step_kind_cells(step_kinds: dict) -> str:
     cells = []
     for kind in STEP_KINDS:
         found = step_kinds.get(kind)
-        cells.append(f"{'-':>8}{'-':>10}" if found is None else
-                     f"{found['num_steps']:>8}{found['wall_ms']:>10.2f}")
+        cells.append(f"{'-':>13}{'-':>7}" if found is None else
+                     f"{found['num_steps']:>13}{found['wall_ms']:>7.2f}")
     return "".join(cells)

@@ -152,10 +152,10 @@ class HeadCachePool:
         hits had cost 8 launches each, `HeadBlockStore.gather_many`). Device
         copies only: no sync."""
         self.reserve(0, max(lengths))
-        row_slots = to_device(np.repeat(np.asarray(slots, dtype=np.int64), lengths), self.device)
+        host_slots = np.asarray(slots, dtype=np.int64)
+        row_slots = to_device(np.repeat(host_slots, lengths), self.device)
         positions = to_device(np.concatenate([np.arange(n) for n in lengths]), self.device)
-        self.valid.index_fill_(0, to_device(np.asarray(slots, dtype=np.int64), self.device),
-                               False)
+        self.valid.index_fill_(0, to_device(host_slots, self.device), False)
         self.keys[row_slots, :, positions] = keys.transpose(0, 1).to(self.dtype)
         self.values[row_slots, :, positions] = values.transpose(0, 1).to(self.dtype)
         self.valid[row_slots, positions] = valid
@@ -244,11 +244,11 @@ class HeadBlockStore:
         """`gather` for several prefixes at once (each stored: `has_all`),
         one after the other: keys, values [kvh, N, hd], validity [N] (each
         prefix's last row invalid) and each prefix's length; five launches."""
-        rows = [self.blocks[int(b)] for block_ids in block_lists for b in block_ids]
+        per_prefix = [[self.blocks[int(b)] for b in block_ids] for block_ids in block_lists]
+        rows = [block for blocks in per_prefix for block in blocks]
         keys, values, valid = (torch.cat([r[i] for r in rows], -2 if i < 2 else 0)
                                for i in range(3))
-        lengths = [sum(self.blocks[int(b)][2].shape[0] for b in block_ids)
-                   for block_ids in block_lists]
+        lengths = [sum(block[2].shape[0] for block in blocks) for blocks in per_prefix]
         valid.index_fill_(0, to_device(np.cumsum(lengths) - 1, valid.device), False)
         return keys, values, valid, lengths
 

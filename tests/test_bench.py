@@ -967,28 +967,37 @@ def test_phase_probe_times_our_head_speculators_steps_with_prefills():
     assert set(probe.stop()["phases"]) == {"step", "draft"}
 
 
-def test_a_phases_gpu_time_is_its_kernels_not_its_span_on_the_device():
-    """The profiled pass's GPU ms per phase (bench/phases.py): each range's
-    kernels, nested ranges' included, from the range's host side only; its
-    copy on the device's timeline (a user annotation spanning the idle time
-    between its kernels) is not added. Before, the eager prefill ingest's
-    GPU time looked like its wall time (docs/results/v2_tiny3_compile_h200)."""
+def test_a_phases_gpu_time_is_the_kernels_within_its_span_on_the_device():
+    """The profiled pass's GPU ms per phase (bench/phases.py): the device
+    operations that ran within each range's span on the device (nested
+    ranges' included), not the span itself (idle gaps between its kernels:
+    the eager prefill ingest's GPU time had looked like its wall time), and
+    graph replays' kernels, linked to no host op, counted (linked only, the
+    graphed phases read about 0 GPU ms on the H200); launches from the
+    range's host side."""
     from types import SimpleNamespace
 
     from vllm_specplug.bench.phases import _profiled
 
-    def event(name, device_type, device_us, children=()):
-        return SimpleNamespace(name=name, device_type=device_type, device_time_total=device_us,
-                               cpu_children=list(children))
+    def event(name, device_type, start=0.0, end=0.0, children=(), annotation=False):
+        return SimpleNamespace(name=name, device_type=device_type,
+                               time_range=SimpleNamespace(start=start, end=end),
+                               cpu_children=list(children), is_user_annotation=annotation)
 
-    launch = event("cudaLaunchKernel", "DeviceType.CPU", 0.0)
-    graph = event("cudaGraphLaunch", "DeviceType.CPU", 0.0)
-    ingest = event("specplug::ingest", "DeviceType.CPU", 300.0, [launch, launch])
-    events = [ingest, event("specplug::ingest", "DeviceType.CUDA", 2500.0),  # the span
-              event("specplug::draft", "DeviceType.CPU", 900.0, [ingest, graph]),
-              event("specplug::draft", "DeviceType.CUDA", 4000.0)]
+    launch = event("cudaLaunchKernel", "DeviceType.CPU")
+    graph = event("cudaGraphLaunch", "DeviceType.CPU")
+    ingest = event("specplug::ingest", "DeviceType.CPU", children=[launch, launch])
+    cuda = "DeviceType.CUDA"
+    events = [ingest, event("specplug::ingest", cuda, 100.0, 2600.0, annotation=True),
+              event("specplug::draft", "DeviceType.CPU", children=[ingest, graph]),
+              event("specplug::draft", cuda, 100.0, 4100.0, annotation=True),
+              event("vllm::other_range", cuda, 0.0, 9000.0, annotation=True),  # not a kernel
+              event("kernel_a", cuda, 100.0, 250.0), event("kernel_b", cuda, 2450.0, 2600.0),
+              event("graphed_kernel", cuda, 3000.0, 3600.0),  # a replay's: linked to no op
+              event("kernel_after", cuda, 4000.0, 4300.0),  # cut at the draft span's end
+              event("outside", cuda, 5000.0, 5100.0)]
     assert _profiled(SimpleNamespace(events=lambda: events)) == {
-        "ingest": (300.0, 2), "draft": (900.0, 3)}
+        "ingest": (300.0, 2), "draft": (1000.0, 3)}
 
 
 def test_top_gpu_ops_keep_device_operations_by_time_per_step():

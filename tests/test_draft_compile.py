@@ -78,3 +78,32 @@ def test_a_step_that_fails_compiled_runs_eagerly_from_then_on():
     assert torch.equal(compiled(x), x * 2) and compiled.compiled is None
     assert torch.equal(compiled(x), x * 2) and len(calls) == 2 and compiled.num_calls == 0
 
+
+
+def test_with_graphs_the_compiled_steps_serve_captured_passes_only():
+    """With CUDA graphs a compiled step runs compiled only while `serves()`
+    (a capture's warm-up and capture: `PassGraphs.capturing`); an eager pass
+    in service runs the eager step and compiles nothing. Each compiled
+    variant is counted: a batch of 1 is one more (dynamic shapes specialise
+    it), what `bench offline` reports if one is compiled in service."""
+
+    class Layer(torch.nn.Module):
+        def finish(self, x):
+            return torch.nn.functional.silu(x) * 2 + 1
+
+    capturing = [False]
+    step = CompiledStep("finish", Layer().finish, serves=lambda: capturing[0])
+    x = torch.randn(3, 4)
+    want = torch.nn.functional.silu(x) * 2 + 1
+    torch.testing.assert_close(step(x), want)  # in service, eager
+    assert step.num_calls == 0 and step.num_variants() == 0
+    capturing[0] = True
+    torch.testing.assert_close(step(x), want)
+    assert step.num_calls == 1 and step.num_variants() == 1
+    step(torch.randn(5, 4))  # dynamic: the same variant
+    assert step.num_variants() == 1
+    step(torch.randn(1, 4))  # a size of 1: specialised
+    assert step.num_variants() == 2
+    capturing[0] = False
+    step(torch.randn(1, 7))
+    assert step.num_calls == 3 and step.num_variants() == 2

@@ -38,6 +38,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import time
+from bisect import bisect_left
 from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -202,20 +203,47 @@ def _activities():
 
 
 def _profiled(profiler) -> dict[str, tuple[float, int]]:
-    """{phase: (GPU microseconds of the kernels launched inside it, launches)}
-    over every `specplug::` range, nested ones included. Only the host side
-    of a range counts: the profiler also puts each range on the device's
-    timeline (a user annotation), whose time is the range's span there, idle
-    gaps between its kernels included; counted too, it had made an eager
-    range's GPU time look as long as its host time."""
+    """{phase: (GPU microseconds of the kernels that ran inside it, launches)}
+    over every `specplug::` range, nested ones included.
+
+    The profiler puts each range twice: on the host (its launches, counted
+    here) and on the device's timeline (a user annotation from the range's
+    first kernel to its last). Kernels a range launched itself are linked to
+    its host side, but not those of a CUDA graph it replayed (a replay is no
+    PyTorch op, so its kernels link to none: every graphed phase read about
+    0 GPU ms on the H200, docs/results/v2_tiny3_prof_h200). The span alone
+    counts the idle gaps between the kernels too (an eager ingest's GPU time
+    looked like its wall time). So a range's GPU time is the time of the
+    device operations that ran within its span on the device."""
+    events = list(profiler.events())
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for event in profiler.events():
-        if not event.name.startswith(MARK_PREFIX) or not _on_host(event):
+    operations = sorted((event.time_range.start, event.time_range.end) for event in events
+                        if not _on_host(event) and not _is_annotation(event))
+    starts = [start for start, _ in operations]
+    for event in events:
+        if not event.name.startswith(MARK_PREFIX):
             continue
         total = totals[event.name[len(MARK_PREFIX):]]
-        total[0] += event.device_time_total
-        total[1] += _num_launches(event)
+        if _on_host(event):
+            total[1] += _num_launches(event)
+        elif _is_annotation(event):
+            total[0] += _time_within(operations, starts, event.time_range)
     return {phase: tuple(total) for phase, total in totals.items()}
+
+
+def _is_annotation(event) -> bool:
+    """A range's copy on the device's timeline (not a kernel or a copy)."""
+    return bool(getattr(event, "is_user_annotation", False)) \
+        or event.name.startswith(MARK_PREFIX)
+
+
+def _time_within(operations: list[tuple[float, float]], starts: list[float], span) -> float:
+    """Microseconds of the device operations ((start, end), sorted) that
+    started within `span` (its .start, .end), each cut at the span's end."""
+    total = 0.0
+    for start, end in operations[bisect_left(starts, span.start):bisect_left(starts, span.end)]:
+        total += min(end, span.end) - start
+    return total
 
 
 def _on_host(event) -> bool:

@@ -53,7 +53,9 @@ def runner_state(worker) -> dict:
 def graph_captures(worker) -> dict | None:
     """`PassGraphs.service_captures` of the worker's head, None without one,
     with our kernels compiled in service by name (`kernel_compiles`:
-    integration/v2/kernel_warmup.ServiceCompiles; {} where not counted)."""
+    integration/v2/kernel_warmup.ServiceCompiles; {} where not counted) and,
+    under draft_compile, each step's compiled variants so far ("compiled
+    qkv": their difference over a pass is what it compiled)."""
     speculator = _speculator(worker)
     graphs = getattr(getattr(speculator, "runtime", None), "graphs", None)
     if graphs is None:
@@ -63,9 +65,12 @@ def graph_captures(worker) -> dict | None:
              "kernel_compiles": dict(compiles.counts) if compiles is not None else {}}
     steps = getattr(speculator.runtime, "compiled_steps", None)
     if steps:  # draft_compile: each step's compiled calls, None where it fell back to eager
-        from vllm_specplug.proposers.draft_compile import compile_status
+        from vllm_specplug.proposers.draft_compile import compile_status, compile_variants
 
         found["draft_compile"] = compile_status(steps)
+        # variants compiled so far: `captures_delta` keeps those of a measured
+        # pass, each a compile that stalled a step, beside our Triton kernels
+        found["kernel_compiles"].update(compile_variants(steps))
     return found
 
 

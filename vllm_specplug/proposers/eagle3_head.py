@@ -84,7 +84,12 @@ class HeadRuntime:
         compile_steps: the layer's dense steps through `torch.compile`
         (`draft_compile.py`)."""
         self.layer = as_draft_layer(head)
-        steps = compiled_steps(self.layer) if compile_steps else {}
+        # on CUDA "auto" is the Triton kernel, which stops at its rows' positions
+        self.graphs = (PassGraphs(positions_bound_keys=attention_backend != "torch")
+                       if cuda_graphs else None)
+        # with graphs, compiled steps serve captured passes only (no compile in service)
+        serves = (lambda: self.graphs.capturing) if self.graphs is not None else None
+        steps = compiled_steps(self.layer, serves) if compile_steps else {}
         self.compiled_steps = steps
         self._qkv_step = steps.get("qkv", self.layer.qkv)
         self._finish = steps.get("finish", self.layer.finish)
@@ -96,9 +101,6 @@ class HeadRuntime:
         self.num_slots = num_slots
         self.pool: HeadCachePool | None = None  # made at the first ingest (dtype, device)
         self.attention_backend = attention_backend
-        # on CUDA "auto" is the Triton kernel, which stops at its rows' positions
-        self.graphs = (PassGraphs(positions_bound_keys=attention_backend != "torch")
-                       if cuda_graphs else None)
         # Called inside a chain's drafting pass with each draft step's logits
         # (logits [B, V_draft], slots [B], draft step d): a runner's
         # acceptance estimate (vLLM's adaptive verification) reads them

@@ -116,6 +116,7 @@ class PassGraphs:
         # start-up's captures and vLLM's kernel warm-up): a capture after
         # that stalls a step
         self.in_service = False
+        self.capturing = False  # in a capture's warm-up or capture (draft_compile.py)
         self.num_service_captures = 0
         self.service_capture_seconds = 0.0
 
@@ -194,6 +195,14 @@ class PassGraphs:
                            self.service_capture_seconds)
 
     def _capture_graph(self, key, run_pass, inputs, constants, own_inputs) -> _Captured | None:
+        self.capturing = True
+        try:
+            return self._warm_up_and_capture(key, run_pass, inputs, constants, own_inputs)
+        finally:
+            self.capturing = False
+
+    def _warm_up_and_capture(self, key, run_pass, inputs, constants, own_inputs
+                             ) -> _Captured | None:
         static = list(inputs) if own_inputs else [t.clone() for t in inputs]
         try:
             if self.memory_pool is None:

@@ -420,6 +420,46 @@ def test_prefix_hits_of_one_step_are_adopted_together_as_one_by_one():
     assert not together.valid[6].any()
 
 
+def test_requests_finished_in_one_step_are_saved_together_as_one_by_one():
+    """The requests that finish in one step are saved from their slots with
+    one gather (`HeadBlockStore.save_from_pool`): each block holds the rows
+    and validity it holds when they finish one step after the other."""
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+    from vllm_specplug.proposers.head_cache import HeadCachePool
+
+    def scheduled(finished=(), new=()):
+        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
+                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=0)
+                                      for r, ids in new],
+                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
+
+    def saved(steps):
+        pool = HeadCachePool(2, 3, 3, 5, torch.float32, torch.device("cpu"), num_slots=4)
+        pool.keys.copy_(torch.randn(pool.keys.shape, generator=torch.Generator().manual_seed(3)))
+        pool.values.copy_(-pool.keys)
+        pool.valid[1, :9] = True
+        pool.valid[2, :6] = True
+        pool.valid[2, 7] = True
+        prefix = PrefixBlocks(block_size=4)
+        slots, computed = {"a": 1, "b": 2}, (lambda slot: 10 if slot == 1 else 8)
+        prefix.schedule(scheduled(new=[("a", [7, 8, 9]), ("b", [4, 5])]), slots.get,
+                        computed, pool)
+        for finished in steps:
+            prefix.schedule(scheduled(finished=finished), slots.get, computed, pool)
+        return {b: [t.clone() for t in block] for b, block in prefix.store.blocks.items()}, pool
+
+    (together, pool), (one_by_one, _) = saved([["a", "b"]]), saved([["a"], ["b"]])
+    assert sorted(together) == sorted(one_by_one) == [4, 5, 7, 8]  # 10 // 4 of a's blocks
+    for b in together:
+        assert all(torch.equal(x, y) for x, y in zip(together[b], one_by_one[b])), b
+    assert together[8][2].tolist() == [True] * 4 and together[5][2].tolist() == [
+        True, True, False, True]
+    assert torch.equal(together[8][0], pool.keys[1, :, 4:8])  # a's second block
+    assert torch.equal(together[5][1], pool.values[2, :, 4:8])  # b's second
+
+
 def test_a_finished_prefix_hit_keeps_the_saved_rows_of_its_hit_blocks():
     """A request that finishes on a prefix-cache hit saves only its blocks
     not saved yet (PrefixBlocks._save): its hit blocks' saved rows stay as

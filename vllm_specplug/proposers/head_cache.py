@@ -222,7 +222,7 @@ class HeadBlockStore:
     allocates for its own draft layer."""
 
     def __init__(self) -> None:
-        self.blocks: dict[int, tuple[torch.Tensor, ...]] = {}  # keys, values, valid
+        self.blocks: dict[int, _SavedBlock] = {}  # by block id
 
     def gather(self, block_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Keys, values [kvh, len(block_ids) * block size, hd] and validity
@@ -244,7 +244,8 @@ class HeadBlockStore:
         """`gather` for several prefixes at once (each stored: `has_all`),
         one after the other: keys, values [kvh, N, hd], validity [N] (each
         prefix's last row invalid) and each prefix's length; five launches."""
-        per_prefix = [[self.blocks[int(b)] for b in block_ids] for block_ids in block_lists]
+        per_prefix = [[self.blocks[int(b)].rows() for b in block_ids]
+                      for block_ids in block_lists]
         rows = [block for blocks in per_prefix for block in blocks]
         keys, values, valid = (torch.cat([r[i] for r in rows], -2 if i < 2 else 0)
                                for i in range(3))
@@ -260,15 +261,69 @@ class HeadBlockStore:
                     valid: torch.Tensor | None = None) -> None:
         """Consecutive blocks' rows (keys, values [kvh, n * size, hd] for n
         block ids; valid [n * size]: which rows the drafter holds, all when
-        None). One copy of the span, each block a view of it: 3 copies per
-        call, not per block (a span's memory is freed once all its blocks are
-        dropped)."""
+        None). One copy of the span, each block an index into it: 3 copies
+        per call, not per block (a span's memory is freed once all its
+        blocks are dropped)."""
         if len(block_ids) == 0:
             return
         if valid is None:
             valid = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
-        keys, values, valid = keys.clone(), values.clone(), valid.clone()
-        size = keys.shape[1] // len(block_ids)
+        self._keep(block_ids, _SavedSpan(keys.clone(), values.clone(), valid.clone(),
+                                         keys.shape[1] // len(block_ids)))
+
+    def save_from_pool(self, pool, spans: list[tuple[int, int, list[int]]],
+                       block_size: int) -> None:
+        """Several requests' consecutive blocks from their pool slots at once
+        (Model Runner V2, the requests finished in a step): `spans` holds
+        (slot, first block, block ids) each, block b at positions
+        [b * size, (b + 1) * size) of its slot. Rows and validity are read
+        in one gather each (one copy to the device first): a request saved
+        alone had cost 3 copies and 3 views per block on the host."""
+        spans = [(slot, first, ids) for slot, first, ids in spans if len(ids)]
+        if not spans:
+            return
+        where = np.concatenate([np.stack([np.full(len(ids) * block_size, slot),
+                                          first * block_size
+                                          + np.arange(len(ids) * block_size)])
+                                for slot, first, ids in spans], axis=1)
+        row_slots, positions = to_device(where, pool.device).unbind(0)
+        saved = _SavedSpan(pool.keys[row_slots, :, positions].transpose(0, 1),
+                           pool.values[row_slots, :, positions].transpose(0, 1),
+                           pool.valid[row_slots, positions], block_size)
+        self._keep([b for _, _, ids in spans for b in ids], saved)
+
+    def _keep(self, block_ids, saved: "_SavedSpan") -> None:
         for b, block_id in enumerate(block_ids):
-            span = slice(b * size, (b + 1) * size)
-            self.blocks[int(block_id)] = (keys[:, span], values[:, span], valid[span])
+            self.blocks[int(block_id)] = _SavedBlock(saved, b)
+
+
+class _SavedSpan:
+    """The rows of consecutive saved blocks: keys, values [kvh, n * size,
+    hd], validity [n * size], `size` rows a block."""
+    __slots__ = ("keys", "values", "valid", "size")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                 size: int) -> None:
+        self.keys, self.values, self.valid, self.size = keys, values, valid, size
+
+
+class _SavedBlock:
+    """One saved block: block `index` of a `_SavedSpan`. Its views are made
+    when read (a hit is rarer than a save: three views a block had cost a
+    finishing request about 0.1 ms of host time per dozen blocks)."""
+    __slots__ = ("span", "index")
+
+    def __init__(self, span: _SavedSpan, index: int) -> None:
+        self.span, self.index = span, index
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values [kvh, size, hd] and validity [size] (views)."""
+        span, rows = self.span, slice(self.index * self.span.size,
+                                      (self.index + 1) * self.span.size)
+        return span.keys[:, rows], span.values[:, rows], span.valid[rows]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows()[i]
+
+    def __iter__(self):
+        return iter(self.rows())

@@ -143,7 +143,10 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
         --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
         --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
         --spec "ours-tree16={$tree}" ;;
-    compile)
+    compile|compile-aa)
+      # compile-aa: vLLM's eagle3 K=5 a second time, in an engine of its own: how far
+      # two engines of one config part (the bias no interleaving removes)
+      [ "$1" = compile-aa ] && printf '%s\n' --spec "vllm-eagle3-K5-again={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
       # draft_compile: our chain and tree with the drafter's dense steps through
       # torch.compile beside the same rows eager (issue 26: our drafting's GPU
       # time at batch 16 and 64 was 1.3-2.3x vLLM's compiled head's)

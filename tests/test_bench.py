@@ -967,37 +967,44 @@ def test_phase_probe_times_our_head_speculators_steps_with_prefills():
     assert set(probe.stop()["phases"]) == {"step", "draft"}
 
 
-def test_a_phases_gpu_time_is_the_kernels_within_its_span_on_the_device():
+def test_a_phases_gpu_time_is_what_its_launches_ran_on_the_device():
     """The profiled pass's GPU ms per phase (bench/phases.py): the device
-    operations that ran within each range's span on the device (nested
-    ranges' included), not the span itself (idle gaps between its kernels:
-    the eager prefill ingest's GPU time had looked like its wall time), and
-    graph replays' kernels, linked to no host op, counted (linked only, the
-    graphed phases read about 0 GPU ms on the H200); launches from the
-    range's host side."""
+    operations queued by the launches under each range on the host, nested
+    ranges' included, a graph replay's kernels by its `cudaGraphLaunch`
+    (linked to PyTorch ops, they link to none: every graphed phase read
+    about 0 GPU ms on the H200). Where no operation matches a launch, the
+    operations within each range's own span on the device (not the span
+    itself: an eager ingest's GPU time had looked like its wall time)."""
     from types import SimpleNamespace
 
     from vllm_specplug.bench.phases import _profiled
 
-    def event(name, device_type, start=0.0, end=0.0, children=(), annotation=False):
-        return SimpleNamespace(name=name, device_type=device_type,
+    def event(name, device_type, start=0.0, end=0.0, children=(), annotation=False, id=0):
+        return SimpleNamespace(name=name, device_type=device_type, id=id,
                                time_range=SimpleNamespace(start=start, end=end),
                                cpu_children=list(children), is_user_annotation=annotation)
 
-    launch = event("cudaLaunchKernel", "DeviceType.CPU")
-    graph = event("cudaGraphLaunch", "DeviceType.CPU")
-    ingest = event("specplug::ingest", "DeviceType.CPU", children=[launch, launch])
-    cuda = "DeviceType.CUDA"
-    events = [ingest, event("specplug::ingest", cuda, 100.0, 2600.0, annotation=True),
-              event("specplug::draft", "DeviceType.CPU", children=[ingest, graph]),
-              event("specplug::draft", cuda, 100.0, 4100.0, annotation=True),
-              event("vllm::other_range", cuda, 0.0, 9000.0, annotation=True),  # not a kernel
-              event("kernel_a", cuda, 100.0, 250.0), event("kernel_b", cuda, 2450.0, 2600.0),
-              event("graphed_kernel", cuda, 3000.0, 3600.0),  # a replay's: linked to no op
-              event("kernel_after", cuda, 4000.0, 4300.0),  # cut at the draft span's end
-              event("outside", cuda, 5000.0, 5100.0)]
-    assert _profiled(SimpleNamespace(events=lambda: events)) == {
-        "ingest": (300.0, 2), "draft": (1000.0, 3)}
+    cpu, cuda = "DeviceType.CPU", "DeviceType.CUDA"
+    launch_a, launch_b = event("cudaLaunchKernel", cpu, id=11), event("cudaLaunchKernel", cpu, id=12)
+    graph = event("cudaGraphLaunch", cpu, id=13)
+    ingest = event("specplug::ingest", cpu, children=[event("aten::mm", cpu, children=[launch_a]),
+                                                      launch_b])
+    ranges = [ingest, event("specplug::draft", cpu, children=[ingest, graph]),
+              # their copies on the device: as the H200 showed, the outer one
+              # spans only kernels of no nested range
+              event("specplug::ingest", cuda, 100.0, 2600.0, annotation=True),
+              event("specplug::draft", cuda, 2900.0, 3700.0, annotation=True),
+              event("vllm::other_range", cuda, 0.0, 9000.0, annotation=True)]  # not a kernel
+    operations = [event("kernel_a", cuda, 100.0, 250.0, id=11),
+                  event("kernel_b", cuda, 2450.0, 2600.0, id=12),
+                  event("graphed_1", cuda, 3000.0, 3400.0, id=13),  # a replay's two kernels
+                  event("graphed_2", cuda, 3500.0, 3700.0, id=13),
+                  event("outside", cuda, 5000.0, 5100.0, id=99)]
+    assert _profiled(SimpleNamespace(events=lambda: ranges + operations)) == (
+        {"ingest": (300.0, 2), "draft": (900.0, 3)}, "launch")
+    unlinked = [SimpleNamespace(**{**vars(o), "id": 0}) for o in operations]
+    assert _profiled(SimpleNamespace(events=lambda: ranges + unlinked)) == (
+        {"ingest": (300.0, 2), "draft": (600.0, 3)}, "span")
 
 
 def test_top_gpu_ops_keep_device_operations_by_time_per_step():

@@ -135,7 +135,8 @@ class PhaseProbe:
             result["phases"][phase] = {"host_ms": 1e3 * seconds / num_steps,
                                        "calls": self.num_calls[phase] / num_steps}
         if self.profiler is not None:
-            for phase, (gpu_us, launches) in _profiled(self.profiler).items():
+            profiled, result["gpu_ms_by"] = _profiled(self.profiler)
+            for phase, (gpu_us, launches) in profiled.items():
                 entry = result["phases"].setdefault(phase, {})
                 entry["gpu_ms"] = gpu_us / 1e3 / num_steps
                 entry["launches"] = launches / num_steps
@@ -202,33 +203,43 @@ def _activities():
     return activities
 
 
-def _profiled(profiler) -> dict[str, tuple[float, int]]:
-    """{phase: (GPU microseconds of the kernels that ran inside it, launches)}
-    over every `specplug::` range, nested ones included.
+def _profiled(profiler) -> tuple[dict[str, tuple[float, int]], str]:
+    """({phase: (GPU microseconds of the device operations it launched,
+    launches)}, how they were attributed) over every `specplug::` range,
+    nested ones included.
 
-    The profiler puts each range twice: on the host (its launches, counted
-    here) and on the device's timeline (a user annotation from the range's
-    first kernel to its last). Kernels a range launched itself are linked to
-    its host side, but not those of a CUDA graph it replayed (a replay is no
-    PyTorch op, so its kernels link to none: every graphed phase read about
-    0 GPU ms on the H200, docs/results/v2_tiny3_prof_h200). The span alone
-    counts the idle gaps between the kernels too (an eager ingest's GPU time
-    looked like its wall time). So a range's GPU time is the time of the
-    device operations that ran within its span on the device."""
+    A range's launches (`cudaLaunchKernel`, `cudaGraphLaunch`, copies) are
+    host events under it; each device operation carries the correlation id
+    of the launch that queued it, a graph replay's kernels that of its
+    `cudaGraphLaunch` ("launch"). Linked to PyTorch ops instead, a replay's
+    kernels link to none (a replay is no op): every graphed phase read about
+    0 GPU ms on the H200; the range's copy on the device's timeline spans
+    the idle gaps between its kernels, and, as the H200 showed
+    (docs/results/v2_tiny3_aa_h200), holds only the kernels of no range
+    nested in it. Where no operation matches a launch, each range gets the
+    operations within its own device-side span ("span": nested ranges'
+    kernels not included)."""
     events = list(profiler.events())
+    operations = [event for event in events if not _on_host(event) and not _is_annotation(event)]
+    device_us: dict[int, float] = defaultdict(float)
+    for operation in operations:
+        device_us[operation.id] += operation.time_range.end - operation.time_range.start
+    ranges = [event for event in events if event.name.startswith(MARK_PREFIX)]
+    launches = {id(r): _launches(r) for r in ranges if _on_host(r)}
+    by_launch = any(launch.id in device_us for found in launches.values() for launch in found)
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    operations = sorted((event.time_range.start, event.time_range.end) for event in events
-                        if not _on_host(event) and not _is_annotation(event))
-    starts = [start for start, _ in operations]
-    for event in events:
-        if not event.name.startswith(MARK_PREFIX):
-            continue
+    spans = sorted((o.time_range.start, o.time_range.end) for o in operations)
+    starts = [start for start, _ in spans]
+    for event in ranges:
         total = totals[event.name[len(MARK_PREFIX):]]
         if _on_host(event):
-            total[1] += _num_launches(event)
-        elif _is_annotation(event):
-            total[0] += _time_within(operations, starts, event.time_range)
-    return {phase: tuple(total) for phase, total in totals.items()}
+            total[1] += len(launches[id(event)])
+            if by_launch:
+                total[0] += sum(device_us.get(launch.id, 0.0) for launch in launches[id(event)])
+        elif not by_launch:
+            total[0] += _time_within(spans, starts, event.time_range)
+    return {phase: tuple(total) for phase, total in totals.items()}, \
+        "launch" if by_launch else "span"
 
 
 def _is_annotation(event) -> bool:
@@ -267,13 +278,15 @@ def top_gpu_ops(averages, num_steps: int, num_ops: int = NUM_TOP_GPU_OPS) -> lis
     return sorted(rows, key=lambda row: -row["gpu_ms"])[:num_ops]
 
 
-def _num_launches(event) -> int:
-    stack, count = list(event.cpu_children), 0
+def _launches(event) -> list:
+    """The launch events (kernels, graph replays, copies) under a host event."""
+    stack, found = list(event.cpu_children), []
     while stack:
         child = stack.pop()
-        count += any(name in child.name for name in LAUNCH_NAMES)
+        if any(name in child.name for name in LAUNCH_NAMES):
+            found.append(child)
         stack.extend(child.cpu_children)
-    return count
+    return found
 
 
 def host_profile_summary(profiler: cProfile.Profile, num_steps: int) -> dict:

@@ -232,8 +232,12 @@ def format_phases_table(rows) -> str:
     w = max([18] + [len(row.name) + 1 for row in rows])
     header = f"{'method':<{w}}{'batch':>6}{'steps':>7}{'wall ms':>9}" + "".join(
         f"{name + ' host/gpu ms (launches)':>34}" for name in names)
+    by = sorted({r.phases["profiled"].get("gpu_ms_by", "?") for r in rows
+                 if isinstance(r.phases.get("profiled"), dict)})
     lines = ["Where a decode step's time goes (per step; host ms without the profiler, "
-             "GPU ms and launches under it)", header, "-" * len(header)]
+             "GPU ms and launches under it; GPU ms by " + (", ".join(by) or "-") + ": "
+             "launch = what the range's launches ran, span = its own span's kernels)",
+             header, "-" * len(header)]
     for row in rows:
         if "error" in row.phases or not row.phases:
             lines.append(f"{row.name:<{w}}{row.batch_size:>6}  "

@@ -19,8 +19,9 @@
 #            eagle3 K=5 fixed, sized and with its adaptive verification, our chain K=5 with
 #            the same adaptive verification and our tree sized (issue 27); ROWS=bestk: vLLM's
 #            eagle3 at K 3, 5 and 7, our chain K=5 and our tree 16 (issue 26); ROWS=compile:
-#            vLLM's eagle3 K=5, our chain K=5 and tree 16 each eager and with
-#            draft_compile; HOST_PROFILE=1:
+#            vLLM's eagle3 K=5, our chain K=5 and tree 16 each as by default (draft_compile
+#            on CUDA) and eager ("-eager"); ROWS=compile-aa: the same plus vLLM's eagle3 K=5
+#            in a second engine (how far two engines of one config part); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
@@ -82,7 +83,7 @@
 #            lasted 5-9 s on the tiny model, run13; benchmarks/gpu/ramp_servers.py);
 #            start it, then wait over two calls
 #   tiny-mtp vLLM's mtp vs our specplug_mtp chain (same K) and tree (MTP_COMPILE=1: both
-#            also with draft_compile; MTP_SIZED=1: vLLM's mtp and our tree sized by batch), on the tiny
+#            also eager, without draft_compile; MTP_SIZED=1: vLLM's mtp and our tree sized by batch), on the tiny
 #            target's MTP build (bench_tree_cuda.py prepare puts it in the work folder)
 #   steps8b  step costs on the Llama-3-8B shape (bench_v2_steps.py; extra arguments go to
 #            it; TP=2 shards the target over a 2-GPU kind; RUN_NAME names the results)
@@ -147,13 +148,15 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # compile-aa: vLLM's eagle3 K=5 a second time, in an engine of its own: how far
       # two engines of one config part (the bias no interleaving removes)
       [ "$1" = compile-aa ] && printf '%s\n' --spec "vllm-eagle3-K5-again={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}"
-      # draft_compile: our chain and tree with the drafter's dense steps through
-      # torch.compile beside the same rows eager (issue 26: our drafting's GPU
-      # time at batch 16 and 64 was 1.3-2.3x vLLM's compiled head's)
+      # draft_compile: our chain and tree as they run by default (the drafter's
+      # dense steps through torch.compile on CUDA since the fifty-first session)
+      # beside the same rows eager (issue 26: our drafting's GPU time at batch 16
+      # and 64 was 1.3-2.3x vLLM's compiled head's); the eager rows were the
+      # plain names and the compiled ones "-compiled" before that session
       local chain="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5"
       printf '%s\n' --spec "ours-chain-K5={$chain}" \
-        --spec "ours-chain-K5-compiled={$chain, \"draft_compile\": true}" \
-        --spec "ours-tree16={$tree}" --spec "ours-tree16-compiled={$tree, \"draft_compile\": true}" ;;
+        --spec "ours-chain-K5-eager={$chain, \"draft_compile\": false}" \
+        --spec "ours-tree16={$tree}" --spec "ours-tree16-eager={$tree, \"draft_compile\": false}" ;;
     *)
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
       printf '%s\n' --spec "ours-tree16={$tree}" ;;
@@ -239,7 +242,7 @@ run() {
   case "$1" in
     tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
     # the same minus tree 32, fewer prompts: fits one 10-minute call (ROWS picks other
-    # rows, e.g. ROWS=compile: our chain and tree with and without draft_compile,
+    # rows, e.g. ROWS=compile: our chain and tree with draft_compile (the default) and eager,
     # a run that needs no SmolLM2 head)
     # prompts at batch 1 / 16 / 64: 12 / 64 / 192, 2-3 waves a repeat beyond batch 1 (one
     # wave of 0.4 s a repeat at 64 had spread our chain's ratio over 0.75-1.39x,
@@ -280,8 +283,8 @@ run() {
         --spec 'vllm-mtp-K5={"method": "mtp", "num_speculative_tokens": 5}' \
         --spec 'ours-mtp-chain-K5={"method": "specplug_mtp", "topk": 1, "num_steps": 5}' \
         --spec "ours-mtp-tree16={$mtp_tree, \"num_draft_tokens\": 16}" \
-        ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-chain-K5-compiled={\"method\": \"specplug_mtp\", \"topk\": 1, \"num_steps\": 5, \"draft_compile\": true}"} \
-        ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-tree16-compiled={$mtp_tree, \"num_draft_tokens\": 16, \"draft_compile\": true}"} \
+        ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-chain-K5-eager={\"method\": \"specplug_mtp\", \"topk\": 1, \"num_steps\": 5, \"draft_compile\": false}"} \
+        ${MTP_COMPILE:+--spec} ${MTP_COMPILE:+"ours-mtp-tree16-eager={$mtp_tree, \"num_draft_tokens\": 16, \"draft_compile\": false}"} \
         ${MTP_SIZED:+--spec} ${MTP_SIZED:+"vllm-mtp-sized={\"method\": \"mtp\", \"num_speculative_tokens\": 5, $sized_k}"} \
         ${MTP_SIZED:+--spec} ${MTP_SIZED:+"ours-mtp-tree-sized={$mtp_tree, \"num_draft_tokens\": 16, $sized_tree}"} \
         --batch-sizes 1 16 64 --limit-prompts 1=12 --limit-prompts 16=64 --limit-prompts 64=192 \

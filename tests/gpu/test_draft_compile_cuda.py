@@ -1,6 +1,7 @@
 """`draft_compile` in engines on a CUDA GPU (proposers/draft_compile.py):
-`specplug_eagle3` chains and trees with the head's dense steps compiled by
-inductor, on Model Runner V2 with async scheduling. The outputs equal no
+`specplug_eagle3` chains and trees as they run by default there ("auto":
+the head's dense steps compiled by inductor inside its captured passes), on
+Model Runner V2 with async scheduling. The outputs equal no
 speculation's, the captured passes ran the compiled steps, and serving
 compiled nothing: with CUDA graphs the compiled steps serve captured passes
 only, so an eager pass in service (a prefill's ingest) runs the eager steps
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU (the head's passes captured as CUDA graphs); run on the staged "
            "GPU host as docs/gpu.md says")
 
-SPECS = {"tree": {**TREE, "draft_compile": True}, "chain": {**CHAIN, "draft_compile": True}}
+SPECS = {"tree": TREE, "chain": CHAIN}  # draft_compile unset: "auto", compiled on CUDA
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

@@ -19,6 +19,7 @@ import torch
 
 from vllm_specplug.integration.config import selection_of
 from vllm_specplug.integration.guard import ProposerGuard
+from vllm_specplug.proposers.eagle3 import AUTO_DRAFT_COMPILE
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.registry import get_proposer_class
 
@@ -65,6 +66,10 @@ class HeadDrafter:
         self.device = torch.device(str(vllm_config.device_config.device))
         self.cuda_graphs = (self.device.type == "cuda" and self.options.draft_cudagraph
                             and not vllm_config.model_config.enforce_eager)
+        # "auto" compiles where the passes are graphs: there the compiled
+        # steps serve captures only (proposers/draft_compile.py)
+        self.compiles = self.options.draft_compile is True or (
+            self.options.draft_compile == AUTO_DRAFT_COMPILE and self.cuda_graphs)
         self.draft_dtype = (vllm_config.model_config.dtype if self.options.draft_dtype == "auto"
                             else getattr(torch, self.options.draft_dtype))
         self.guard = ProposerGuard(self.method, selection.max_proposer_failures)
@@ -93,7 +98,7 @@ class HeadDrafter:
         self.runtime = HeadRuntime(layer, token_embedding(target_model),
                                    self.options.draft_temperature, num_slots=num_slots,
                                    cuda_graphs=self.cuda_graphs,
-                                   compile_steps=self.options.draft_compile)
+                                   compile_steps=self.compiles)
         return self.runtime
 
     def target_hidden(self, hidden_states, aux_hidden_states, rows, out=None):

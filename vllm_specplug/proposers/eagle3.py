@@ -31,6 +31,7 @@ METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TREE_ATTENTION_WAYS = ("split", "rewrite")
 FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
+AUTO_DRAFT_COMPILE = "auto"  # draft_compile: where the drafting passes are CUDA graphs
 SCHEDULER_ROWS = "scheduler"  # vLLM's deferred step fills them (the default: "worker")
 GRAMMAR_ROWS_WAYS = ("worker", SCHEDULER_ROWS)  # who fills a constrained step's verification rows
 AUTO_ROW_DEPTH = "auto"
@@ -56,12 +57,13 @@ class TreeOptions(ProposerOptions):
     draft_cudagraph: bool = True
     # The drafter's dense steps (projections, norms, rope, MLP, logits)
     # through torch.compile (inductor), which fuses their elementwise
-    # kernels, as vLLM compiles its own eagle3 head (proposers/draft_compile.py).
-    # Start-up compiles them (about 20 s). Selection only: lossless either
-    # way. On the H200 a SmolLM2-shaped head's graphed drafting pass ran
-    # 1.21-1.30x faster for a chain, 1.08-1.13x for tree 16
-    # (docs/results/draft_compile_h200); opt-in until an engine run.
-    draft_compile: bool = False
+    # kernels, as vLLM compiles its own eagle3 head (proposers/draft_compile.py),
+    # inside the captured drafting passes. "auto": where the passes are
+    # captured as CUDA graphs (CUDA, not enforce_eager), not on CPU. Start-up
+    # compiles them (about 20 s). Selection only: lossless either way. On the
+    # H200 tree 16 compiled ran 1.28x / 1.23x / 1.25x vLLM's eagle3 K=5 at
+    # batch 1 / 16 / 64 (eager 1.11x / 1.09x / 1.10x; docs/results/v2_tiny3_aa_h200).
+    draft_compile: bool | str = AUTO_DRAFT_COMPILE
     # The drafter's weights and activations: "auto" is the target's dtype,
     # as vLLM's eagle3 runs its head; "float32" costs about twice the time of
     # bfloat16 on a GPU (the 8B-shaped head is bandwidth-bound at batch 1 and
@@ -148,6 +150,9 @@ class TreeOptions(ProposerOptions):
                 f"{', '.join(TREE_ATTENTION_WAYS)}")
         require(self.draft_dtype in DRAFT_DTYPES, name,
                 f"draft_dtype={self.draft_dtype!r} must be one of {', '.join(DRAFT_DTYPES)}")
+        require(self.draft_compile in (True, False, AUTO_DRAFT_COMPILE), name,
+                f"draft_compile={self.draft_compile!r} must be true, false or "
+                f"{AUTO_DRAFT_COMPILE!r} (compiled where the drafting passes are CUDA graphs)")
         require(self.draft_temperature > 0, name,
                 f"draft_temperature={self.draft_temperature} must be > 0")
         require(not isinstance(self.grammar_drafts, str)

@@ -229,9 +229,11 @@ host() {  # bash benchmarks/gpu/host.sh ARGS; under `dry-run` the arguments, one
 }
 
 tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]: the tiny model's run
+  # REPEATS (default 3): interleaved repeats; two engines of one config parted by
+  # single repeats of 0.62-1.12x on the H200 (docs/results/v2_tiny3_aa_h200)
   mapfile -t S < <(specs "$2" "$W/tiny-eagle3")
   host tiny-bench "${S[@]}" --batch-sizes 1 16 64 \
-    --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats 3 \
+    --limit-prompts "1=$3" --limit-prompts "16=$4" --limit-prompts "64=$5" --repeats "${REPEATS:-3}" \
     --max-tokens "$6" --dtype float32 --phases \
     --engine-args "{$PAR_KV${TP:+\"tensor_parallel_size\": $TP, }\"compilation_config\": {\"max_cudagraph_capture_size\": $7}}" \
     --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} "${@:8}"  # where `wait` looks (it had copied

@@ -420,10 +420,11 @@ def test_prefix_hits_of_one_step_are_adopted_together_as_one_by_one():
     assert not together.valid[6].any()
 
 
-def test_requests_finished_in_one_step_are_saved_together_as_one_by_one():
-    """The requests that finish in one step are saved from their slots with
-    one gather (`HeadBlockStore.save_from_pool`): each block holds the rows
-    and validity it holds when they finish one step after the other."""
+def test_requests_finished_in_one_step_are_saved_as_one_by_one():
+    """The requests that finish in one step are each saved from their slot
+    (`HeadBlockStore.save_blocks`, a saved block an index into its request's
+    span, its views made when read): each block holds the rows and validity
+    of its slot there, as when they finish one step after the other."""
     from types import SimpleNamespace as NS
 
     from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks

@@ -67,7 +67,6 @@ class CompiledStep:
         self.num_calls += 1
         return out
 
-
     def num_variants(self) -> int | None:
         """Compiled variants of the step so far (dynamo's cache entries for
         its code: one per specialisation); None where they cannot be read."""

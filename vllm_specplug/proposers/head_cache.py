@@ -271,27 +271,6 @@ class HeadBlockStore:
         self._keep(block_ids, _SavedSpan(keys.clone(), values.clone(), valid.clone(),
                                          keys.shape[1] // len(block_ids)))
 
-    def save_from_pool(self, pool, spans: list[tuple[int, int, list[int]]],
-                       block_size: int) -> None:
-        """Several requests' consecutive blocks from their pool slots at once
-        (Model Runner V2, the requests finished in a step): `spans` holds
-        (slot, first block, block ids) each, block b at positions
-        [b * size, (b + 1) * size) of its slot. Rows and validity are read
-        in one gather each (one copy to the device first): a request saved
-        alone had cost 3 copies and 3 views per block on the host."""
-        spans = [(slot, first, ids) for slot, first, ids in spans if len(ids)]
-        if not spans:
-            return
-        where = np.concatenate([np.stack([np.full(len(ids) * block_size, slot),
-                                          first * block_size
-                                          + np.arange(len(ids) * block_size)])
-                                for slot, first, ids in spans], axis=1)
-        row_slots, positions = to_device(where, pool.device).unbind(0)
-        saved = _SavedSpan(pool.keys[row_slots, :, positions].transpose(0, 1),
-                           pool.values[row_slots, :, positions].transpose(0, 1),
-                           pool.valid[row_slots, positions], block_size)
-        self._keep([b for _, _, ids in spans for b in ids], saved)
-
     def _keep(self, block_ids, saved: "_SavedSpan") -> None:
         for b, block_id in enumerate(block_ids):
             self.blocks[int(block_id)] = _SavedBlock(saved, b)

@@ -50,16 +50,12 @@ class PrefixBlocks:
         computed), drop freshly allocated blocks, record new block lists."""
         gone = set(scheduler_output.finished_req_ids)
         gone |= set(scheduler_output.preempted_req_ids or ())
-        spans = []
         for req_id in gone:
             slot = slot_of(req_id)
             if slot is not None and pool is not None:
-                spans.append(self._unsaved(self.block_ids.get(req_id, []), slot,
-                                           num_computed(slot), pool))
+                self._save(self.block_ids.get(req_id, []), slot, num_computed(slot), pool)
             self.block_ids.pop(req_id, None)
             self.hits.pop(req_id, None)
-        if spans:  # one gather for all of the step's
-            self.store.save_from_pool(pool, spans, self.block_size)
         for new in scheduler_output.scheduled_new_reqs:
             ids = list(new.block_ids[0]) if new.block_ids else []
             cached = new.num_computed_tokens // self.block_size
@@ -73,18 +69,21 @@ class PrefixBlocks:
                 self.store.drop(new_ids[0])
                 self.block_ids.setdefault(req_id, []).extend(new_ids[0])
 
-    def _unsaved(self, block_ids: list[int], slot: int, num_positions: int, pool
-                 ) -> tuple[int, int, list[int]]:
-        """(slot, first block, block ids) of the request's whole blocks from
-        its first one not saved yet: a block still saved was a prefix-cache
-        hit of this request (a block handed out fresh is dropped), whose rows
-        it adopted, less the row adoption leaves out, or, where the hit was
-        not adopted, never ingested: saved again, they would only lose rows."""
+    def _save(self, block_ids: list[int], slot: int, num_positions: int, pool) -> None:
+        """The request's whole blocks from its first one not saved yet: a
+        block still saved was a prefix-cache hit of this request (a block
+        handed out fresh is dropped), whose rows it adopted, less the row
+        adoption leaves out, or, where the hit was not adopted, never
+        ingested: saved again, they would only lose rows. One span a
+        request (`HeadBlockStore.save_blocks`: three copies), freed once
+        all its blocks are dropped."""
         num_blocks = min(len(block_ids), num_positions // self.block_size,
                          pool.capacity // self.block_size)
         first = next((b for b in range(num_blocks) if int(block_ids[b]) not in self.store.blocks),
                      num_blocks)
-        return slot, first, list(block_ids[first:num_blocks])
+        span = slice(first * self.block_size, num_blocks * self.block_size)
+        self.store.save_blocks(block_ids[first:num_blocks], pool.keys[slot, :, span],
+                               pool.values[slot, :, span], pool.valid[slot, span])
 
     def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:
         """Give new request `req_id` (state slot `slot`, first computed

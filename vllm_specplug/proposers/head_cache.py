@@ -268,10 +268,8 @@ class HeadBlockStore:
             return
         if valid is None:
             valid = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
-        self._keep(block_ids, _SavedSpan(keys.clone(), values.clone(), valid.clone(),
-                                         keys.shape[1] // len(block_ids)))
-
-    def _keep(self, block_ids, saved: "_SavedSpan") -> None:
+        saved = _SavedSpan(keys.clone(), values.clone(), valid.clone(),
+                           keys.shape[1] // len(block_ids))
         for b, block_id in enumerate(block_ids):
             self.blocks[int(block_id)] = _SavedBlock(saved, b)
 

@@ -579,10 +579,12 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
 
     prompts = [BenchPrompt(text=t) for t in repetitive_prompts(3)]
     specs = [NamedSpec("none", None), NamedSpec("specplug_ngram", NGRAM)]
-    steps = []
+    steps, compared = [], []
 
     def on_step(rows):  # the step's engine is stopped before this runs
         steps.append(([len(r.tokens_per_second) for r in rows], len(IN_PROCESS.live)))
+        # compared as far as they ran (what offline.partial.json carries)
+        compared.append(([r.num_mismatches for r in rows], [len(r.ratios) for r in rows]))
 
     rows = run_offline(str(tiny_model_dir), prompts, specs, [3], 2,
                        SamplingParams(temperature=0, max_tokens=24), order="restart",
@@ -590,6 +592,8 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
                        on_step=on_step, enforce_eager=True, max_model_len=1024)
     # the second repeat starts with the second spec (bench/offline.py::_schedule)
     assert steps == [([1, 0], 0), ([1, 1], 0), ([1, 2], 0), ([2, 2], 0)]
+    assert compared == [([0, None], [1, 0]), ([0, 0], [1, 1]), ([0, 0], [1, 1]),
+                        ([0, 0], [2, 2])]
     _check_phases([dataclasses.asdict(row) for row in rows])
     report = format_host_profiles(rows)
     assert "Where the host time goes" in report
@@ -638,6 +642,11 @@ def test_bench_ratios_are_taken_within_each_repeat(tmp_path, capsys):
     assert repeat_ratios(rows, "ours", ["theirs-a", "theirs-b"], 1) == [1.5, 1.0, 1.1]
     assert repeat_ratios(rows, "failed", ["none"], 1) is None
     assert repeat_ratios(rows, "ours", ["none"], 16) is None
+    # a run cut short (offline.partial.json): the repeats every row has
+    cut = [{**r, "tokens_per_second": r["tokens_per_second"][:2]} if r["name"] == "theirs-b"
+           else r for r in rows]
+    assert repeat_ratios(cut, "ours", ["theirs-a", "theirs-b"], 1) == [1.5, 1.0]
+    assert repeat_ratios(cut, "ours", ["theirs-a"], 1) == [1.5, 1.1, 2.2]
     path = tmp_path / "offline.json"
     path.write_text(json.dumps({"settings": {}, "rows": rows}))
     assert main(["bench", "ratios", str(path), "--over", "theirs-a", "--over", "theirs-b",

@@ -26,6 +26,7 @@ RUNS = [
     ("smollm2", {}), ("smollm2", {"ROWS": "sized"}), ("smollm2", {"ROWS": "adaptive"}),
     ("smollm2", {"ROWS": "bestk"}), ("smollm2", {"ROWS": "compile"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
+    ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-batchk", {}), ("smollm2-tp", {}),
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "first"}), ("smollm2-schema", {"SCHEMA_ROWS": "worker"}),
@@ -79,7 +80,7 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
     assert config["grammar_drafts"] == "first"
 
 
-@pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2"])
+@pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2", "smollm2-sets"])
 def test_the_runs_start_their_engines_at_once_unless_told_not_to(name, tmp_path):
     """By default the run starts its engines at once (bench/starts.py sizes
     each KV cache); PARALLEL_KV sets that size in engine arguments that are
@@ -92,3 +93,16 @@ def test_the_runs_start_their_engines_at_once_unless_told_not_to(name, tmp_path)
         engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
         assert ("--parallel-starts" in arguments) == parallel, env
         assert engine_kwargs.get("kv_cache_memory_bytes") == size, env
+
+
+@pytest.mark.parametrize("name", ["smollm2", "smollm2-sets"])
+def test_the_smollm2_runs_turn_prefix_caching_off_when_told(name, tmp_path):
+    """NO_PREFIX_CACHE=1: every engine without prefix caching (whether our
+    head's saved prefix rows explain a τ gap to vLLM's `eagle3`), the
+    engine arguments still one JSON object; unset, vLLM's default."""
+    import json
+
+    for env, want in (({}, None), ({"NO_PREFIX_CACHE": "1"}, False)):
+        arguments = _dry_run(name, env, tmp_path)
+        engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+        assert engine_kwargs.get("enable_prefix_caching") == want, env

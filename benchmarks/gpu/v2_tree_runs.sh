@@ -107,6 +107,9 @@ W=$SPECPLUG_GPU_WORK
 PARALLEL=${PARALLEL-1}
 PAR_KV=${PARALLEL_KV:+"\"kv_cache_memory_bytes\": $PARALLEL_KV, "}
 PAR_ARG=${PARALLEL:+--parallel-starts}
+# NO_PREFIX_CACHE=1 (smollm2, smollm2-sets): every engine without prefix caching (our chain's
+# τ on SmolLM2 fell under vLLM's, 2026-12-04: our head's saved prefix rows on or off)
+NOPFX=${NO_PREFIX_CACHE:+"\"enable_prefix_caching\": false, "}
 
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
@@ -300,18 +303,19 @@ run() {
       host real-bench --prompts "${PROMPTS:-$prompts}" "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats 3 --max-tokens 128 --phases ${HOST_PROFILE:+--host-profile} \
-        --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        --engine-args "{$PAR_KV$NOPFX\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
         --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-sets)
       # MT-Bench and HumanEval on the same engines (an engine's start costs more
       # than its generations here); ROWS=full (default): vLLM's eagle3 at K 3/5/7,
       # our chain and trees of 8-64 nodes; ROWS=free: the model-free rows
       mapfile -t S < <(specs "${ROWS:-full}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
+      # PHASES=--phases: where each step's time goes; engines start at once (PARALLEL)
       host real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
-        --limit-prompts 64=64 --repeats 3 --max-tokens 128 \
-        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
-        --out "$RESULTS/${RUN_NAME:-$1}" ;;
+        --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${PHASES-} \
+        --engine-args "{$PAR_KV$NOPFX\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-schema)
       h=${HEAD:-.gpu/heads/smollm2-eagle3-demo}
       tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"

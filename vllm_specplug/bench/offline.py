@@ -371,8 +371,10 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
                 del engines[s]
             elif last_use is not None and last_use[s] == step:
                 stacks[s].close()  # sequential order: free the engine now
-            if on_step is not None:
-                on_step([row for spec_rows in rows for row in spec_rows])
+            if on_step is not None:  # the rows so far, compared as far as they ran
+                flat = [row for spec_rows in rows for row in spec_rows]
+                _compare_to_baseline(flat, specs[0].name, greedy=params.temperature == 0)
+                on_step(flat)
     flat = [row for spec_rows in rows for row in spec_rows]
     _compare_to_baseline(flat, specs[0].name, greedy=params.temperature == 0)
     return flat
@@ -391,11 +393,14 @@ def _run_row(llm, row: OfflineRow, prompt_sets, limits, params, collectors, firs
 
 
 def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) -> None:
+    """Each row's ratios over the baseline's repeats, and with greedy
+    sampling its outputs against the baseline's (first repeats); rows or
+    baselines not run yet (a run in progress) are left as they are."""
     base = {(r.prompt_set, r.batch_size): r for r in rows
-            if r.name == baseline and r.error is None}
+            if r.name == baseline and r.error is None and r.tokens_per_second}
     for row in rows:
         ref = base.get((row.prompt_set, row.batch_size))
-        if row.error is not None or ref is None:
+        if row.error is not None or ref is None or not row.tokens_per_second:
             continue
         row.ratios = [ours / theirs for ours, theirs in
                       zip(row.tokens_per_second, ref.tokens_per_second)]

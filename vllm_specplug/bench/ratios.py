@@ -72,16 +72,19 @@ def set_rows(rows: list[dict], prompt_set: str | None) -> list[dict]:
 def repeat_ratios(rows: list[dict], name: str, over: list[str], batch_size: int
                   ) -> list[float] | None:
     """[repeats] `name`'s tokens/s over the fastest of `over` in each repeat
-    at `batch_size`; None where a row is missing there or its repeats do not
-    line up (a failed row has none)."""
+    at `batch_size`, over the repeats every one of them has (a run cut short,
+    `offline.partial.json`, ends with a repeat some rows lack: interleaved
+    repeat i ran for every row before repeat i + 1 began); None where a row
+    is missing there or has no repeat (a failed row)."""
     by_name = {r["name"]: r for r in rows if r["batch_size"] == batch_size}
     if name not in by_name or any(o not in by_name for o in over):
         return None
     mine = by_name[name]["tokens_per_second"]
     theirs = [by_name[o]["tokens_per_second"] for o in over]
-    if not mine or any(len(t) != len(mine) for t in theirs):
+    num_repeats = min(len(t) for t in [mine, *theirs])
+    if not num_repeats:
         return None
-    return [m / max(t[i] for t in theirs) for i, m in enumerate(mine)]
+    return [mine[i] / max(t[i] for t in theirs) for i in range(num_repeats)]
 
 
 def ratio_table(rows: list[dict], over: list[str], names: list[str] | None = None) -> str:

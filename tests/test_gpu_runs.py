@@ -27,6 +27,7 @@ RUNS = [
     ("smollm2", {"ROWS": "bestk"}), ("smollm2", {"ROWS": "compile"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
+    ("smollm2-sets", {"ROWS": "tau-ab"}),
     ("smollm2-batchk", {}), ("smollm2-tp", {}),
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "first"}), ("smollm2-schema", {"SCHEMA_ROWS": "worker"}),

@@ -193,3 +193,21 @@ def test_head_drafts_know_the_grammar_by_default_every_step_on_v1_first_step_on_
         Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": "yes"})
     with pytest.raises(ProposerConfigError, match="grammar_drafts=1 must be bool or str"):
         Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "head", "grammar_drafts": 1})
+
+
+def test_draft_attention_picks_the_heads_attention_path():
+    """`draft_attention`: "auto" (our Triton kernel on CUDA), "triton" or
+    "torch" (the PyTorch path); anything else is refused naming the field."""
+    import pytest
+
+    from vllm_specplug.proposers.base import ProposerConfigError
+    from vllm_specplug.proposers.eagle3 import Eagle3TreeOptions
+    from vllm_specplug.proposers.mtp import MtpTreeOptions
+
+    assert Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "h"}).draft_attention == "auto"
+    for way in ("auto", "triton", "torch"):
+        assert MtpTreeOptions.from_dict("specplug_mtp",
+                                        {"draft_attention": way}).draft_attention == way
+    with pytest.raises(ProposerConfigError, match="draft_attention='flash' must be one of "
+                                                  "auto, triton, torch"):
+        Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": "h", "draft_attention": "flash"})

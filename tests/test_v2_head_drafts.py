@@ -89,3 +89,18 @@ def test_a_next_turn_on_cached_blocks_drafts_from_its_whole_context(continuation
             assert engine.num_differing == 0, engine.num_differing
         else:
             assert engine.num_differing > 0
+
+
+def test_draft_attention_reaches_the_heads_runtime(continuations, tiny_eagle3_dir):
+    """`draft_attention` is the attention path of the runtime the speculator
+    drafts with (here "torch", the PyTorch path the reference runs on CPU)."""
+    from tests.v2_head_driver import HeadEngine, Turn
+
+    found, embed = continuations
+    engine = HeadEngine(str(tiny_eagle3_dir), lambda ids: embed(ids.long()),
+                        embed.num_embeddings, found[:2],
+                        {"topk": 1, "num_steps": 5, "draft_attention": "torch"})
+    assert engine.speculator.runtime.attention_backend == "torch"
+    engine.serve([Turn(r, f"r{r}", c.prompt_len, c.prompt_len + 24)
+                  for r, c in enumerate(found[:2])])
+    assert engine.num_steps > 0 and engine.num_differing == 0

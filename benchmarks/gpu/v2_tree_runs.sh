@@ -21,7 +21,9 @@
 #            eagle3 at K 3, 5 and 7, our chain K=5 and our tree 16 (issue 26); ROWS=compile:
 #            vLLM's eagle3 K=5, our chain K=5 and tree 16 each as by default (draft_compile
 #            on CUDA) and eager ("-eager"); ROWS=compile-aa: the same plus vLLM's eagle3 K=5
-#            in a second engine (how far two engines of one config part); HOST_PROFILE=1:
+#            in a second engine (how far two engines of one config part); ROWS=tau-ab: vLLM's
+#            eagle3 K=5, our chain K=5 as by default, eager, and eager on the PyTorch
+#            head attention (draft_attention "torch"); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
@@ -147,6 +149,14 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
         --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
         --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
         --spec "ours-tree16={$tree}" ;;
+    tau-ab)
+      # our chain's τ fell to 0.95x vLLM's on SmolLM2 (bf16, H200, 2026-12-04) and not on
+      # CPU: the drafting's GPU paths since it was equal, each turned off in turn
+      # (draft_compile; then also the Triton head attention, draft_attention "torch")
+      local chain="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5"
+      printf '%s\n' --spec "ours-chain-K5={$chain}" \
+        --spec "ours-chain-K5-eager={$chain, \"draft_compile\": false}" \
+        --spec "ours-chain-K5-torch-attn={$chain, \"draft_compile\": false, \"draft_attention\": \"torch\"}" ;;
     compile|compile-aa)
       # compile-aa: vLLM's eagle3 K=5 a second time, in an engine of its own: how far
       # two engines of one config part (the bias no interleaving removes)

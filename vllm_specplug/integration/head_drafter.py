@@ -98,6 +98,7 @@ class HeadDrafter:
         self.runtime = HeadRuntime(layer, token_embedding(target_model),
                                    self.options.draft_temperature, num_slots=num_slots,
                                    cuda_graphs=self.cuda_graphs,
+                                   attention_backend=self.options.draft_attention,
                                    compile_steps=self.compiles)
         return self.runtime
 

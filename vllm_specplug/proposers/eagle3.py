@@ -30,6 +30,7 @@ DEFAULT_NUM_STEPS = 5
 METHOD = "specplug_eagle3"
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TREE_ATTENTION_WAYS = ("split", "rewrite")
+DRAFT_ATTENTION_WAYS = ("auto", "triton", "torch")  # draft_attention (proposers/head_attention.py)
 FIRST_STEP_MASKS = "first"  # grammar_drafts: mask the first drafting step only
 AUTO_DRAFT_COMPILE = "auto"  # draft_compile: where the drafting passes are CUDA graphs
 SCHEDULER_ROWS = "scheduler"  # vLLM's deferred step fills them (the default: "worker")
@@ -69,6 +70,15 @@ class TreeOptions(ProposerOptions):
     # bfloat16 on a GPU (the 8B-shaped head is bandwidth-bound at batch 1 and
     # compute-bound at 64). Selection only: any dtype is lossless.
     draft_dtype: str = "auto"
+    # The drafter's attention over its cache (proposers/head_attention.py):
+    # "auto" is our Triton kernel reading the cache in place on CUDA (since
+    # 2026-11-27) and the PyTorch path elsewhere; "torch" the PyTorch path
+    # (einsums over copied keys; CUDA's before then). Selection only:
+    # lossless either way. On the H200 our chain's τ on SmolLM2 (bf16) fell
+    # to 0.95x vLLM's eagle3 with the same head after these changes, not on
+    # CPU (docs/results/smollm2_sets_large_h200): this option is how an
+    # engine tells the kernel's part.
+    draft_attention: str = "auto"
     # How tree rows get their attention on FlashAttention 3 (CUDA): "split"
     # attends to the prefix with FlashAttention and to the tree with our
     # kernel, merged by log-sum-exp (the cache is read once); "rewrite" lets
@@ -150,6 +160,9 @@ class TreeOptions(ProposerOptions):
                 f"{', '.join(TREE_ATTENTION_WAYS)}")
         require(self.draft_dtype in DRAFT_DTYPES, name,
                 f"draft_dtype={self.draft_dtype!r} must be one of {', '.join(DRAFT_DTYPES)}")
+        require(self.draft_attention in DRAFT_ATTENTION_WAYS, name,
+                f"draft_attention={self.draft_attention!r} must be one of "
+                f"{', '.join(DRAFT_ATTENTION_WAYS)}")
         require(self.draft_compile in (True, False, AUTO_DRAFT_COMPILE), name,
                 f"draft_compile={self.draft_compile!r} must be true, false or "
                 f"{AUTO_DRAFT_COMPILE!r} (compiled where the drafting passes are CUDA graphs)")

@@ -19,6 +19,8 @@ from unittest import mock
 import numpy as np
 import torch
 
+from vllm_specplug.verification.metadata import NO_NODE
+
 BLOCK_SIZE = 16
 
 
@@ -27,7 +29,7 @@ def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dt
     from vllm_specplug.integration.config import attach, translate
 
     _, selection = translate({"method": "specplug_eagle3", "model": head_dir, **spec})
-    spec_config = SimpleNamespace(num_speculative_tokens=spec.get("num_steps", 5),
+    spec_config = SimpleNamespace(num_speculative_tokens=_num_nodes(spec) - 1,
                                   method="specplug_eagle3")
     attach(spec_config, selection)
     return SimpleNamespace(
@@ -42,6 +44,11 @@ def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dt
         structured_outputs_config=SimpleNamespace(reasoning_parser=None,
                                                   reasoning_parser_plugin=None),
         use_v2_model_runner=True)
+
+
+def _num_nodes(spec: dict) -> int:
+    """A spec's drafts a step, the root included (a chain: 1 + num_steps)."""
+    return spec.get("num_draft_tokens", 1 + spec.get("num_steps", 5))
 
 
 class RequestStates:
@@ -81,7 +88,9 @@ class HeadEngine:
         from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
         self.seqs = continuations
-        self.num_drafts = spec.get("num_steps", 5)
+        self.shape = (spec.get("topk", 1), spec.get("num_steps", 5), _num_nodes(spec))
+        self.num_drafts = self.shape[2] - 1  # a step's draft tokens (a tree's nodes)
+        self.depth = self.shape[1]  # the deepest draft
         max_len = max(len(c.token_ids) for c in continuations) + self.num_drafts + 2
         num_slots = len(continuations)
         self.states = RequestStates(num_slots, max_len)
@@ -91,17 +100,18 @@ class HeadEngine:
         # one rank, no distributed state: the target's embedding as it is
         with mock.patch("vllm_specplug.integration.head_drafter.token_embedding",
                         lambda model: model.embed_input_ids):
-            self.speculator.attach(target, SimpleNamespace(), {})
+            self.speculator.attach(target, SimpleNamespace(bind=lambda *slots: None), {})
         self.last_sampled = torch.zeros(num_slots, 1, dtype=torch.int64)
-        self.accepted = np.zeros(self.num_drafts, dtype=np.int64)
+        self.accepted = np.zeros(self.depth, dtype=np.int64)  # steps accepting depth d + 1
         self.num_steps = 0
         self.batch_rows: list[int] = []  # the last step's slots, in batch order
         self.blocks: dict[int, list[int]] = {}  # each slot's request's KV block ids
         self.next_block = 0
         self.finished: list[str] = []  # reported by the next step's scheduler output
-        self.reference = HeadRuntime(self.speculator.runtime.layer, embed)
+        self.reference = HeadRuntime(self.speculator.runtime.layer, embed,
+                                     self.speculator.runtime.draft_temperature)
         self.reference_drafts: dict[int, torch.Tensor] = {}
-        self.reference_accepted = np.zeros(self.num_drafts, dtype=np.int64)
+        self.reference_accepted = np.zeros(self.depth, dtype=np.int64)
         self.num_differing = 0  # steps whose drafts differ from the reference's
 
     def serve(self, turns: list[Turn]) -> None:
@@ -109,7 +119,7 @@ class HeadEngine:
         drafts = self._prefill(turns)
         live = list(turns)
         while True:
-            live = [t for t in live if int(self.states.total_len.gpu[t.slot]) + self.num_drafts
+            live = [t for t in live if int(self.states.total_len.gpu[t.slot]) + self.depth
                     < t.stop_len]
             if not live:
                 break
@@ -168,8 +178,8 @@ class HeadEngine:
         first = np.array([t.hit for t in turns], dtype=np.int32) if prefilling else prompt
         return SimpleNamespace(
             num_reqs=len(turns), req_ids=[t.req_id for t in turns],
-            idx_mapping=torch.tensor(slots, dtype=torch.int32),
-            idx_mapping_np=np.asarray(slots, dtype=np.int32),
+            idx_mapping=torch.tensor(slots, dtype=torch.int64),  # as model_runner.py makes them
+            idx_mapping_np=np.asarray(slots, dtype=np.intp),
             query_start_loc=torch.from_numpy(cu), query_start_loc_np=cu,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             seq_lens_cpu_upper_bound=np.asarray(seq_lens, dtype=np.int32),
@@ -201,29 +211,70 @@ class HeadEngine:
         return self._propose(batch, aux, ones, torch.zeros_like(ones))
 
     def _decode(self, turns: list[Turn], drafts: torch.Tensor) -> torch.Tensor:
-        """One step: each request's root and drafts verified greedily."""
+        """One step: each request's root and drafts (a chain, or a tree's
+        nodes parents first) verified greedily; for trees the accepted path
+        goes where the tree sampler writes it (`TreeSlots.accepted_nodes`)."""
         self._schedule([], turns)
-        k, row_of = self.num_drafts, {r: i for i, r in enumerate(self.batch_rows)}
+        row_of = {r: i for i, r in enumerate(self.batch_rows)}
         input_ids, aux, seq_lens, num_sampled = [], [], [], []
-        for t in turns:
+        for b, t in enumerate(turns):
             seq, s = self.seqs[t.slot], int(self.states.total_len.gpu[t.slot]) - 1
-            proposed, truth = drafts[row_of[t.slot], :k], seq.token_ids[s + 1:s + 1 + k]
-            hits = (proposed == truth).long().cumprod(0)
-            self.accepted += hits.numpy()
-            reference = self.reference_drafts[t.slot]
-            self.reference_accepted += (reference == truth).long().cumprod(0).numpy()
-            self.num_differing += int(not torch.equal(proposed, reference))
-            num = int(hits.sum())
+            proposed = drafts[row_of[t.slot], :self.num_drafts]
+            parents, path = self._verify(t, s, proposed)
+            self.accepted[:len(path) - 1] += 1
+            self._compare(t, s, proposed, parents)
+            if self.speculator.tree_slots is not None:
+                self.speculator.tree_slots.accepted_nodes[b] = NO_NODE
+                self.speculator.tree_slots.accepted_nodes[b, :len(path)] = torch.tensor(path)
+            depths = self._depths(parents)
             input_ids += [int(seq.token_ids[s]), *proposed.tolist()]
-            aux.append(seq.aux_hidden[s:s + k + 1])
-            seq_lens.append(s + k + 1)
-            num_sampled.append(num + 1)
-            self._post_update(t.slot, seq.token_ids[:s + num + 2].tolist())
-            self._reference_step(t, s, s + num + 1)
+            aux.append(seq.aux_hidden[s + depths])
+            seq_lens.append(s + self.num_drafts + 1)
+            num_sampled.append(len(path))
+            self._post_update(t.slot, seq.token_ids[:s + len(path) + 1].tolist())
+            self._reference_step(t, s, s + len(path))
         self.num_steps += len(turns)
-        batch = self._batch(turns, [k + 1] * len(turns), input_ids, seq_lens, False)
+        batch = self._batch(turns, [self.num_drafts + 1] * len(turns), input_ids, seq_lens,
+                            False)
         sampled = torch.tensor(num_sampled, dtype=torch.int32)
-        return self._propose(batch, torch.cat(aux), sampled, k + 1 - sampled)
+        return self._propose(batch, torch.cat(aux), sampled,
+                             self.num_drafts + 1 - sampled)
+
+    def _verify(self, turn: Turn, root: int, proposed: torch.Tensor):
+        """The drafts' parents ([N] node ids, -1 for the root: a chain's
+        unless the speculator keeps trees) and their accepted path."""
+        tree_slots = self.speculator.tree_slots
+        parents = (tree_slots.parents[turn.slot, :self.num_drafts + 1].tolist()
+                   if tree_slots is not None else list(range(-1, self.num_drafts)))
+        return parents, self._path(turn, root, proposed.tolist(), parents)
+
+    def _path(self, turn: Turn, root: int, tokens: list[int], parents: list[int]) -> list[int]:
+        """Greedy verification: from the root (node 0), each step takes the
+        child whose token is the continuation's next; the path's nodes."""
+        truth, nodes, path = self.seqs[turn.slot].token_ids, [None, *tokens], [0]
+        while len(path) <= self.depth:
+            want = int(truth[root + len(path)])
+            child = next((n for n in range(1, len(nodes))
+                          if parents[n] == path[-1] and nodes[n] == want), None)
+            if child is None:
+                break
+            path.append(child)
+        return path
+
+    @staticmethod
+    def _depths(parents: list[int]) -> torch.Tensor:
+        depths = [0]
+        for node in range(1, len(parents)):
+            depths.append(depths[parents[node]] + 1)
+        return torch.tensor(depths)
+
+    def _compare(self, turn: Turn, root: int, proposed: torch.Tensor, parents: list[int]):
+        """The reference's drafts for this step, verified the same way."""
+        tokens, ref_parents = self.reference_drafts[turn.slot]
+        path = self._path(turn, root, tokens.tolist(), ref_parents)
+        self.reference_accepted[:len(path) - 1] += 1
+        self.num_differing += int(not torch.equal(proposed, tokens)
+                                  or parents != ref_parents)
 
     def _reference_step(self, turn: Turn, first: int, end: int,
                         left_out: int | None = None) -> None:
@@ -239,9 +290,9 @@ class HeadEngine:
             with torch.inference_mode():  # the pool's tensors are inference tensors
                 pool.valid[pool.slot_of[turn.req_id], left_out] = False
         tree = self.reference.draft_trees([turn.req_id], seq.token_ids[end:end + 1],
-                                          torch.tensor([end]), 1, self.num_drafts,
-                                          self.num_drafts + 1)
-        self.reference_drafts[turn.slot] = tree.token_ids[0, 1:].clone()
+                                          torch.tensor([end]), *self.shape)
+        self.reference_drafts[turn.slot] = (tree.token_ids[0, 1:].clone(),
+                                            tree.parent_ids[0].tolist())
 
     def _post_update(self, slot: int, tokens: list[int]) -> None:
         """What V2's post_update leaves: the request's tokens so far (the last

@@ -4,6 +4,7 @@ acceptance against the target's own greedy continuations.
     python benchmarks/offline_head_acceptance.py --target DIR --head DIR \\
         --prompts mt-bench --num-prompts 40 --max-tokens 128 \\
         --variants bf16 bf16-compiled fp32 [--device cuda] [--cuda-graphs] [--out FILE.json]
+        [--speculator '{"topk": 1, "num_steps": 5}' --speculator-dtype bf16]
 
 The target (a Hugging Face Llama directory, run in float32 by transformers)
 writes each prompt's greedy answer (first turns only); its hidden states at
@@ -21,6 +22,14 @@ activations in bf16 or fp32, its dense steps through `torch.compile`
 kernel (by default what the device picks: Triton on CUDA). With
 `--cuda-graphs` the passes run as captured graphs, as in the engine (where
 compiled steps serve captured passes only).
+
+`--speculator JSON` (our head's options; repeat) also drafts through
+`SpecplugV2HeadSpeculator` as Model Runner V2 drives it
+(`tests/v2_head_driver.py`: prefill and decode steps, V2's batch fields; on
+CUDA its graphs, Triton kernels and compiled steps), verified at the
+engine's own steps, beside a plain runtime on the PyTorch path fed the same
+verified positions: rows `speculator ...` and `reference ...`, and the steps
+whose drafts differ.
 
 What it separates: the head's drafting math (the same code in both runners)
 from an engine's integration around it. On 2026-12-04 it drafted 1.68 tokens
@@ -155,7 +164,7 @@ def measure(args) -> list[dict]:
     aux_ids = Eagle3Head.from_pretrained(args.head).config.aux_layer_ids
     prompts = load_prompts(args.prompts, args.num_prompts)
     found, embed = continuations(args.target, prompts, aux_ids, args.max_tokens, args.device)
-    rows = []
+    rows = through_speculator(args, found, embed) if args.speculator else []
     for variant in variants:
         started = time.perf_counter()
         runtime = _runtime(args.head, embed, variant, args.device, args.cuda_graphs)
@@ -168,10 +177,44 @@ def measure(args) -> list[dict]:
     return rows
 
 
+def through_speculator(args, found, embed) -> list[dict]:
+    """Each `--speculator` spec (our head's options) drafting through
+    `SpecplugV2HeadSpeculator` as Model Runner V2 drives it
+    (`tests/v2_head_driver.py`: its graphs, kernels and compiled steps on
+    CUDA), the drafts verified at the engine's steps, beside a plain runtime
+    on the PyTorch path fed the same verified positions."""
+    from tests.v2_head_driver import HeadEngine, Turn
+
+    rows = []
+    for text in args.speculator:
+        spec = json.loads(text)
+        started = time.perf_counter()
+        engine = HeadEngine(args.head, lambda ids: embed(ids.long()), embed.num_embeddings,
+                            found, spec, DTYPES[args.speculator_dtype], device=args.device)
+        engine.serve([Turn(r, f"r{r}", c.prompt_len, len(c.token_ids))
+                      for r, c in enumerate(found)])
+        for name, accepted in (("speculator", engine.accepted),
+                               ("reference", engine.reference_accepted)):
+            per_position = (accepted / max(engine.num_steps, 1)).tolist()
+            rows.append({"variant": f"{name} {text}", "num_steps": engine.num_steps,
+                         "tau": 1 + sum(per_position), "per_position": per_position,
+                         "num_differing": engine.num_differing,
+                         "seconds": time.perf_counter() - started})
+    return rows
+
+
+def _json_object(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'variant':24}{'steps':>7}{'tau':>8}  per-position acceptance", "-" * 72]
+    width = max(24, *(len(row["variant"]) + 2 for row in rows))
+    lines = [f"{'variant':{width}}{'steps':>7}{'tau':>8}  per-position acceptance", "-" * 72]
     for row in rows:
-        lines.append(f"{row['variant']:24}{row['num_steps']:>7}{row['tau']:>8.4f}  "
+        lines.append(f"{row['variant']:{width}}{row['num_steps']:>7}{row['tau']:>8.4f}  "
                      + " ".join(f"{p:.4f}" for p in row["per_position"]))
     return "\n".join(lines)
 
@@ -186,7 +229,12 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-drafts", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=["bf16", "bf16-compiled"])
+    parser.add_argument("--variants", nargs="*", default=["bf16", "bf16-compiled"])
+    parser.add_argument("--speculator", action="append", default=[], metavar="JSON",
+                        help="our head's options (e.g. '{\"topk\": 1, \"num_steps\": 5}'): "
+                        "drafting through the Model Runner V2 speculator at the engine's "
+                        "steps, beside the PyTorch path fed the same positions (repeat)")
+    parser.add_argument("--speculator-dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the head's passes as CUDA graphs (CUDA only)")
@@ -195,6 +243,9 @@ def main(argv=None) -> int:
     try:
         for variant in args.variants:
             parse_variant(variant)
+        for text in args.speculator:
+            if not isinstance(_json_object(text), dict):
+                raise ValueError(f"--speculator {text}: a JSON object of our head's options")
         if args.cuda_graphs and not args.device.startswith("cuda"):
             raise ValueError("--cuda-graphs needs --device cuda")
     except ValueError as error:

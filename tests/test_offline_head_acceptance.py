@@ -44,6 +44,25 @@ def test_offline_acceptance_of_the_builtin_head(tiny_model_dir, tiny_eagle3_dir,
     assert "fp32" in capsys.readouterr().out
 
 
+def test_drafting_through_the_v2_speculator_beside_the_reference(tiny_model_dir,
+                                                                 tiny_eagle3_dir, tmp_path):
+    """`--speculator`: the chain through the Model Runner V2 speculator at the
+    engine's steps, and the plain runtime fed the same positions: on CPU in
+    float32 the same drafts, step for step."""
+    script = _script()
+    out = tmp_path / "speculator.json"
+    assert script.main(["--target", str(tiny_model_dir), "--head", str(tiny_eagle3_dir),
+                        "--prompts", "held-out", "--num-prompts", "2", "--max-tokens", "32",
+                        "--variants", "--speculator", '{"topk": 1, "num_steps": 5}',
+                        "--speculator-dtype", "fp32", "--out", str(out)]) == 0
+    speculator, reference = json.loads(out.read_text())["rows"]
+    assert speculator["variant"].startswith("speculator") and speculator["num_steps"] > 0
+    assert speculator["per_position"] == reference["per_position"]
+    assert speculator["num_differing"] == 0
+    with pytest.raises(SystemExit):
+        script.main(["--target", "t", "--head", "h", "--speculator", "[1]"])
+
+
 @pytest.mark.parametrize("text, message", [
     ("fp16", "starts with a dtype, one of bf16, fp32"),
     ("bf16-fast", "'compiled' and at most one of torch, triton"),

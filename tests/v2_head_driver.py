@@ -25,7 +25,7 @@ BLOCK_SIZE = 16
 
 
 def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dtype,
-            vocab_size: int, prefix_caching: bool):
+            vocab_size: int, prefix_caching: bool, device: str):
     from vllm_specplug.integration.config import attach, translate
 
     _, selection = translate({"method": "specplug_eagle3", "model": head_dir, **spec})
@@ -33,11 +33,12 @@ def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dt
                                   method="specplug_eagle3")
     attach(spec_config, selection)
     return SimpleNamespace(
-        speculative_config=spec_config, device_config=SimpleNamespace(device="cpu"),
+        speculative_config=spec_config, device_config=SimpleNamespace(device=device),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, async_scheduling=True,
                                          scheduler_cls=None, get_scheduler_cls=lambda: object),
+        # on CUDA the head's passes are graphs, with draft_compile, as in an engine
         model_config=SimpleNamespace(max_model_len=max_model_len, dtype=dtype,
-                                     enforce_eager=True, model="target",
+                                     enforce_eager=device == "cpu", model="target",
                                      get_vocab_size=lambda: vocab_size),
         cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching,
                                      block_size=BLOCK_SIZE),
@@ -54,10 +55,11 @@ def _num_nodes(spec: dict) -> int:
 class RequestStates:
     """The fields of V2's `RequestState` the head speculator reads."""
 
-    def __init__(self, max_num_reqs: int, max_len: int) -> None:
-        self.total_len = SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32))
+    def __init__(self, max_num_reqs: int, max_len: int, device: str = "cpu") -> None:
+        self.total_len = SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32,
+                                                         device=device))
         self.all_token_ids = SimpleNamespace(gpu=torch.zeros(max_num_reqs, max_len,
-                                                             dtype=torch.int32))
+                                                             dtype=torch.int32, device=device))
         self.prompt_len = SimpleNamespace(np=np.zeros(max_num_reqs, dtype=np.int32))
         self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.req_id_to_index: dict[str, int] = {}
@@ -83,7 +85,8 @@ class HeadEngine:
     `reference_accepted` and `num_differing` are the reference's."""
 
     def __init__(self, head_dir: str, embed, vocab_size: int, continuations, spec: dict,
-                 dtype=torch.float32, prefix_caching: bool = False) -> None:
+                 dtype=torch.float32, prefix_caching: bool = False,
+                 device: str = "cpu") -> None:
         from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
         from vllm_specplug.proposers.eagle3_head import HeadRuntime
 
@@ -93,23 +96,28 @@ class HeadEngine:
         self.depth = self.shape[1]  # the deepest draft
         max_len = max(len(c.token_ids) for c in continuations) + self.num_drafts + 2
         num_slots = len(continuations)
-        self.states = RequestStates(num_slots, max_len)
-        config = _config(head_dir, spec, num_slots, max_len, dtype, vocab_size, prefix_caching)
-        self.speculator = SpecplugV2HeadSpeculator(config, torch.device("cpu"), self.states)
+        self.device = device
+        self.states = RequestStates(num_slots, max_len, device)
+        config = _config(head_dir, spec, num_slots, max_len, dtype, vocab_size, prefix_caching,
+                         device)
+        self.speculator = SpecplugV2HeadSpeculator(config, torch.device(device), self.states)
         target = SimpleNamespace(embed_input_ids=embed)
         # one rank, no distributed state: the target's embedding as it is
         with mock.patch("vllm_specplug.integration.head_drafter.token_embedding",
                         lambda model: model.embed_input_ids):
             self.speculator.attach(target, SimpleNamespace(bind=lambda *slots: None), {})
-        self.last_sampled = torch.zeros(num_slots, 1, dtype=torch.int64)
+        self.last_sampled = torch.zeros(num_slots, 1, dtype=torch.int64, device=device)
         self.accepted = np.zeros(self.depth, dtype=np.int64)  # steps accepting depth d + 1
         self.num_steps = 0
         self.batch_rows: list[int] = []  # the last step's slots, in batch order
         self.blocks: dict[int, list[int]] = {}  # each slot's request's KV block ids
         self.next_block = 0
         self.finished: list[str] = []  # reported by the next step's scheduler output
+        # eager, on the PyTorch attention: on CUDA what the speculator's graphs,
+        # kernels and compiled steps should draft
         self.reference = HeadRuntime(self.speculator.runtime.layer, embed,
-                                     self.speculator.runtime.draft_temperature)
+                                     self.speculator.runtime.draft_temperature,
+                                     attention_backend="torch")
         self.reference_drafts: dict[int, torch.Tensor] = {}
         self.reference_accepted = np.zeros(self.depth, dtype=np.int64)
         self.num_differing = 0  # steps whose drafts differ from the reference's
@@ -162,10 +170,11 @@ class HeadEngine:
 
     def _propose(self, batch, aux: torch.Tensor, num_sampled, num_rejected) -> torch.Tensor:
         width = aux.shape[1] // 3  # V2 hands the auxiliary layers over one [T, H] each
-        layers = [aux[:, i * width:(i + 1) * width].contiguous() for i in range(3)]
+        layers = [aux[:, i * width:(i + 1) * width].to(self.device) for i in range(3)]
         drafts = self.speculator.propose(
-            batch, None, None, layers[0], layers, num_sampled, num_rejected, self.last_sampled,
-            torch.zeros(1, len(self.seqs), dtype=torch.int64), None, None)
+            batch, None, None, layers[0], layers, num_sampled.to(self.device),
+            num_rejected.to(self.device), self.last_sampled,
+            torch.zeros(1, len(self.seqs), dtype=torch.int64, device=self.device), None, None)
         self.batch_rows = [int(r) for r in batch.idx_mapping_np]
         return drafts.clone()
 
@@ -178,16 +187,17 @@ class HeadEngine:
         first = np.array([t.hit for t in turns], dtype=np.int32) if prefilling else prompt
         return SimpleNamespace(
             num_reqs=len(turns), req_ids=[t.req_id for t in turns],
-            idx_mapping=torch.tensor(slots, dtype=torch.int64),  # as model_runner.py makes them
+            idx_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),  # as V2's
             idx_mapping_np=np.asarray(slots, dtype=np.intp),
-            query_start_loc=torch.from_numpy(cu), query_start_loc_np=cu,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.from_numpy(cu).to(self.device), query_start_loc_np=cu,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             seq_lens_cpu_upper_bound=np.asarray(seq_lens, dtype=np.int32),
             num_scheduled_tokens=np.asarray(counts, dtype=np.int32),
             # a prefill's logits: its last row's; a decode's: every draft's and the bonus
             cu_num_logits=torch.from_numpy(np.concatenate(
-                [[0], np.cumsum([1 if prefilling else c for c in counts])]).astype(np.int32)),
-            input_ids=torch.tensor(input_ids, dtype=torch.int32),
+                [[0], np.cumsum([1 if prefilling else c for c in counts])]).astype(np.int32))
+            .to(self.device),
+            input_ids=torch.tensor(input_ids, dtype=torch.int32, device=self.device),
             is_prefilling_np=np.full(len(turns), prefilling),
             num_computed_prefill_tokens_np=first, prefill_len_np=prompt,
             num_draft_tokens=0 if prefilling else len(turns) * self.num_drafts,
@@ -225,7 +235,8 @@ class HeadEngine:
             self._compare(t, s, proposed, parents)
             if self.speculator.tree_slots is not None:
                 self.speculator.tree_slots.accepted_nodes[b] = NO_NODE
-                self.speculator.tree_slots.accepted_nodes[b, :len(path)] = torch.tensor(path)
+                self.speculator.tree_slots.accepted_nodes[b, :len(path)] = torch.tensor(
+                    path, device=self.device)
             depths = self._depths(parents)
             input_ids += [int(seq.token_ids[s]), *proposed.tolist()]
             aux.append(seq.aux_hidden[s + depths])
@@ -283,21 +294,24 @@ class HeadEngine:
         from the root at `end`. `left_out`: a position whose row it then
         drops, as an adopted prefix's last row is (`HeadBlockStore.gather`)."""
         seq, dtype = self.seqs[turn.slot], self.reference.layer.dtype
-        self.reference.ingest(turn.req_id, seq.aux_hidden[first:end].to(dtype),
-                              seq.token_ids[first + 1:end + 1], torch.arange(first, end))
+        device = self.device
+        self.reference.ingest(turn.req_id, seq.aux_hidden[first:end].to(device, dtype),
+                              seq.token_ids[first + 1:end + 1].to(device),
+                              torch.arange(first, end, device=device))
         if left_out is not None and self.speculator.prefix is not None:
             pool = self.reference.pool
             with torch.inference_mode():  # the pool's tensors are inference tensors
                 pool.valid[pool.slot_of[turn.req_id], left_out] = False
-        tree = self.reference.draft_trees([turn.req_id], seq.token_ids[end:end + 1],
-                                          torch.tensor([end]), *self.shape)
+        tree = self.reference.draft_trees([turn.req_id], seq.token_ids[end:end + 1].to(device),
+                                          torch.tensor([end], device=device), *self.shape)
         self.reference_drafts[turn.slot] = (tree.token_ids[0, 1:].clone(),
                                             tree.parent_ids[0].tolist())
 
     def _post_update(self, slot: int, tokens: list[int]) -> None:
         """What V2's post_update leaves: the request's tokens so far (the last
         one its last sampled token), the positions computed before it."""
-        self.states.all_token_ids.gpu[slot, :len(tokens)] = torch.tensor(tokens)
+        self.states.all_token_ids.gpu[slot, :len(tokens)] = torch.tensor(tokens,
+                                                                         device=self.device)
         self.states.total_len.gpu[slot] = len(tokens)
         self.states.num_computed_tokens_np[slot] = len(tokens) - 1
         self.last_sampled[slot] = tokens[-1]

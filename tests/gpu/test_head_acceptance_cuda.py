@@ -77,3 +77,32 @@ def test_the_engines_drafting_paths_accept_what_the_reference_path_accepts(conti
     for variant, tau in found.items():
         assert tau == pytest.approx(reference, rel=TOLERANCE[dtype]), (variant, found,
                                                                       reference)
+
+
+CHAIN = {"topk": 1, "num_steps": 5}
+TREE = {"topk": 4, "num_steps": 4, "num_draft_tokens": 16, "draft_temperature": 0.25}
+
+
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_v2_speculator_on_cuda_drafts_what_the_reference_path_drafts(continuations,
+                                                                           spec, dtype):
+    """The speculator as Model Runner V2 drives it (`tests/v2_head_driver.py`,
+    on CUDA: its fused step's graphs, the Triton verified rows and head
+    attention, `draft_compile`) against a plain runtime on the PyTorch path
+    fed the same verified positions, at the same steps: the same τ (float32:
+    within 1%; bfloat16: 3%), and in float32 nearly every step the same drafts."""
+    from tests.v2_head_driver import HeadEngine, Turn
+
+    head, found, embed = continuations
+    engine = HeadEngine(str(head), lambda ids: embed(ids.long()), embed.num_embeddings, found,
+                        spec, _script().DTYPES[dtype], device="cuda")
+    engine.serve([Turn(r, f"r{r}", c.prompt_len, len(c.token_ids))
+                  for r, c in enumerate(found)])
+    assert not any(engine.speculator.failure_counts.values()), engine.speculator.failure_counts
+    tau, reference = (1 + a.sum() / engine.num_steps
+                      for a in (engine.accepted, engine.reference_accepted))
+    assert tau == pytest.approx(reference, rel=TOLERANCE[dtype]), (tau, reference)
+    if dtype == "fp32":
+        assert engine.num_differing <= 0.02 * engine.num_steps, (engine.num_differing,
+                                                                 engine.num_steps)

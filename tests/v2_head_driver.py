@@ -80,9 +80,10 @@ class Turn:
 
 class HeadEngine:
     """Slot r decodes `continuations[r]` (token ids [T], the target's
-    auxiliary hidden states [T, L * H] there). `accepted` sums the drafts
-    accepted at each position and `num_steps` counts verified steps;
-    `reference_accepted` and `num_differing` are the reference's."""
+    auxiliary hidden states [T, L * H] there) on `device`. `accepted[d]`
+    counts the verified steps that accepted a draft at depth d + 1, of
+    `num_steps`; `reference_accepted` the reference's, `num_differing` the
+    steps whose drafts (tokens or parents) differ from the reference's."""
 
     def __init__(self, head_dir: str, embed, vocab_size: int, continuations, spec: dict,
                  dtype=torch.float32, prefix_caching: bool = False,
@@ -118,7 +119,7 @@ class HeadEngine:
         self.reference = HeadRuntime(self.speculator.runtime.layer, embed,
                                      self.speculator.runtime.draft_temperature,
                                      attention_backend="torch")
-        self.reference_drafts: dict[int, torch.Tensor] = {}
+        self.reference_drafts: dict[int, tuple[torch.Tensor, list[int]]] = {}  # tokens, parents
         self.reference_accepted = np.zeros(self.depth, dtype=np.int64)
         self.num_differing = 0  # steps whose drafts differ from the reference's
 

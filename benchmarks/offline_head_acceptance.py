@@ -15,6 +15,9 @@ a chain of `--num-drafts` from token t (`HeadRuntime.draft_trees`, top-1,
 the pass Model Runner V2 replays), and a draft counts as accepted while it
 and every draft before it equal the target's tokens t + 1, t + 2, ...
 (greedy verification, arXiv 2401.15077). τ = 1 + the accepted drafts a step.
+(The hidden states come from transformers in this process, not from
+`vllm-specplug extract`, which starts an engine and writes shards: here a
+few dozen prompts are wanted at once, in float32, and nothing kept.)
 
 Each variant is `<dtype>[-compiled][-torch|-triton]`: the head's weights and
 activations in bf16 or fp32, its dense steps through `torch.compile`

@@ -3,16 +3,11 @@ walking a tree gives the same rows (the script asserts it), and the greedy
 way's paths are those over the rows (`rows_walk`); its tables are written."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grammar_walk.py"
+from tests.scripts import benchmark_script
 
 
 def test_the_walk_benchmark_runs_and_its_ways_agree(tiny_model_dir, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_grammar_walk", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("bench_grammar_walk")
     assert bench.main(["--model", str(tiny_model_dir), "--nodes", "4", "--trees", "3",
                        "--step-batch", "6", "--repeats", "1", "--workers", "1",
                        "--out", str(tmp_path)]) == 0

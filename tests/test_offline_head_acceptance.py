@@ -6,22 +6,15 @@ accepts what it accepts in engines, and bad variants are refused naming
 the part."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_head_acceptance.py"
+from tests.scripts import benchmark_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("offline_head_acceptance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("offline_head_acceptance")
 
 
 def test_offline_acceptance_of_the_builtin_head(tiny_model_dir, tiny_eagle3_dir, tmp_path,

@@ -13,13 +13,9 @@ speculator's host-side layout of the step; the drafting's GPU paths are
 `tests/gpu/test_head_acceptance_cuda.py`'s."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_head_acceptance.py"
+from tests.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +24,7 @@ def continuations(tiny_model_dir, tiny_eagle3_dir):
     from vllm_specplug.cli.bench_inputs import load_prompts
     from vllm_specplug.draft_models.eagle3_model import Eagle3Head
 
-    spec = importlib.util.spec_from_file_location("offline_head_acceptance", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script
-    spec.loader.exec_module(script)
+    script = benchmark_script("offline_head_acceptance")
     aux_ids = Eagle3Head.from_pretrained(tiny_eagle3_dir).config.aux_layer_ids
     return script.continuations(str(tiny_model_dir), load_prompts("held-out", 5),
                                 aux_ids, 64, "cpu")

@@ -15,32 +15,25 @@ Run on the staged GPU host (docs/gpu.md) with the tiny model and its head in
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.gpu.test_model_runner_v2 import work  # noqa: F401
+from tests.scripts import benchmark_script
+from tests.test_v2_head_drafts import CHAIN, TREE
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU (the head's passes as CUDA graphs, the Triton attention, "
            "inductor's CUDA kernels); run on the staged GPU host as docs/gpu.md says")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_head_acceptance.py"
 # τ of the GPU paths over the reference path's, at most this far apart: fp32
 # drafts differ only at near-ties of the head's argmax; bf16 rounds each step
 TOLERANCE = {"fp32": 0.01, "bf16": 0.03}
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("offline_head_acceptance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("offline_head_acceptance")
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +71,6 @@ def test_the_engines_drafting_paths_accept_what_the_reference_path_accepts(conti
         assert tau == pytest.approx(reference, rel=TOLERANCE[dtype]), (variant, found,
                                                                       reference)
 
-
-CHAIN = {"topk": 1, "num_steps": 5}
-TREE = {"topk": 4, "num_steps": 4, "num_draft_tokens": 16, "draft_temperature": 0.25}
 
 
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree16"])

@@ -4,7 +4,7 @@ acceptance against the target's own greedy continuations.
     python benchmarks/offline_head_acceptance.py --target DIR --head DIR \\
         --prompts mt-bench --num-prompts 40 --max-tokens 128 \\
         --variants bf16 bf16-compiled fp32 [--device cuda] [--cuda-graphs] [--out FILE.json]
-        [--speculator '{"topk": 1, "num_steps": 5}' --speculator-dtype bf16]
+        [--speculator '{"topk": 1, "num_steps": 5}' --speculator-dtype bf16 --speculator-batch 1]
 
 The target (a Hugging Face Llama directory, run in float32 by transformers)
 writes each prompt's greedy answer (first turns only); its hidden states at
@@ -194,8 +194,10 @@ def through_speculator(args, found, embed) -> list[dict]:
         started = time.perf_counter()
         engine = HeadEngine(args.head, lambda ids: embed(ids.long()), embed.num_embeddings,
                             found, spec, DTYPES[args.speculator_dtype], device=args.device)
-        engine.serve([Turn(r, f"r{r}", c.prompt_len, len(c.token_ids))
-                      for r, c in enumerate(found)])
+        turns = [Turn(r, f"r{r}", c.prompt_len, len(c.token_ids)) for r, c in enumerate(found)]
+        size = args.speculator_batch or len(turns)
+        for first in range(0, len(turns), size):  # batches of `size` requests, one after another
+            engine.serve(turns[first:first + size])
         for name, accepted in (("speculator", engine.accepted),
                                ("reference", engine.reference_accepted)):
             per_position = (accepted / max(engine.num_steps, 1)).tolist()
@@ -238,6 +240,9 @@ def main(argv=None) -> int:
                         "drafting through the Model Runner V2 speculator at the engine's "
                         "steps, beside the PyTorch path fed the same positions (repeat)")
     parser.add_argument("--speculator-dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--speculator-batch", type=int, default=0, metavar="N",
+                        help="the speculator serves the prompts N at a time (default: all "
+                        "in one batch)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the head's passes as CUDA graphs (CUDA only)")

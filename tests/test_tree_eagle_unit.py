@@ -408,6 +408,28 @@ def test_head_block_store_hands_whole_cached_prefixes_to_new_requests():
     assert pool.keys[slot, :, :4].eq(9).all()
 
 
+def test_head_block_store_keeps_a_prefixs_last_row_for_the_same_next_token():
+    """Saved with the token each block's last row was computed with, a
+    prefix's last row comes back valid only for a request whose token after
+    the prefix is the same (a repeat, a chat's next turn); for another token,
+    or where none was saved, it is left out."""
+    import numpy as np
+
+    from vllm_specplug.proposers.head_cache import HeadBlockStore
+
+    store = HeadBlockStore()
+    keys = torch.randn(2, 8, 3)
+    store.save_blocks([7, 9], keys, -keys, next_ids=torch.tensor([41, 42]))
+    store.save_blocks([5], keys[:, :4], keys[:, :4])  # no next token saved
+    assert store.gather(np.array([7, 9]), 42)[2].tolist() == [True] * 8
+    assert store.gather(np.array([7, 9]), 43)[2].tolist() == [True] * 7 + [False]
+    assert store.gather(np.array([7]), 41)[2].tolist() == [True] * 4
+    assert store.gather(np.array([9, 5]), 42)[2].tolist() == [True] * 7 + [False]
+    *_, valid, lengths = store.gather_many([[7], [7, 9], [5]], torch.tensor([41, 40, 7]))
+    assert lengths == [4, 8, 4]
+    assert valid.tolist() == [True] * 4 + [True] * 7 + [False] + [True] * 3 + [False]
+
+
 def _runtime(drafter: str):
     """A HeadRuntime over a random EAGLE-3 head or MTP layer (CPU, fp32),
     and the width of what the target hands it per position."""

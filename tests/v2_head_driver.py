@@ -25,7 +25,7 @@ BLOCK_SIZE = 16
 
 
 def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dtype,
-            vocab_size: int, prefix_caching: bool, device: str):
+            vocab_size: int, hidden_size: int, prefix_caching: bool, device: str):
     from vllm_specplug.integration.config import attach, translate
 
     _, selection = translate({"method": "specplug_eagle3", "model": head_dir, **spec})
@@ -39,7 +39,8 @@ def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dt
         # on CUDA the head's passes are graphs, with draft_compile, as in an engine
         model_config=SimpleNamespace(max_model_len=max_model_len, dtype=dtype,
                                      enforce_eager=device == "cpu", model="target",
-                                     get_vocab_size=lambda: vocab_size),
+                                     get_vocab_size=lambda: vocab_size,
+                                     get_hidden_size=lambda: hidden_size),
         cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching,
                                      block_size=BLOCK_SIZE),
         structured_outputs_config=SimpleNamespace(reasoning_parser=None,
@@ -99,14 +100,20 @@ class HeadEngine:
         num_slots = len(continuations)
         self.device = device
         self.states = RequestStates(num_slots, max_len, device)
-        config = _config(head_dir, spec, num_slots, max_len, dtype, vocab_size, prefix_caching,
-                         device)
+        self.dtype = dtype  # the target's: what V2 hands the head of its hidden states
+        hidden_size = continuations[0].aux_hidden.shape[1] // 3
+        config = _config(head_dir, spec, num_slots, max_len, dtype, vocab_size, hidden_size,
+                         prefix_caching, device)
         self.speculator = SpecplugV2HeadSpeculator(config, torch.device(device), self.states)
         target = SimpleNamespace(embed_input_ids=embed)
         # one rank, no distributed state: the target's embedding as it is
         with mock.patch("vllm_specplug.integration.head_drafter.token_embedding",
                         lambda model: model.embed_input_ids):
             self.speculator.attach(target, SimpleNamespace(bind=lambda *slots: None), {})
+        # as V2 does before serving: on CUDA the fused step's graphs and the
+        # passes of steps with prefills captured on placeholder inputs
+        # (nothing on CPU, where the head runs eagerly)
+        self.speculator.capture()
         self.last_sampled = torch.zeros(num_slots, 1, dtype=torch.int64, device=device)
         self.accepted = np.zeros(self.depth, dtype=np.int64)  # steps accepting depth d + 1
         self.num_steps = 0
@@ -122,6 +129,7 @@ class HeadEngine:
         self.reference_drafts: dict[int, tuple[torch.Tensor, list[int]]] = {}  # tokens, parents
         self.reference_accepted = np.zeros(self.depth, dtype=np.int64)
         self.num_differing = 0  # steps whose drafts differ from the reference's
+        self.noise = torch.Generator().manual_seed(0)  # rejected rows' hidden states
 
     def serve(self, turns: list[Turn]) -> None:
         """The turns' prefills in one step, their decode steps, their finish."""
@@ -171,7 +179,8 @@ class HeadEngine:
 
     def _propose(self, batch, aux: torch.Tensor, num_sampled, num_rejected) -> torch.Tensor:
         width = aux.shape[1] // 3  # V2 hands the auxiliary layers over one [T, H] each
-        layers = [aux[:, i * width:(i + 1) * width].to(self.device) for i in range(3)]
+        layers = [aux[:, i * width:(i + 1) * width].to(self.device, self.dtype)
+                  for i in range(3)]
         drafts = self.speculator.propose(
             batch, None, None, layers[0], layers, num_sampled.to(self.device),
             num_rejected.to(self.device), self.last_sampled,
@@ -216,7 +225,7 @@ class HeadEngine:
             self.states.prompt_len.np[t.slot] = t.prompt_len
             self._post_update(t.slot, self.seqs[t.slot].token_ids[:t.prompt_len + 1].tolist())
             self.reference.forget(t.req_id)
-            self._reference_step(t, 0, t.prompt_len, left_out=t.hit - 1 if t.hit else None)
+            self._reference_step(t, 0, t.prompt_len)
         batch = self._batch(turns, counts, input_ids, [t.prompt_len for t in turns], True)
         ones = torch.ones(len(turns), dtype=torch.int32)
         return self._propose(batch, aux, ones, torch.zeros_like(ones))
@@ -240,7 +249,7 @@ class HeadEngine:
                     path, device=self.device)
             depths = self._depths(parents)
             input_ids += [int(seq.token_ids[s]), *proposed.tolist()]
-            aux.append(seq.aux_hidden[s + depths])
+            aux.append(self._step_states(seq, s, depths, path))
             seq_lens.append(s + self.num_drafts + 1)
             num_sampled.append(len(path))
             self._post_update(t.slot, seq.token_ids[:s + len(path) + 1].tolist())
@@ -251,6 +260,19 @@ class HeadEngine:
         sampled = torch.tensor(num_sampled, dtype=torch.int32)
         return self._propose(batch, torch.cat(aux), sampled,
                              self.num_drafts + 1 - sampled)
+
+    def _step_states(self, seq, root: int, depths: torch.Tensor, path: list[int]):
+        """The target's hidden states at a step's rows [N + 1, L * H]: the
+        accepted path's are the continuation's; a rejected node's are noise,
+        as the target's there (computed on a token off the continuation) are
+        nothing the head may use: a speculator reading one would draft
+        otherwise than the reference."""
+        rows = seq.aux_hidden[root + depths].clone()
+        rejected = [n for n in range(len(depths)) if n not in path]
+        if rejected:
+            noise = torch.randn(len(rejected), rows.shape[1], generator=self.noise)
+            rows[rejected] = noise * rows.std()
+        return rows
 
     def _verify(self, turn: Turn, root: int, proposed: torch.Tensor):
         """The drafts' parents ([N] node ids, -1 for the root: a chain's
@@ -288,21 +310,17 @@ class HeadEngine:
         self.num_differing += int(not torch.equal(proposed, tokens)
                                   or parents != ref_parents)
 
-    def _reference_step(self, turn: Turn, first: int, end: int,
-                        left_out: int | None = None) -> None:
+    def _reference_step(self, turn: Turn, first: int, end: int) -> None:
         """The reference ingests the turn's verified positions [first, end)
         (the target's hidden state at each, the token after it) and drafts
-        from the root at `end`. `left_out`: a position whose row it then
-        drops, as an adopted prefix's last row is (`HeadBlockStore.gather`)."""
+        from the root at `end`. (An adopted prefix keeps its last row: the
+        request that saved it, of the same sequence, had the same token
+        after it, `HeadBlockStore.gather_many`.)"""
         seq, dtype = self.seqs[turn.slot], self.reference.layer.dtype
         device = self.device
         self.reference.ingest(turn.req_id, seq.aux_hidden[first:end].to(device, dtype),
                               seq.token_ids[first + 1:end + 1].to(device),
                               torch.arange(first, end, device=device))
-        if left_out is not None and self.speculator.prefix is not None:
-            pool = self.reference.pool
-            with torch.inference_mode():  # the pool's tensors are inference tensors
-                pool.valid[pool.slot_of[turn.req_id], left_out] = False
         tree = self.reference.draft_trees([turn.req_id], seq.token_ids[end:end + 1].to(device),
                                           torch.tensor([end], device=device), *self.shape)
         self.reference_drafts[turn.slot] = (tree.token_ids[0, 1:].clone(),

@@ -289,11 +289,13 @@ class TreeEagleDrafter(V1DrafterHooks):
             hidden = torch.cat([h for h, _, _ in rows])
             next_ids, positions = [n for _, n, _ in rows], [p for _, _, p in rows]
         for req_id, (_, row, *_), pos in zip(req_ids, verified, positions):
-            self._adopt_cached_prefix(req_id, table, row, int(pos[0]))
+            self._adopt_cached_prefix(req_id, table, row, int(pos[0]),
+                                      int(batch.token_ids_cpu[row, int(pos[0])]))
         self.head.ingest_many(  # positions stay on the host: the head keeps them there
             req_ids, hidden, torch.from_numpy(np.concatenate(next_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
-        self._store_blocks(req_ids, [v[1] for v in verified], positions, table)
+        self._store_blocks(req_ids, [v[1] for v in verified], positions, table,
+                           batch.token_ids_cpu)
 
     def _verified(self, batch, step) -> list[tuple]:
         """[(req_id, batch row, token rows of this step, positions, next
@@ -308,22 +310,26 @@ class TreeEagleDrafter(V1DrafterHooks):
                                  batch.token_ids_cpu[row, pos[keep] + 1].astype(np.int64)))
         return verified
 
-    def _adopt_cached_prefix(self, req_id: str, table, row: int, first: int) -> None:
+    def _adopt_cached_prefix(self, req_id: str, table, row: int, first: int,
+                             first_id: int) -> None:
         """A request new to the head whose first position follows blocks that
         vLLM's prefix cache supplied gets the head's rows of those blocks
-        (vLLM's eagle3 finds its draft KV in the same cached blocks)."""
+        (vLLM's eagle3 finds its draft KV in the same cached blocks);
+        `first_id`: its token at `first` (the prefix's last row is kept
+        where the request that saved it had the same)."""
         size = table.block_size
         if (first == 0 or first % size or self.head.pool is None
                 or self.head.last_position(req_id) != NO_POSITION):
             return
-        rows = self.block_store.gather(table.block_table.np[row, :first // size])
+        rows = self.block_store.gather(table.block_table.np[row, :first // size], first_id)
         if rows is not None:
             self.head.pool.adopt(req_id, *rows)
 
     def _store_blocks(self, req_ids: list[str], batch_rows: list[int],
-                      positions: list[np.ndarray], table) -> None:
+                      positions: list[np.ndarray], table, token_ids: np.ndarray) -> None:
         """Blocks written this step lose their stored rows (a new owner);
-        those the request's head cache now covers whole are stored."""
+        those the request's head cache now covers whole are stored, with
+        the token after each one's last row (`token_ids` [rows, max_len])."""
         size, pool = table.block_size, self.head.pool
         for req_id, row, pos in zip(req_ids, batch_rows, positions):
             blocks, first = table.block_table.np[row], int(pos[0]) // size
@@ -331,8 +337,10 @@ class TreeEagleDrafter(V1DrafterHooks):
             slot = pool.slot_of[req_id]
             last = (self.head.last_position(req_id) + 1) // size
             span = slice(first * size, max(last, first) * size)
+            next_ids = token_ids[row, (first + 1) * size:last * size + 1:size]
             self.block_store.save_blocks(blocks[first:last], pool.keys[slot, :, span],
-                                         pool.values[slot, :, span])
+                                         pool.values[slot, :, span],
+                                         next_ids=torch.from_numpy(next_ids.astype(np.int64)))
 
     def _draftable(self, batch, sampled_token_ids) -> list[int]:
         rows = []

@@ -79,9 +79,13 @@ class HeadRows:
         """Requests new to their slot that start on cached blocks get the
         head's saved rows of them, and keep them (no longer `new`)."""
         first = input_batch.num_computed_prefill_tokens_np
+        # each one's token at its first position: its prefix's last saved row
+        # stays where the request that saved it had the same token there
+        starts = input_batch.query_start_loc_np[rows].astype(np.int64)
+        next_ids = input_batch.input_ids[to_device(starts, self.device)]
         adopted = self.prefix.adopt_all(
             [(input_batch.req_ids[row], int(input_batch.idx_mapping_np[row]), int(first[row]))
-             for row in rows], self.runtime.pool)
+             for row in rows], self.runtime.pool, next_ids)
         new[rows[adopted]] = False
 
     def _ingest_decodes(self, input_batch, rows: np.ndarray, hidden, aux, num_rejected,

@@ -295,7 +295,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.guard.call("schedule", finished, self.prefix.schedule, scheduler_output,
                         req_states.req_id_to_index.get,
                         lambda slot: int(req_states.num_computed_tokens_np[slot]),
-                        self.runtime.pool)
+                        self.runtime.pool, req_states.all_token_ids.gpu)
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,

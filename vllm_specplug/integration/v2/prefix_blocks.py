@@ -23,14 +23,19 @@ draft positions were accepted, so here:
 - a new request whose computed prefix is whole blocks, all saved, starts
   with their rows (`HeadCachePool.adopt_slot`).
 
-The prefix's last row is left out (`HeadBlockStore.gather`): it was
-computed with the token that followed it in the request that saved it.
+The prefix's last row was computed with the token that followed it in the
+request that saved it: saved beside it (read from the request's token ids on
+the device), the row is kept where the new request's token there is the same
+(a repeated prompt, a chat's next turn), left out elsewhere
+(`HeadBlockStore.gather_many`). vLLM's `eagle3` keeps it either way.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from vllm_specplug.proposers.head_cache import HeadBlockStore
+from vllm_specplug.verification.backend import to_device
 
 
 class PrefixBlocks:
@@ -43,17 +48,21 @@ class PrefixBlocks:
         self.hits: dict[str, int] = {}  # new request -> positions its prefix hit supplied
         self.num_adopted = 0  # requests that started on saved rows (tests, stats)
 
-    def schedule(self, scheduler_output, slot_of, num_computed, pool) -> None:
+    def schedule(self, scheduler_output, slot_of, num_computed, pool,
+                 token_ids: torch.Tensor | None = None) -> None:
         """Before the runner applies `scheduler_output`: save the finished and
         preempted requests' blocks (`slot_of(req_id)` -> their state slot,
         still theirs; `num_computed(slot)` -> positions the scheduler counted
-        computed), drop freshly allocated blocks, record new block lists."""
+        computed; `token_ids` [slots, max_len]: each slot's tokens, V2's
+        `all_token_ids`), drop freshly allocated blocks, record new block
+        lists."""
         gone = set(scheduler_output.finished_req_ids)
         gone |= set(scheduler_output.preempted_req_ids or ())
         for req_id in gone:
             slot = slot_of(req_id)
             if slot is not None and pool is not None:
-                self._save(self.block_ids.get(req_id, []), slot, num_computed(slot), pool)
+                self._save(self.block_ids.get(req_id, []), slot, num_computed(slot), pool,
+                           None if token_ids is None else token_ids[slot])
             self.block_ids.pop(req_id, None)
             self.hits.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
@@ -69,32 +78,43 @@ class PrefixBlocks:
                 self.store.drop(new_ids[0])
                 self.block_ids.setdefault(req_id, []).extend(new_ids[0])
 
-    def _save(self, block_ids: list[int], slot: int, num_positions: int, pool) -> None:
+    def _save(self, block_ids: list[int], slot: int, num_positions: int, pool,
+              token_ids: torch.Tensor | None) -> None:
         """The request's whole blocks from its first one not saved yet: a
         block still saved was a prefix-cache hit of this request (a block
         handed out fresh is dropped), whose rows it adopted, less the row
         adoption leaves out, or, where the hit was not adopted, never
         ingested: saved again, they would only lose rows. One span a
-        request (`HeadBlockStore.save_blocks`: three copies), freed once
-        all its blocks are dropped."""
+        request (`HeadBlockStore.save_blocks`: four copies), freed once
+        all its blocks are dropped; `token_ids` [max_len]: the request's
+        tokens, each block's last row's next one saved with it."""
         num_blocks = min(len(block_ids), num_positions // self.block_size,
                          pool.capacity // self.block_size)
         first = next((b for b in range(num_blocks) if int(block_ids[b]) not in self.store.blocks),
                      num_blocks)
         span = slice(first * self.block_size, num_blocks * self.block_size)
+        next_ids = None
+        if token_ids is not None and num_blocks > first:  # the token after each block
+            next_ids = token_ids[(first + 1) * self.block_size:
+                                 num_blocks * self.block_size + 1:self.block_size]
         self.store.save_blocks(block_ids[first:num_blocks], pool.keys[slot, :, span],
-                               pool.values[slot, :, span], pool.valid[slot, span])
+                               pool.values[slot, :, span], pool.valid[slot, span], next_ids)
 
-    def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:
+    def adopt(self, req_id: str, slot: int, first_position: int, pool,
+              next_id: torch.Tensor | None = None) -> bool:
         """Give new request `req_id` (state slot `slot`, first computed
-        position `first_position`) its prefix's saved rows; True when it got
-        them (its cache must then be kept below `first_position`)."""
-        return bool(self.adopt_all([(req_id, slot, first_position)], pool)[0])
+        position `first_position`, its token there `next_id`: 0-d) its
+        prefix's saved rows; True when it got them (its cache must then be
+        kept below `first_position`)."""
+        next_ids = None if next_id is None else next_id.reshape(1)
+        return bool(self.adopt_all([(req_id, slot, first_position)], pool, next_ids)[0])
 
-    def adopt_all(self, requests: list[tuple[str, int, int]], pool) -> np.ndarray:
+    def adopt_all(self, requests: list[tuple[str, int, int]], pool,
+                  next_ids: torch.Tensor | None = None) -> np.ndarray:
         """`adopt` for (request, slot, first position) of several new
-        requests, their rows written in a few launches together. Returns
-        which got them ([R] bool)."""
+        requests, their rows written in a few launches together; `next_ids`
+        [R]: each one's token at its first position (None: every prefix's
+        last row left out). Returns which got them ([R] bool)."""
         adopted = np.zeros(len(requests), dtype=bool)
         slots, block_lists = [], []
         for r, (req_id, slot, first_position) in enumerate(requests):
@@ -105,6 +125,8 @@ class PrefixBlocks:
                 slots.append(slot)
                 block_lists.append(block_ids)
         if slots:
-            pool.adopt_slots(slots, *self.store.gather_many(block_lists))
+            tokens = None if next_ids is None else next_ids[to_device(
+                np.flatnonzero(adopted), next_ids.device)]
+            pool.adopt_slots(slots, *self.store.gather_many(block_lists, tokens))
             self.num_adopted += len(slots)
         return adopted

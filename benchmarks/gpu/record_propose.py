@@ -4,30 +4,27 @@ to 0.95x vLLM's `eagle3` with the same head on the H200, where driving our
 speculator outside an engine, on the same GPU paths, drafts what the
 reference drafts: docs/results/smollm2_sets_large_h200).
 
-    record  NAME SPEC_JSON --model DIR --out DIR [--num-prompts 4] [--max-tokens 128]
-            [--no-prefix-caching]
+    record  NAME SPEC_JSON --model DIR --out DIR [--prompts mt-bench] [--num-prompts 4]
+            [--turns 2] [--repeats 2] [--max-tokens 128] [--no-prefix-caching]
         One engine (in this process: vLLM's engine core and worker in-process,
-        so the speculator's class can be wrapped), the prompts one at a time
-        (batch 1), greedy. Every non-dummy `propose` call is recorded: the
+        so the speculator's class can be wrapped), the conversations as
+        `bench offline` runs them at batch 1: greedy, to EOS or max_tokens,
+        turn after turn, the whole set `--repeats` times (later passes on
+        cached blocks). Every non-dummy `propose` call is recorded: the
         batch's request ids, its tokens and positions, query_start_loc,
         seq_lens, num_sampled, num_rejected, the last sampled token of each
         request, the target's auxiliary hidden states of every row
-        (bfloat16, [num_tokens, L * H]) and the drafts returned. One
-        safetensors file a prompt: NAME.P.safetensors, plus NAME.json (the
-        engine's outputs and settings).
+        (bfloat16, [num_tokens, L * H]) and the drafts returned. NAME.json
+        (each request's key rR.pP.tT, tokens, steps) and NAME.rR.safetensors
+        (a file a repeat: the device tool brings back 8 files).
 
-    compare A B --dir DIR [--head DIR]
-        Two recordings of the same prompts (greedy, so the same outputs):
-        per prompt, the target's hidden states the two speculators were
-        handed at the same positions (they should agree to bf16 rounding:
-        one target), and, at the steps whose roots are the same position,
-        how often their drafts agree depth by depth; each recording's τ at
-        its own steps. With --head, a plain `HeadRuntime` (PyTorch path,
-        float32 on this machine's CPU) fed each recording's own verified
-        rows drafts beside it: where an engine's drafts part from what its
-        inputs give, the speculator's step path is at fault; where both
-        engines' inputs give the same drafts but their own differ, it is
-        not the inputs.
+    compare A B --dir DIR
+        Two recordings of the same prompts (greedy, so the same outputs;
+        benchmarks/gpu/record_compare.py): per prompt, each recording's τ at
+        its own steps, how often the two drafted the same tokens, depth by
+        depth, at the roots both drafted from, and the target's hidden states
+        the two speculators were handed at the same verified positions (one
+        target: they should agree to bf16 rounding).
 
 Run on the staged GPU host (docs/gpu.md): `record` twice (vLLM's `eagle3`
 K=5 and our chain K=5), the files fetched, `compare` here.
@@ -42,8 +39,7 @@ from pathlib import Path
 
 import torch
 
-FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "num_sampled",
-          "num_rejected", "last_sampled", "aux", "drafts")
+from record_compare import FIELDS, compare  # beside this script
 
 
 class Recorder:
@@ -88,9 +84,43 @@ def speculator_class(spec: dict):
     return SpecplugV2HeadSpeculator
 
 
+class Recording:
+    """Requests' tokens and recorded steps, saved as NAME.json and
+    NAME.safetensors (`record_compare.load` reads them)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, prompt_ids: list[int], output_ids: list[int],
+            steps: list[dict]) -> None:
+        self.requests.append({"key": key, "prompt_token_ids": list(prompt_ids),
+                              "output_token_ids": list(output_ids), "num_steps": len(steps)})
+        self.tensors.update({f"{key}.{i:05d}.{field}": step[field].contiguous()
+                             for i, step in enumerate(steps) for field in FIELDS})
+
+    def save(self, out: Path, name: str, settings: dict) -> None:
+        """NAME.json and a NAME.rR.safetensors a repeat: the device tool brings
+        back 8 files of at most 16 MiB (4 conversations of 2 turns were
+        about 8 MB a repeat with SmolLM2)."""
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        for repeat in sorted({key.split(".")[0] for key in self.tensors}):
+            save_file({k: v for k, v in self.tensors.items() if k.startswith(f"{repeat}.")},
+                      str(out / f"{name}.{repeat}.safetensors"))
+        (out / f"{name}.json").write_text(json.dumps({**settings, "requests": self.requests},
+                                                     indent=1) + "\n")
+
+
+def _token_ids(request, tokenizer) -> list[int]:
+    if isinstance(request, str):
+        return tokenizer(request)["input_ids"]
+    return list(request["prompt_token_ids"])
+
+
 def record(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
-    from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
     from vllm_specplug.cli.bench_inputs import load_prompts
@@ -101,25 +131,27 @@ def record(args) -> None:
     llm = LLM(model=args.model, speculative_config=spec, max_model_len=4096, seed=0,
               gpu_memory_utilization=0.5, enable_prefix_caching=not args.no_prefix_caching)
     tokenizer = llm.get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    out, outputs = Path(args.out), []
-    out.mkdir(parents=True, exist_ok=True)
-    for p, prompt in enumerate(load_prompts("mt-bench", args.num_prompts)):
-        request = prompt.input_for(tokenizer, 0)
-        ids = (tokenizer(request)["input_ids"] if isinstance(request, str)
-               else list(request["prompt_token_ids"]))
-        recorder.steps.clear()
-        result = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-        outputs.append({"prompt_token_ids": ids,
-                        "output_token_ids": list(result.outputs[0].token_ids),
-                        "num_steps": len(recorder.steps)})
-        save_file({f"{i:05d}.{field}": step[field].contiguous()
-                   for i, step in enumerate(recorder.steps) for field in FIELDS},
-                  str(out / f"{args.name}.{p}.safetensors"))
-        print(f"{args.name} prompt {p}: {len(recorder.steps)} steps", flush=True)
-    (out / f"{args.name}.json").write_text(json.dumps(
-        {"spec": spec, "model": args.model, "prefix_caching": not args.no_prefix_caching,
-         "outputs": outputs}, indent=1) + "\n")
+    # as `bench offline` runs them: greedy, to EOS or max_tokens, turn after turn
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    recording = Recording()
+    for repeat in range(args.repeats):  # a repeat finds the earlier one's blocks cached
+        answers: list[list[str]] = [[] for _ in prompts]
+        for turn in range(args.turns):  # every prompt's first turn, then the second ones
+            for p, prompt in enumerate(prompts):
+                if turn >= prompt.num_turns:
+                    continue
+                key = f"r{repeat}.p{p}.t{turn}"
+                ids = _token_ids(prompt.input_for(tokenizer, turn, answers[p]), tokenizer)
+                recorder.steps.clear()
+                output = llm.generate({"prompt_token_ids": ids}, params,
+                                      use_tqdm=False)[0].outputs[0]
+                answers[p].append(output.text)
+                recording.add(key, ids, output.token_ids, recorder.steps)
+                print(f"{args.name} {key}: {len(recorder.steps)} steps", flush=True)
+    recording.save(Path(args.out), args.name,
+                   {"spec": spec, "model": args.model,
+                    "prefix_caching": not args.no_prefix_caching})
 
 
 def main(argv=None) -> int:
@@ -131,21 +163,22 @@ def main(argv=None) -> int:
     rec.add_argument("spec", help="a speculative_config as JSON")
     rec.add_argument("--model", required=True)
     rec.add_argument("--out", required=True)
+    rec.add_argument("--prompts", default="mt-bench", help="a set as `bench offline` takes it")
     rec.add_argument("--num-prompts", type=int, default=4)
+    rec.add_argument("--turns", type=int, default=2, help="turns of each conversation")
+    rec.add_argument("--repeats", type=int, default=2,
+                     help="passes over the prompts (the second on cached blocks)")
     rec.add_argument("--max-tokens", type=int, default=128)
     rec.add_argument("--no-prefix-caching", action="store_true")
     cmp = sub.add_parser("compare")
     cmp.add_argument("a")
     cmp.add_argument("b")
     cmp.add_argument("--dir", required=True)
-    cmp.add_argument("--head", default=None)
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from benchmarks.gpu.record_compare import compare
-        print(compare(Path(args.dir), args.a, args.b, args.head))
+        print(compare(Path(args.dir), args.a, args.b))
     return 0
 
 

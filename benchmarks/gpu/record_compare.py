@@ -1,0 +1,97 @@
+"""`record_propose.py compare`: two engines' recordings of the same greedy
+prompts, side by side (batch 1: one request a step).
+
+A step's root is the position of the token it drafts from (the last one
+sampled): its first row's position plus its rows less the rejected ones. A
+draft at depth d is accepted while it and every draft before it equal the
+output's tokens after the root (greedy verification).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# what `record_propose.Recorder` keeps of each `propose` call
+FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "num_sampled",
+          "num_rejected", "last_sampled", "aux", "drafts")
+
+
+@dataclass
+class Prompt:
+    """One prompt's recording: its tokens (prompt then output) and, by root
+    position, the drafts made there and the target's rows handed over."""
+    token_ids: np.ndarray                                          # [T] int64
+    drafts: dict[int, np.ndarray] = field(default_factory=dict)    # root -> [K] int64
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)    # position -> [L * H]
+
+
+def load(directory: Path, name: str) -> dict[str, Prompt]:
+    """Every request of recording `name` (NAME.json, NAME.rR.safetensors), by
+    its key (rR.pP.tT: repeat, prompt, turn)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((directory / f"{name}.json").read_text())
+    tensors = {}
+    for path in sorted(directory.glob(f"{name}.r*.safetensors")):
+        tensors.update(load_file(str(path)))
+    found = {}
+    for request in meta["requests"]:
+        key = request["key"]
+        prompt = Prompt(np.asarray(request["prompt_token_ids"] + request["output_token_ids"]))
+        for i in range(request["num_steps"]):
+            _add_step(prompt, {f: tensors[f"{key}.{i:05d}.{f}"] for f in FIELDS})
+        found[key] = prompt
+    return found
+
+
+def _add_step(prompt: Prompt, step: dict) -> None:
+    positions = step["positions"].long().numpy()
+    count = int(step["query_start_loc"][1] - step["query_start_loc"][0])
+    root = int(positions[0]) + count - int(step["num_rejected"][0])
+    prompt.drafts[root] = step["drafts"][0].long().numpy()
+    ids = step["input_ids"].long().numpy()
+    for i in range(count):  # rows whose token is the sequence's: the verified ones
+        position = int(positions[i])
+        if position < len(prompt.token_ids) and ids[i] == prompt.token_ids[position]:
+            prompt.rows[position] = step["aux"][i].float()
+
+
+def accepted(prompt: Prompt, root: int) -> int:
+    """Drafts at `root` accepted against the prompt's own output."""
+    truth = prompt.token_ids[root + 1:]
+    drafts = prompt.drafts[root][:len(truth)]
+    hits = np.cumprod(drafts == truth[:len(drafts)])
+    return int(hits.sum())
+
+
+def compare(directory: Path, name_a: str, name_b: str) -> str:
+    """A text report, a line a prompt: whether the outputs are the same,
+    each recording's steps and τ at its own steps, the roots both drafted
+    from and how often their drafts agree at each depth there, and the
+    verified positions both handed the target's rows for, with the largest
+    difference between them."""
+    a, b = load(directory, name_a), load(directory, name_b)
+    lines = [f"{'request':<12}{'same out':>9}{'steps':>12}{'tau':>16}{'common':>8}"
+             f"{'same drafts by depth':>28}{'rows':>7}{'max |diff|':>12}"]
+    for key in [k for k in a if k in b]:
+        lines.append(_line(key, a[key], b[key]))
+    return "\n".join(lines)
+
+
+def _line(key: str, pa: Prompt, pb: Prompt) -> str:
+    same_output = np.array_equal(pa.token_ids, pb.token_ids)
+    taus = [1 + sum(accepted(q, r) for r in q.drafts) / max(len(q.drafts), 1)
+            for q in (pa, pb)]
+    common = sorted(set(pa.drafts) & set(pb.drafts))
+    depth = min(len(pa.drafts[common[0]]), len(pb.drafts[common[0]])) if common else 0
+    agree = [np.mean([pa.drafts[r][d] == pb.drafts[r][d] for r in common])
+             for d in range(depth)]
+    shared = sorted(set(pa.rows) & set(pb.rows))
+    diff = max((float((pa.rows[i] - pb.rows[i]).abs().max()) for i in shared), default=0.0)
+    return (f"{key:<12}{str(same_output):>9}{len(pa.drafts):>6}/{len(pb.drafts):<5}"
+            f"{taus[0]:>8.3f}/{taus[1]:<7.3f}{len(common):>8}"
+            f"{' '.join(f'{x:.2f}' for x in agree):>28}{len(shared):>7}{diff:>12.4g}")

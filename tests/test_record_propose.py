@@ -28,22 +28,26 @@ def scripts():
         sys.path.remove(str(GPU_BENCHMARKS))
 
 
-def _batch(positions: list[int], input_ids: list[int]):
-    """V2's input batch fields for one request's step (batch 1)."""
-    n = len(positions)
-    return SimpleNamespace(req_ids=["a"], num_tokens=n, num_reqs=1,
-                           input_ids=torch.tensor(input_ids + [0, 0], dtype=torch.int32),
+def _batch(rows: list[tuple[list[int], list[int]]]):
+    """V2's input batch fields of a step: (positions, token ids) a request."""
+    positions = [x for pos, _ in rows for x in pos]
+    cu = np.cumsum([0] + [len(pos) for pos, _ in rows])
+    return SimpleNamespace(req_ids=["x", "y"][:len(rows)], num_tokens=len(positions),
+                           num_reqs=len(rows),
+                           input_ids=torch.tensor([x for _, ids in rows for x in ids] + [0, 0],
+                                                  dtype=torch.int32),
                            positions=torch.tensor(positions + [0, 0]),
-                           query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                           seq_lens=torch.tensor([positions[-1] + 1], dtype=torch.int32),
-                           idx_mapping=torch.tensor([3]))
+                           query_start_loc=torch.tensor(cu, dtype=torch.int32),
+                           seq_lens=torch.tensor([pos[-1] + 1 for pos, _ in rows],
+                                                 dtype=torch.int32),
+                           idx_mapping=torch.tensor([3, 1][:len(rows)]))
 
 
 class _Speculator:
     """Drafts what it is told; the wrapped class's calls are recorded."""
 
-    def __init__(self, drafts: list[list[int]]) -> None:
-        self.drafts = [torch.tensor([d]) for d in drafts]
+    def __init__(self, drafts: list[list[list[int]]]) -> None:
+        self.drafts = [torch.tensor(d) for d in drafts]
 
     def propose(self, input_batch=None, attn_metadata=None, slot_mappings=None, hidden=None,
                 aux=None, num_sampled=None, num_rejected=None, last_sampled=None, *rest,
@@ -51,51 +55,71 @@ class _Speculator:
         return torch.zeros(1, 2, dtype=torch.long) if dummy_run else self.drafts.pop(0)
 
 
-def _run(record_propose, drafts, aux_shift: float):
-    """A prompt of 3 tokens (5 6 7) whose output is 8 9 10 11: a prefill step
-    (root 8 at position 3), then a decode step verifying its drafts."""
+# request x: prompt 5 6 7, output 8 9 10 11; request y: prompt 1 2, output 3 4
+PROMPTS = {"x": ([5, 6, 7], [8, 9, 10, 11]), "y": ([1, 2], [3, 4])}
+
+
+def _run(record_propose, drafts, aux_shift: float, hidden: bool = True):
+    """A step of both prefills (roots 8 at 3 and 3 at 2), then a decode step:
+    x verifies 8 9 12 at 3-5 (9 accepted, 12 rejected, 10 sampled at 5, the
+    next root), y verifies 3 4 at 2-3 (4 accepted, the bonus at 4)."""
     class Speculator(_Speculator):
         pass
 
-    recorder = record_propose.Recorder()
+    recorder = record_propose.Recorder(hidden=hidden)
     recorder.wrap(Speculator)
     speculator = Speculator(drafts)
     last = torch.zeros(4, 1, dtype=torch.long)
-    aux = [torch.arange(10, dtype=torch.float32).reshape(5, 2) + aux_shift]
+    aux = [torch.arange(16, dtype=torch.float32).reshape(8, 2) + aux_shift]
     speculator.propose(input_batch=None, dummy_run=True)  # V2's warm-up: not recorded
-    speculator.propose(_batch([0, 1, 2], [5, 6, 7]), None, None, None, aux,
-                       torch.tensor([1]), torch.tensor([0]), last)
-    # the decode step: root 8 at 3, drafts 9 12 at 4 5: 9 accepted, 12 rejected,
-    # 10 sampled at 5 (the next root)
-    speculator.propose(_batch([3, 4, 5], [8, 9, 12]), None, None, None, aux,
-                       torch.tensor([2]), torch.tensor([1]), last)
+    speculator.propose(_batch([([0, 1, 2], [5, 6, 7]), ([0, 1], [1, 2])]), None, None, None,
+                       aux, torch.tensor([1, 1]), torch.tensor([0, 0]), last)
+    speculator.propose(_batch([([3, 4, 5], [8, 9, 12]), ([2, 3], [3, 4])]), None, None, None,
+                       aux, torch.tensor([2, 2]), torch.tensor([1, 0]), last)
     return recorder.steps
+
+
+def _save(record_propose, path, name, drafts, shift, hidden=True):
+    steps = _run(record_propose, drafts, shift, hidden)
+    assert len(steps) == 2  # the dummy run left out
+    recording = record_propose.Recording()
+    for repeat in (0, 1):  # a repeat: a file of its own
+        recording.add_wave(f"r{repeat}.t0.w0", [(f"r{repeat}.p{p}.t0", *PROMPTS[r])
+                                               for p, r in enumerate("xy")], steps)
+    recording.save(path, name, {"spec": {}})
 
 
 def test_a_recording_compares_roots_tau_drafts_and_hidden_states(scripts, tmp_path):
     record_propose, record_compare = scripts
-    for name, drafts, shift in (("a", [[9, 12], [11, 13]], 0.0), ("b", [[9, 4], [2, 13]], 0.5)):
-        steps = _run(record_propose, drafts, shift)
-        assert len(steps) == 2  # the dummy run left out
-        recording = record_propose.Recording()
-        for key in ("r0.p0.t0", "r1.p0.t0"):  # a repeat: a file of its own
-            recording.add(key, [5, 6, 7], [8, 9, 10, 11], steps)
-        recording.save(tmp_path, name, {"spec": {}})
+    _save(record_propose, tmp_path, "a", [[[9, 12], [4, 0]], [[11, 13], [0, 0]]], 0.0)
+    _save(record_propose, tmp_path, "b", [[[9, 4], [4, 0]], [[2, 13], [0, 0]]], 0.5)
     assert sorted(f.name for f in tmp_path.iterdir()) == [
         "a.json", "a.r0.safetensors", "a.r1.safetensors",
         "b.json", "b.r0.safetensors", "b.r1.safetensors"]
-    loaded = record_compare.load(tmp_path, "a")["r0.p0.t0"]
-    assert sorted(loaded.drafts) == [3, 5]  # roots: after the prefill, after 9 was accepted
-    assert [record_compare.accepted(loaded, r) for r in (3, 5)] == [1, 1]
-    # rows handed over whose token is the sequence's: 0-2 (prefill), 3-4 (12 at 5 rejected)
-    assert sorted(loaded.rows) == [0, 1, 2, 3, 4]
+    loaded = record_compare.load(tmp_path, "a")
+    x, y = loaded["r0.p0.t0"], loaded["r0.p1.t0"]
+    assert sorted(x.drafts) == [3, 5]  # roots: after the prefill, after 9 was accepted
+    assert [record_compare.accepted(x, r) for r in (3, 5)] == [1, 1]
+    assert sorted(y.drafts) == [2, 4] and [record_compare.accepted(y, r) for r in (2, 4)] == [1, 0]
+    # rows handed over whose token is the sequence's: x 0-2 (prefill), 3-4 (12 at 5 rejected)
+    assert sorted(x.rows) == [0, 1, 2, 3, 4] and sorted(y.rows) == [0, 1, 2, 3]
+    assert np.array_equal(x.token_ids, [5, 6, 7, 8, 9, 10, 11])
     lines = record_compare.compare(tmp_path, "a", "b").splitlines()
-    assert len(lines) == 3 and lines[1].split()[1:] == lines[2].split()[1:]
+    assert [line.split()[0] for line in lines[1:]] == ["r0.p0.t0", "r0.p1.t0",
+                                                       "r1.p0.t0", "r1.p1.t0"]
     line = lines[1].split()
     # outputs the same, 2 steps each, τ 2.0 vs 1.5 (b's draft at root 5 rejected),
     # 2 common roots, drafts agreeing half the time at each depth, 5 rows 0.5 apart
-    assert line[:2] == ["r0.p0.t0", "True"]
-    assert line[2:5] == ["2/2", "2.000/1.500", "2"]
-    assert [float(x) for x in line[5:7]] == [0.5, 0.5]
+    assert line[1:5] == ["True", "2/2", "2.000/1.500", "2"]
+    assert [float(v) for v in line[5:7]] == [0.5, 0.5]
     assert line[7:] == ["5", "0.5"]
-    assert np.array_equal(loaded.token_ids, [5, 6, 7, 8, 9, 10, 11])
+    assert lines[2].split()[1:5] == ["True", "2/2", "1.500/1.500", "2"]
+
+
+def test_a_recording_without_hidden_states_compares_the_drafts(scripts, tmp_path):
+    record_propose, record_compare = scripts
+    for name in ("a", "b"):
+        _save(record_propose, tmp_path, name, [[[9, 12], [4, 0]], [[11, 13], [0, 0]]], 0.0,
+              hidden=False)
+    line = record_compare.compare(tmp_path, "a", "b").splitlines()[1].split()
+    assert line[1:] == ["True", "2/2", "2.000/2.000", "2", "1.00", "1.00", "0", "0"]

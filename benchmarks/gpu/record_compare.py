@@ -1,5 +1,6 @@
 """`record_propose.py compare`: two engines' recordings of the same greedy
-prompts, side by side (batch 1: one request a step).
+prompts, side by side, request by request (a batch's steps split by request;
+an engine's request id matched to its prompt by the tokens of its first rows).
 
 A step's root is the position of the token it drafts from (the last one
 sampled): its first row's position plus its rows less the rejected ones. A
@@ -39,25 +40,42 @@ def load(directory: Path, name: str) -> dict[str, Prompt]:
     for path in sorted(directory.glob(f"{name}.r*.safetensors")):
         tensors.update(load_file(str(path)))
     found = {}
-    for request in meta["requests"]:
-        key = request["key"]
-        prompt = Prompt(np.asarray(request["prompt_token_ids"] + request["output_token_ids"]))
-        for i in range(request["num_steps"]):
-            _add_step(prompt, {f: tensors[f"{key}.{i:05d}.{f}"] for f in FIELDS})
-        found[key] = prompt
+    for wave in meta["waves"]:
+        prompts = {r["key"]: Prompt(np.asarray(r["prompt_token_ids"] + r["output_token_ids"]))
+                   for r in wave["requests"]}
+        owner: dict[str, str] = {}  # the engine's request id -> its key
+        for i, req_ids in enumerate(wave["req_ids"]):
+            step = {f: tensors[f"{wave['key']}.{i:05d}.{f}"] for f in FIELDS}
+            for j, req_id in enumerate(req_ids):
+                key = owner.get(req_id) or _match(step, j, prompts, set(owner.values()))
+                if key is not None:
+                    owner[req_id] = key
+                    _add_step(prompts[key], step, j)
+        found.update(prompts)
     return found
 
 
-def _add_step(prompt: Prompt, step: dict) -> None:
-    positions = step["positions"].long().numpy()
-    count = int(step["query_start_loc"][1] - step["query_start_loc"][0])
-    root = int(positions[0]) + count - int(step["num_rejected"][0])
-    prompt.drafts[root] = step["drafts"][0].long().numpy()
-    ids = step["input_ids"].long().numpy()
-    for i in range(count):  # rows whose token is the sequence's: the verified ones
-        position = int(positions[i])
+def _match(step: dict, j: int, prompts: dict[str, Prompt], taken: set) -> str | None:
+    """The request whose tokens are the step's rows of batch row `j`."""
+    start, end = (int(x) for x in step["query_start_loc"][j:j + 2])
+    first = int(step["positions"][start])
+    ids = step["input_ids"][start:end].long().numpy()
+    return next((key for key, prompt in prompts.items() if key not in taken and
+                 np.array_equal(prompt.token_ids[first:first + len(ids)], ids)), None)
+
+
+def _add_step(prompt: Prompt, step: dict, j: int) -> None:
+    """Batch row `j` of a step: its drafts by root, its verified rows."""
+    start, end = (int(x) for x in step["query_start_loc"][j:j + 2])
+    positions = step["positions"][start:end].long().numpy()
+    root = int(positions[0]) + (end - start) - int(step["num_rejected"][j])
+    prompt.drafts[root] = step["drafts"][j].long().numpy()
+    ids = step["input_ids"][start:end].long().numpy()
+    if step["aux"].shape[1] == 0:  # recorded with --no-hidden
+        return
+    for i, position in enumerate(positions):  # the rows whose token is the sequence's
         if position < len(prompt.token_ids) and ids[i] == prompt.token_ids[position]:
-            prompt.rows[position] = step["aux"][i].float()
+            prompt.rows[int(position)] = step["aux"][start + i].float()
 
 
 def accepted(prompt: Prompt, root: int) -> int:

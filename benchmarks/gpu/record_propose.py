@@ -5,18 +5,21 @@ speculator outside an engine, on the same GPU paths, drafts what the
 reference drafts: docs/results/smollm2_sets_large_h200).
 
     record  NAME SPEC_JSON --model DIR --out DIR [--prompts mt-bench] [--num-prompts 4]
-            [--turns 2] [--repeats 2] [--max-tokens 128] [--no-prefix-caching]
+            [--turns 2] [--repeats 2] [--batch-size 1] [--max-tokens 128]
+            [--no-prefix-caching] [--no-hidden]
         One engine (in this process: vLLM's engine core and worker in-process,
         so the speculator's class can be wrapped), the conversations as
-        `bench offline` runs them at batch 1: greedy, to EOS or max_tokens,
-        turn after turn, the whole set `--repeats` times (later passes on
-        cached blocks). Every non-dummy `propose` call is recorded: the
-        batch's request ids, its tokens and positions, query_start_loc,
-        seq_lens, num_sampled, num_rejected, the last sampled token of each
-        request, the target's auxiliary hidden states of every row
-        (bfloat16, [num_tokens, L * H]) and the drafts returned. NAME.json
-        (each request's key rR.pP.tT, tokens, steps) and NAME.rR.safetensors
-        (a file a repeat: the device tool brings back 8 files).
+        `bench offline` runs them: greedy, to EOS or max_tokens, every
+        prompt's first turn in waves of `--batch-size` requests, then the
+        second turns, the whole set `--repeats` times (later passes on cached
+        blocks). Every non-dummy `propose` call is recorded: the batch's
+        request ids, its tokens and positions, query_start_loc, seq_lens,
+        num_sampled, num_rejected, the last sampled token of each request,
+        the target's auxiliary hidden states of every row (bfloat16, [num_tokens,
+        L * H]; none with --no-hidden) and the drafts returned. NAME.json
+        (the waves, each request's key rR.pP.tT and tokens) and
+        NAME.rR.safetensors (a file a repeat: the device tool brings back 8
+        files of at most 16 MiB).
 
     compare A B --dir DIR
         Two recordings of the same prompts (greedy, so the same outputs;
@@ -46,8 +49,9 @@ class Recorder:
     """Wraps a speculator class's `propose`: each real call's inputs and
     drafts copied to the host (a sync a step: speed is not measured here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: bool = True) -> None:
         self.steps: list[dict] = []
+        self.hidden = hidden  # False: no hidden states kept (big batches' files)
 
     def wrap(self, cls) -> None:
         original = cls.propose
@@ -72,7 +76,8 @@ class Recorder:
             "seq_lens": batch.seq_lens[:r].cpu(),
             "num_sampled": num_sampled[:r].cpu(), "num_rejected": num_rejected[:r].cpu(),
             "last_sampled": last_sampled[batch.idx_mapping[:r].long()].reshape(r, -1)[:, -1].cpu(),
-            "aux": torch.cat([a[:n] for a in aux], -1).to(torch.bfloat16).cpu(),
+            "aux": (torch.cat([a[:n] for a in aux], -1).to(torch.bfloat16).cpu()
+                    if self.hidden else torch.zeros(n, 0, dtype=torch.bfloat16)),
             "drafts": drafts[:r].clone().cpu()})
 
 
@@ -85,17 +90,21 @@ def speculator_class(spec: dict):
 
 
 class Recording:
-    """Requests' tokens and recorded steps, saved as NAME.json and
-    NAME.safetensors (`record_compare.load` reads them)."""
+    """Waves (one `generate` call each: a batch of requests) and their
+    recorded steps, saved as NAME.json and NAME.rR.safetensors
+    (`record_compare.load` reads them)."""
 
     def __init__(self) -> None:
-        self.requests: list[dict] = []
+        self.waves: list[dict] = []
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def add(self, key: str, prompt_ids: list[int], output_ids: list[int],
-            steps: list[dict]) -> None:
-        self.requests.append({"key": key, "prompt_token_ids": list(prompt_ids),
-                              "output_token_ids": list(output_ids), "num_steps": len(steps)})
+    def add_wave(self, key: str, requests: list[tuple[str, list[int], list[int]]],
+                 steps: list[dict]) -> None:
+        """`requests`: (its key rR.pP.tT, prompt ids, output ids) of each."""
+        self.waves.append({"key": key, "req_ids": [step["req_ids"] for step in steps],
+                           "requests": [{"key": k, "prompt_token_ids": list(prompt),
+                                         "output_token_ids": list(output)}
+                                        for k, prompt, output in requests]})
         self.tensors.update({f"{key}.{i:05d}.{field}": step[field].contiguous()
                              for i, step in enumerate(steps) for field in FIELDS})
 
@@ -109,7 +118,7 @@ class Recording:
         for repeat in sorted({key.split(".")[0] for key in self.tensors}):
             save_file({k: v for k, v in self.tensors.items() if k.startswith(f"{repeat}.")},
                       str(out / f"{name}.{repeat}.safetensors"))
-        (out / f"{name}.json").write_text(json.dumps({**settings, "requests": self.requests},
+        (out / f"{name}.json").write_text(json.dumps({**settings, "waves": self.waves},
                                                      indent=1) + "\n")
 
 
@@ -126,7 +135,7 @@ def record(args) -> None:
     from vllm_specplug.cli.bench_inputs import load_prompts
 
     spec = json.loads(args.spec)
-    recorder = Recorder()
+    recorder = Recorder(hidden=not args.no_hidden)
     recorder.wrap(speculator_class(spec))
     llm = LLM(model=args.model, speculative_config=spec, max_model_len=4096, seed=0,
               gpu_memory_utilization=0.5, enable_prefix_caching=not args.no_prefix_caching)
@@ -138,17 +147,21 @@ def record(args) -> None:
     for repeat in range(args.repeats):  # a repeat finds the earlier one's blocks cached
         answers: list[list[str]] = [[] for _ in prompts]
         for turn in range(args.turns):  # every prompt's first turn, then the second ones
-            for p, prompt in enumerate(prompts):
-                if turn >= prompt.num_turns:
-                    continue
-                key = f"r{repeat}.p{p}.t{turn}"
-                ids = _token_ids(prompt.input_for(tokenizer, turn, answers[p]), tokenizer)
+            active = [p for p, prompt in enumerate(prompts) if turn < prompt.num_turns]
+            for w in range(0, len(active), args.batch_size):  # waves of batch_size
+                wave = active[w:w + args.batch_size]
+                ids = [_token_ids(prompts[p].input_for(tokenizer, turn, answers[p]), tokenizer)
+                       for p in wave]
                 recorder.steps.clear()
-                output = llm.generate({"prompt_token_ids": ids}, params,
-                                      use_tqdm=False)[0].outputs[0]
-                answers[p].append(output.text)
-                recording.add(key, ids, output.token_ids, recorder.steps)
-                print(f"{args.name} {key}: {len(recorder.steps)} steps", flush=True)
+                outputs = llm.generate([{"prompt_token_ids": x} for x in ids], params,
+                                       use_tqdm=False)
+                for p, output in zip(wave, outputs):
+                    answers[p].append(output.outputs[0].text)
+                recording.add_wave(f"r{repeat}.t{turn}.w{w}",
+                                   [(f"r{repeat}.p{p}.t{turn}", x, o.outputs[0].token_ids)
+                                    for p, x, o in zip(wave, ids, outputs)], recorder.steps)
+                print(f"{args.name} r{repeat} t{turn} wave {w}: {len(recorder.steps)} steps",
+                      flush=True)
     recording.save(Path(args.out), args.name,
                    {"spec": spec, "model": args.model,
                     "prefix_caching": not args.no_prefix_caching})
@@ -166,10 +179,14 @@ def main(argv=None) -> int:
     rec.add_argument("--prompts", default="mt-bench", help="a set as `bench offline` takes it")
     rec.add_argument("--num-prompts", type=int, default=4)
     rec.add_argument("--turns", type=int, default=2, help="turns of each conversation")
+    rec.add_argument("--batch-size", type=int, default=1,
+                     help="requests a `generate` call (a wave), as bench's batch size")
     rec.add_argument("--repeats", type=int, default=2,
                      help="passes over the prompts (the second on cached blocks)")
     rec.add_argument("--max-tokens", type=int, default=128)
     rec.add_argument("--no-prefix-caching", action="store_true")
+    rec.add_argument("--no-hidden", action="store_true",
+                     help="keep no hidden states (files of big batches stay under 16 MiB)")
     cmp = sub.add_parser("compare")
     cmp.add_argument("a")
     cmp.add_argument("b")

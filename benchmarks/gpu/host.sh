@@ -20,6 +20,9 @@
 #   bash benchmarks/gpu/host.sh head-build [NAME]  # build-model NAME (smollm2-eagle3-large) on
 #                                                  # the GPU; resumable: repeat until it prints the dir
 #   bash benchmarks/gpu/host.sh head-pack [NAME]   # that head into $OUT as parts of 15 MB
+#   bash benchmarks/gpu/host.sh record [ARGS]      # vLLM's eagle3 K=5 and our chain K=5 on
+#        SmolLM2 + HEAD (default $HOME/heads/large): what each speculator is handed and
+#        drafts, recorded (benchmarks/gpu/record_propose.py record ARGS), then compared
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -119,8 +122,20 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     dir=$(python3 -m vllm_specplug.cli.main build-model "${2:-smollm2-eagle3-large}" | tail -1)
     tar -C "$dir" -cf - --exclude=checkpoints . | split -b 15000000 -d -a 1 - "$OUT/head.tar.part."
     (cd "$dir" && sha256sum model.safetensors) > "$OUT/head.sha256"; ls -la "$OUT" ;;
+  record)
+    shift
+    model=$(python3 -m vllm_specplug.cli.main build-model smollm2 | tail -1)
+    head=${HEAD:-$HOME/heads/large}
+    for row in "vllm|{\"method\": \"eagle3\", \"model\": \"$head\", \"num_speculative_tokens\": 5}" \
+               "ours|{\"method\": \"specplug_eagle3\", \"model\": \"$head\", \"topk\": 1, \"num_steps\": 5}"; do
+      timeout "${RECORD_TIMEOUT:-270}" python3 benchmarks/gpu/record_propose.py record \
+        "${row%%|*}" "${row#*|}" --model "$model" --out "$OUT/rec" "$@" 2>&1 \
+        | tee "/tmp/rec-${row%%|*}.log" | grep -a " steps$\|Error" | tail -4
+    done
+    python3 benchmarks/gpu/record_propose.py compare vllm ours --dir "$OUT/rec" \
+      | tee "$OUT/rec/compare.txt" ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|pytest|tiny-bench"
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|pytest|tiny-bench|head-build|head-pack|record"
      exit 2 ;;
 esac

@@ -41,13 +41,15 @@ def test_drafting_through_the_v2_speculator_beside_the_reference(tiny_model_dir,
                                                                  tiny_eagle3_dir, tmp_path):
     """`--speculator`: the chain through the Model Runner V2 speculator at the
     engine's steps, and the plain runtime fed the same positions: on CPU in
-    float32 the same drafts, step for step."""
+    float32 the same drafts, step for step (the prompts served one at a
+    time, `--speculator-batch 1`: batch 1, as the engine's at batch 1)."""
     script = _script()
     out = tmp_path / "speculator.json"
     assert script.main(["--target", str(tiny_model_dir), "--head", str(tiny_eagle3_dir),
                         "--prompts", "held-out", "--num-prompts", "2", "--max-tokens", "32",
                         "--variants", "--speculator", '{"topk": 1, "num_steps": 5}',
-                        "--speculator-dtype", "fp32", "--out", str(out)]) == 0
+                        "--speculator-dtype", "fp32", "--speculator-batch", "1",
+                        "--out", str(out)]) == 0
     speculator, reference = json.loads(out.read_text())["rows"]
     assert speculator["variant"].startswith("speculator") and speculator["num_steps"] > 0
     assert speculator["per_position"] == reference["per_position"]

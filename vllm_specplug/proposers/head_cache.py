@@ -235,7 +235,7 @@ class HeadBlockStore:
         there (kept regardless, it made a repeated seeded request draft,
         and so sample, differently; left out always, a chat's next turn or a
         repeated prompt drafted without the row nearest its suffix: τ 3.31
-        instead of 3.46 on repeats of the built-in model's prompts)."""
+        on repeats of the built-in model's prompts, 3.43 the first time)."""
         if not self.has_all(block_ids):
             return None
         next_ids = None if next_id is None else torch.tensor([int(next_id)])

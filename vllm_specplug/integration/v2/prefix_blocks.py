@@ -82,9 +82,9 @@ class PrefixBlocks:
               token_ids: torch.Tensor | None) -> None:
         """The request's whole blocks from its first one not saved yet: a
         block still saved was a prefix-cache hit of this request (a block
-        handed out fresh is dropped), whose rows it adopted, less the row
-        adoption leaves out, or, where the hit was not adopted, never
-        ingested: saved again, they would only lose rows. One span a
+        handed out fresh is dropped), whose rows it adopted (less a last
+        row left out for another next token), or, where the hit was not
+        adopted, never ingested: saved again, they would only lose rows. One span a
         request (`HeadBlockStore.save_blocks`: four copies), freed once
         all its blocks are dropped; `token_ids` [max_len]: the request's
         tokens, each block's last row's next one saved with it."""

@@ -105,8 +105,12 @@ def test_a_recording_compares_roots_tau_drafts_and_hidden_states(scripts, tmp_pa
     assert sorted(x.rows) == [0, 1, 2, 3, 4] and sorted(y.rows) == [0, 1, 2, 3]
     assert np.array_equal(x.token_ids, [5, 6, 7, 8, 9, 10, 11])
     lines = record_compare.compare(tmp_path, "a", "b").splitlines()
-    assert [line.split()[0] for line in lines[1:]] == ["r0.p0.t0", "r0.p1.t0",
-                                                       "r1.p0.t0", "r1.p1.t0"]
+    assert [line.split()[0] for line in lines[1:5]] == ["r0.p0.t0", "r0.p1.t0",
+                                                        "r1.p0.t0", "r1.p1.t0"]
+    # a repeat (x and y): 4 steps, 3 drafts accepted by a, 2 by b; turn 0: both repeats
+    summary = {line.split()[0]: line.split()[1:] for line in lines[7:]}
+    assert summary == {"r0": ["4/4", "1.750/1.500"], "r1": ["4/4", "1.750/1.500"],
+                       "t0": ["8/8", "1.750/1.500"], "all": ["8/8", "1.750/1.500"]}
     line = lines[1].split()
     # outputs the same, 2 steps each, τ 2.0 vs 1.5 (b's draft at root 5 rejected),
     # 2 common roots, drafts agreeing half the time at each depth, 5 rows 0.5 apart

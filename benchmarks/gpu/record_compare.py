@@ -87,23 +87,39 @@ def accepted(prompt: Prompt, root: int) -> int:
 
 
 def compare(directory: Path, name_a: str, name_b: str) -> str:
-    """A text report, a line a prompt: whether the outputs are the same,
+    """A text report, a line a request: whether the outputs are the same,
     each recording's steps and τ at its own steps, the roots both drafted
     from and how often their drafts agree at each depth there, and the
     verified positions both handed the target's rows for, with the largest
-    difference between them."""
+    difference between them; then steps and τ of each recording over all
+    requests, by turn (t0, t1) and by repeat (r0, r1)."""
     a, b = load(directory, name_a), load(directory, name_b)
     lines = [f"{'request':<12}{'same out':>9}{'steps':>12}{'tau':>16}{'common':>8}"
              f"{'same drafts by depth':>28}{'rows':>7}{'max |diff|':>12}"]
-    for key in [k for k in a if k in b]:
-        lines.append(_line(key, a[key], b[key]))
+    keys = [k for k in a if k in b]
+    lines += [_line(key, a[key], b[key]) for key in keys]
+    lines += ["", f"{'group':<12}{'steps':>14}{'tau':>16}"]
+    groups = {"all": keys}
+    for key in keys:  # by turn (t0, t1) and by repeat (r0, r1)
+        repeat, _, turn = key.split(".")
+        for group in (turn, repeat):
+            groups.setdefault(group, []).append(key)
+    for group, members in sorted(groups.items()):
+        steps, taus = zip(*(_tau([x[k] for k in members]) for x in (a, b)))
+        lines.append(f"{group:<12}{steps[0]:>8}/{steps[1]:<5}{taus[0]:>8.3f}/{taus[1]:<7.3f}")
     return "\n".join(lines)
+
+
+def _tau(prompts: list[Prompt]) -> tuple[int, float]:
+    """Steps and τ (1 + accepted drafts a step) over several requests."""
+    steps = sum(len(q.drafts) for q in prompts)
+    hits = sum(accepted(q, r) for q in prompts for r in q.drafts)
+    return steps, 1 + hits / max(steps, 1)
 
 
 def _line(key: str, pa: Prompt, pb: Prompt) -> str:
     same_output = np.array_equal(pa.token_ids, pb.token_ids)
-    taus = [1 + sum(accepted(q, r) for r in q.drafts) / max(len(q.drafts), 1)
-            for q in (pa, pb)]
+    taus = [_tau([q])[1] for q in (pa, pb)]
     common = sorted(set(pa.drafts) & set(pb.drafts))
     depth = min(len(pa.drafts[common[0]]), len(pb.drafts[common[0]])) if common else 0
     agree = [np.mean([pa.drafts[r][d] == pb.drafts[r][d] for r in common])

@@ -321,7 +321,7 @@ def test_partial_results_are_written_whole_after_each_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [PARTIAL_FILE]
 
 
-def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
+def test_bench_offline_two_specs(tiny_model_dir, tmp_path, capsys):
     """Interleaved engines over two prompt sets (repeat-and-edit prompts; one
     more with a two-turn chat), each set with its own rows and table. The
     three engines start at once (`--parallel-starts`): each row still reads
@@ -347,6 +347,8 @@ def test_bench_offline_two_specs(tiny_model_dir, tmp_path):
                  *[f"--spec={s}" for s in specs], "--warmup-runs", "1",
                  "--parallel-starts", "--out", str(out)])
     assert code == 0
+    # the header says what ran: 5 prompts loaded, each set's first 2 at batch 4
+    assert "5 prompts (6 turns; each set's first 2 at batch 4)" in capsys.readouterr().out
     result = json.loads((out / "offline.json").read_text())
     assert result["settings"]["order"] == "interleaved" and result["settings"]["parallel_starts"]
     assert result["settings"]["prompts"] == [str(edits), str(chats)]

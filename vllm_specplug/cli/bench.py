@@ -211,7 +211,9 @@ def run_offline_command(args) -> int:
                 "order": args.order, "parallel_starts": args.parallel_starts,
                 "prompt_limits": limits, "json_schema": schema,
                 "specs": {s.name: s.config for s in specs}}
-    print(f"\n{model}: {len(all_prompts)} prompts ({settings['num_turns']} turns), "
+    # --limit-prompts: a batch size runs each set's first N prompts
+    limited = "".join(f"; each set's first {n} at batch {b}" for b, n in sorted(limits.items()))
+    print(f"\n{model}: {len(all_prompts)} prompts ({settings['num_turns']} turns{limited}), "
           f"{args.max_tokens} new tokens a turn, temperature {args.temperature}, "
           f"{args.repeats} repeat(s) {args.order}; tok/s = median, x none = median "
           "of per-repeat ratios [min-max]")

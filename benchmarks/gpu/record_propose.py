@@ -23,14 +23,16 @@ reference drafts: docs/results/smollm2_sets_large_h200).
 
     compare A B --dir DIR
         Two recordings of the same prompts (greedy, so the same outputs;
-        benchmarks/gpu/record_compare.py): per prompt, each recording's τ at
+        benchmarks/gpu/record_compare.py): per request, each recording's τ at
         its own steps, how often the two drafted the same tokens, depth by
         depth, at the roots both drafted from, and the target's hidden states
         the two speculators were handed at the same verified positions (one
-        target: they should agree to bf16 rounding).
+        target: they should agree to bf16 rounding); then τ by turn and by
+        repeat.
 
-Run on the staged GPU host (docs/gpu.md): `record` twice (vLLM's `eagle3`
-K=5 and our chain K=5), the files fetched, `compare` here.
+Run on the staged GPU host (docs/gpu.md): `bash benchmarks/gpu/host.sh
+record [ARGS]` records vLLM's `eagle3` K=5 and our chain K=5 with the same
+head and prints the comparison; the files come back for a closer look.
 """
 from __future__ import annotations
 

@@ -289,8 +289,7 @@ class TreeEagleDrafter(V1DrafterHooks):
             hidden = torch.cat([h for h, _, _ in rows])
             next_ids, positions = [n for _, n, _ in rows], [p for _, _, p in rows]
         for req_id, (_, row, *_), pos in zip(req_ids, verified, positions):
-            self._adopt_cached_prefix(req_id, table, row, int(pos[0]),
-                                      int(batch.token_ids_cpu[row, int(pos[0])]))
+            self._adopt_cached_prefix(req_id, table, row, int(pos[0]), batch.token_ids_cpu[row])
         self.head.ingest_many(  # positions stay on the host: the head keeps them there
             req_ids, hidden, torch.from_numpy(np.concatenate(next_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
@@ -311,17 +310,18 @@ class TreeEagleDrafter(V1DrafterHooks):
         return verified
 
     def _adopt_cached_prefix(self, req_id: str, table, row: int, first: int,
-                             first_id: int) -> None:
+                             token_ids: np.ndarray) -> None:
         """A request new to the head whose first position follows blocks that
         vLLM's prefix cache supplied gets the head's rows of those blocks
         (vLLM's eagle3 finds its draft KV in the same cached blocks);
-        `first_id`: its token at `first` (the prefix's last row is kept
-        where the request that saved it had the same)."""
+        `token_ids`: its tokens (the prefix's last row is kept where the
+        request that saved it had the same token at `first`)."""
         size = table.block_size
         if (first == 0 or first % size or self.head.pool is None
                 or self.head.last_position(req_id) != NO_POSITION):
             return
-        rows = self.block_store.gather(table.block_table.np[row, :first // size], first_id)
+        rows = self.block_store.gather(table.block_table.np[row, :first // size],
+                                       int(token_ids[first]))
         if rows is not None:
             self.head.pool.adopt(req_id, *rows)
 
@@ -336,7 +336,9 @@ class TreeEagleDrafter(V1DrafterHooks):
             self.block_store.drop(blocks[first:int(pos[-1]) // size + 1])
             slot = pool.slot_of[req_id]
             last = (self.head.last_position(req_id) + 1) // size
-            span = slice(first * size, max(last, first) * size)
+            if last <= first:  # no block completed this step
+                continue
+            span = slice(first * size, last * size)
             next_ids = token_ids[row, (first + 1) * size:last * size + 1:size]
             self.block_store.save_blocks(blocks[first:last], pool.keys[slot, :, span],
                                          pool.values[slot, :, span],

@@ -100,14 +100,12 @@ class PrefixBlocks:
         self.store.save_blocks(block_ids[first:num_blocks], pool.keys[slot, :, span],
                                pool.values[slot, :, span], pool.valid[slot, span], next_ids)
 
-    def adopt(self, req_id: str, slot: int, first_position: int, pool,
-              next_id: torch.Tensor | None = None) -> bool:
+    def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:
         """Give new request `req_id` (state slot `slot`, first computed
-        position `first_position`, its token there `next_id`: 0-d) its
-        prefix's saved rows; True when it got them (its cache must then be
-        kept below `first_position`)."""
-        next_ids = None if next_id is None else next_id.reshape(1)
-        return bool(self.adopt_all([(req_id, slot, first_position)], pool, next_ids)[0])
+        position `first_position`) its prefix's saved rows, the last one
+        left out; True when it got them (its cache must then be kept below
+        `first_position`)."""
+        return bool(self.adopt_all([(req_id, slot, first_position)], pool)[0])
 
     def adopt_all(self, requests: list[tuple[str, int, int]], pool,
                   next_ids: torch.Tensor | None = None) -> np.ndarray:

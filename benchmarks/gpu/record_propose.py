@@ -6,7 +6,7 @@ reference drafts: docs/results/smollm2_sets_large_h200).
 
     record  NAME SPEC_JSON --model DIR --out DIR [--prompts mt-bench] [--num-prompts 4]
             [--turns 2] [--repeats 2] [--batch-size 1] [--max-tokens 128]
-            [--no-prefix-caching] [--no-hidden]
+            [--max-num-seqs 64] [--max-model-len 2048] [--no-prefix-caching] [--no-hidden]
         One engine (in this process: vLLM's engine core and worker in-process,
         so the speculator's class can be wrapped), the conversations as
         `bench offline` runs them: greedy, to EOS or max_tokens, every
@@ -139,8 +139,11 @@ def record(args) -> None:
     spec = json.loads(args.spec)
     recorder = Recorder(hidden=not args.no_hidden)
     recorder.wrap(speculator_class(spec))
-    llm = LLM(model=args.model, speculative_config=spec, max_model_len=4096, seed=0,
-              gpu_memory_utilization=0.5, enable_prefix_caching=not args.no_prefix_caching)
+    # bench offline's engine: max_model_len 2048, max_num_seqs its largest batch
+    # (the CUDA graphs' capture sizes follow it)
+    llm = LLM(model=args.model, speculative_config=spec, max_model_len=args.max_model_len,
+              seed=0, gpu_memory_utilization=0.5, max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=not args.no_prefix_caching)
     tokenizer = llm.get_tokenizer()
     # as `bench offline` runs them: greedy, to EOS or max_tokens, turn after turn
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -186,6 +189,9 @@ def main(argv=None) -> int:
     rec.add_argument("--repeats", type=int, default=2,
                      help="passes over the prompts (the second on cached blocks)")
     rec.add_argument("--max-tokens", type=int, default=128)
+    rec.add_argument("--max-num-seqs", type=int, default=64,
+                     help="as bench offline's (its largest batch size)")
+    rec.add_argument("--max-model-len", type=int, default=2048)
     rec.add_argument("--no-prefix-caching", action="store_true")
     rec.add_argument("--no-hidden", action="store_true",
                      help="keep no hidden states (files of big batches stay under 16 MiB)")

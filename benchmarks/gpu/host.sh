@@ -22,7 +22,8 @@
 #   bash benchmarks/gpu/host.sh head-pack [NAME]   # that head into $OUT as parts of 15 MB
 #   bash benchmarks/gpu/host.sh record [ARGS]      # vLLM's eagle3 K=5 and our chain K=5 on
 #        SmolLM2 + HEAD (default $HOME/heads/large): what each speculator is handed and
-#        drafts, recorded (benchmarks/gpu/record_propose.py record ARGS), then compared
+#        drafts, recorded (benchmarks/gpu/record_propose.py record ARGS), then compared;
+#        RECORD_ONLY=ours: our chain alone, compared with vLLM's of an earlier call
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -123,16 +124,23 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     tar -C "$dir" -cf - --exclude=checkpoints . | split -b 15000000 -d -a 1 - "$OUT/head.tar.part."
     (cd "$dir" && sha256sum model.safetensors) > "$OUT/head.sha256"; ls -la "$OUT" ;;
   record)
+    # recordings kept in $HOME/rec for the lease: RECORD_ONLY=ours records our
+    # chain alone (other ARGS: --sync, --engine-args) against vLLM's of an
+    # earlier call; both come back in $OUT/rec
     shift
     model=$(python3 -m vllm_specplug.cli.main build-model smollm2 | tail -1)
     head=${HEAD:-$HOME/heads/large}
+    mkdir -p "$HOME/rec" "$OUT/rec"
     for row in "vllm|{\"method\": \"eagle3\", \"model\": \"$head\", \"num_speculative_tokens\": 5}" \
                "ours|{\"method\": \"specplug_eagle3\", \"model\": \"$head\", \"topk\": 1, \"num_steps\": 5}"; do
+      [ -n "${RECORD_ONLY:-}" ] && [ "${row%%|*}" != "$RECORD_ONLY" ] && continue
+      rm -f "$HOME/rec/${row%%|*}".*
       timeout "${RECORD_TIMEOUT:-270}" python3 benchmarks/gpu/record_propose.py record \
-        "${row%%|*}" "${row#*|}" --model "$model" --out "$OUT/rec" "$@" 2>&1 \
+        "${row%%|*}" "${row#*|}" --model "$model" --out "$HOME/rec" "$@" 2>&1 \
         | tee "/tmp/rec-${row%%|*}.log" | grep -a " steps$\|Error" | tail -4
     done
-    python3 benchmarks/gpu/record_propose.py compare vllm ours --dir "$OUT/rec" \
+    cp "$HOME"/rec/* "$OUT/rec/"
+    python3 benchmarks/gpu/record_propose.py compare vllm ours --dir "$HOME/rec" \
       | tee "$OUT/rec/compare.txt" ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;

@@ -92,13 +92,14 @@ def compare(directory: Path, name_a: str, name_b: str) -> str:
     from and how often their drafts agree at each depth there, and the
     verified positions both handed the target's rows for, with the largest
     difference between them; then steps and τ of each recording over all
-    requests, by turn (t0, t1) and by repeat (r0, r1)."""
+    requests, by turn (t0, t1) and by repeat (r0, r1), with the share of
+    steps accepting each depth's draft."""
     a, b = load(directory, name_a), load(directory, name_b)
     lines = [f"{'request':<12}{'same out':>9}{'steps':>12}{'tau':>16}{'common':>8}"
              f"{'same drafts by depth':>28}{'rows':>7}{'max |diff|':>12}"]
     keys = [k for k in a if k in b]
     lines += [_line(key, a[key], b[key]) for key in keys]
-    lines += ["", f"{'group':<12}{'steps':>14}{'tau':>16}"]
+    lines += ["", f"{'group':<12}{'steps':>14}{'tau':>16}   per position (a | b)"]
     groups = {"all": keys}
     for key in keys:  # by turn (t0, t1) and by repeat (r0, r1)
         repeat, _, turn = key.split(".")
@@ -106,7 +107,10 @@ def compare(directory: Path, name_a: str, name_b: str) -> str:
             groups.setdefault(group, []).append(key)
     for group, members in sorted(groups.items()):
         steps, taus = zip(*(_tau([x[k] for k in members]) for x in (a, b)))
-        lines.append(f"{group:<12}{steps[0]:>8}/{steps[1]:<5}{taus[0]:>8.3f}/{taus[1]:<7.3f}")
+        rates = [" ".join(f"{r:.3f}" for r in _per_position([x[k] for k in members]))
+                 for x in (a, b)]
+        lines.append(f"{group:<12}{steps[0]:>8}/{steps[1]:<5}{taus[0]:>8.3f}/{taus[1]:<7.3f}"
+                     f"   {rates[0]} | {rates[1]}")
     return "\n".join(lines)
 
 
@@ -115,6 +119,17 @@ def _tau(prompts: list[Prompt]) -> tuple[int, float]:
     steps = sum(len(q.drafts) for q in prompts)
     hits = sum(accepted(q, r) for q in prompts for r in q.drafts)
     return steps, 1 + hits / max(steps, 1)
+
+
+def _per_position(prompts: list[Prompt]) -> list[float]:
+    """Share of steps whose draft at each depth was accepted (vLLM's
+    per-position acceptance; `bench offline` prints the same for the engine)."""
+    depth = max((len(d) for q in prompts for d in q.drafts.values()), default=0)
+    counts = np.zeros(depth)
+    for q in prompts:
+        for root in q.drafts:
+            counts[:accepted(q, root)] += 1
+    return list(counts / max(sum(len(q.drafts) for q in prompts), 1))
 
 
 def _line(key: str, pa: Prompt, pb: Prompt) -> str:

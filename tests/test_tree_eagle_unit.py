@@ -428,6 +428,17 @@ def test_head_block_store_keeps_a_prefixs_last_row_for_the_same_next_token():
     *_, valid, lengths = store.gather_many([[7], [7, 9], [5]], torch.tensor([41, 40, 7]))
     assert lengths == [4, 8, 4]
     assert valid.tolist() == [True] * 4 + [True] * 7 + [False] + [True] * 3 + [False]
+    # rows read a run at a time: blocks one after the other in a span are one
+    # slice, wherever prefixes meet; what comes back is each block's rows in order
+    got_keys, got_values, valid, lengths = store.gather_many([[7, 9], [9], [5, 7, 9]],
+                                                             torch.tensor([42, 42, 42]))
+    blocks = {7: keys[:, :4], 9: keys[:, 4:], 5: keys[:, :4]}
+    expected = torch.cat([blocks[b] for b in (7, 9, 9, 5, 7, 9)], 1)
+    assert lengths == [8, 4, 12] and torch.equal(got_keys, expected)
+    assert torch.equal(got_values[:, :12], -expected[:, :12])
+    assert torch.equal(got_values[:, 12:16], expected[:, 12:16])  # block 5: saved as +keys
+    assert torch.equal(got_values[:, 16:], -expected[:, 16:])
+    assert valid.tolist() == [True] * 24
 
 
 def _runtime(drafter: str):

@@ -439,6 +439,11 @@ def test_head_block_store_keeps_a_prefixs_last_row_for_the_same_next_token():
     assert torch.equal(got_values[:, 12:16], expected[:, 12:16])  # block 5: saved as +keys
     assert torch.equal(got_values[:, 16:], -expected[:, 16:])
     assert valid.tolist() == [True] * 24
+    # a span saved with fewer next tokens than blocks (a request at the
+    # model's length): its blocks past them count as saved without one
+    store.save_blocks([11, 13], keys, keys, next_ids=torch.tensor([42]))
+    *_, valid, _ = store.gather_many([[11], [11, 13], [7, 9]], torch.tensor([42, 42, 42]))
+    assert valid.tolist() == [True] * 4 + [True] * 7 + [False] + [True] * 8
 
 
 def _runtime(drafter: str):

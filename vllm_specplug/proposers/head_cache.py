@@ -347,13 +347,14 @@ def _next_ids(blocks: list, device) -> torch.Tensor:
     """[P] int64: the token each block's last row was computed with, -1
     where none was saved (never equal to a token); a few launches, however
     many blocks (each span's tokens concatenated once, then one gather)."""
-    spans = list({id(b.span): b.span for b in blocks if b.span.next_ids is not None}.values())
+    found = np.array([b.span.next_ids is not None and b.index < len(b.span.next_ids)
+                      for b in blocks])  # a request at the model's length saves one less
+    spans = list({id(b.span): b.span for b, ok in zip(blocks, found) if ok}.values())
     if not spans:
         return torch.full((len(blocks),), -1, dtype=torch.int64, device=device)
     offsets = dict(zip((id(span) for span in spans),
                        np.cumsum([0] + [len(span.next_ids) for span in spans[:-1]])))
-    index = np.array([offsets[id(b.span)] + b.index if b.span.next_ids is not None else 0
-                      for b in blocks], dtype=np.int64)
-    found = np.array([b.span.next_ids is not None for b in blocks])
+    index = np.array([offsets[id(b.span)] + b.index if ok else 0
+                      for b, ok in zip(blocks, found)], dtype=np.int64)
     ids = torch.cat([span.next_ids.to(device) for span in spans])[to_device(index, device)]
     return ids if found.all() else ids.masked_fill_(~to_device(found, device), -1)

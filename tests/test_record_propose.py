@@ -113,7 +113,7 @@ def test_a_recording_compares_roots_tau_drafts_and_hidden_states(scripts, tmp_pa
     assert [line.split()[0] for line in lines[1:5]] == ["r0.p0.t0", "r0.p1.t0",
                                                         "r1.p0.t0", "r1.p1.t0"]
     # a repeat (x and y): 4 steps, 3 drafts accepted by a, 2 by b; turn 0: both repeats
-    summary = {line.split()[0]: line.split()[1:] for line in lines[7:]}
+    summary = {line.split()[0]: line.split()[1:] for line in lines[7:11]}
     # and the share of steps accepting each depth's draft: a 3 of 4 at depth 1, b 2
     rates = ["0.750", "0.000", "|", "0.500", "0.000"]
     assert summary == {"r0": ["4/4", "1.750/1.500", *rates], "r1": ["4/4", "1.750/1.500", *rates],
@@ -125,6 +125,11 @@ def test_a_recording_compares_roots_tau_drafts_and_hidden_states(scripts, tmp_pa
     assert [float(v) for v in line[5:7]] == [0.5, 0.5]
     assert line[7:] == ["5", "0.5"]
     assert lines[2].split()[1:5] == ["True", "2/2", "1.500/1.500", "2"]
+    # where they part, by b's step of each request (same outputs: all 4): at
+    # step 0, x's drafts share 9 and part at depth 2 (12 / 4), y's are the
+    # same; at step 1 x's differ at depth 1 (a's 11 accepted, b's 2 not)
+    assert [line.split() for line in lines[-2:]] == [
+        ["step", "0", "4", "2", "4", "/", "4"], ["step", "1", "4", "0", "2", "/", "0"]]
 
 
 def test_a_recording_without_hidden_states_compares_the_drafts(scripts, tmp_path):

@@ -93,7 +93,8 @@ def compare(directory: Path, name_a: str, name_b: str) -> str:
     verified positions both handed the target's rows for, with the largest
     difference between them; then steps and τ of each recording over all
     requests, by turn (t0, t1) and by repeat (r0, r1), with the share of
-    steps accepting each depth's draft."""
+    steps accepting each depth's draft; then, over the requests with the
+    same output, where the two part by the request's step (`_parting`)."""
     a, b = load(directory, name_a), load(directory, name_b)
     lines = [f"{'request':<12}{'same out':>9}{'steps':>12}{'tau':>16}{'common':>8}"
              f"{'same drafts by depth':>28}{'rows':>7}{'max |diff|':>12}"]
@@ -111,7 +112,35 @@ def compare(directory: Path, name_a: str, name_b: str) -> str:
                  for x in (a, b)]
         lines.append(f"{group:<12}{steps[0]:>8}/{steps[1]:<5}{taus[0]:>8.3f}/{taus[1]:<7.3f}"
                      f"   {rates[0]} | {rates[1]}")
-    return "\n".join(lines)
+    return "\n".join(lines + _parting(a, b, [k for k in keys if np.array_equal(
+        a[k].token_ids, b[k].token_ids)]))
+
+
+BUCKETS = ("0", "1", "2", "3", "4-7", "8+")  # a request's steps, counted from its first
+
+
+def _bucket(step: int) -> int:
+    return min(step, 3) if step < 4 else (4 if step < 8 else 5)
+
+
+def _parting(a: dict, b: dict, keys: list[str]) -> list[str]:
+    """Where the two part, at the roots both drafted from in requests with the
+    same output, by B's step of the request (0: the step after its prefill):
+    roots, how many drafted the same first token and another second one,
+    and the drafts accepted by A and by B there (a bug of one speculator's
+    that bites at some step shows as a bucket of its own)."""
+    counts = np.zeros((len(BUCKETS), 4), dtype=np.int64)
+    for key in keys:
+        for step, root in enumerate(sorted(b[key].drafts)):
+            if root not in a[key].drafts:
+                continue
+            da, db = a[key].drafts[root], b[key].drafts[root]
+            counts[_bucket(step)] += (1, int(da[0] == db[0] and len(da) > 1 and da[1] != db[1]),
+                                      accepted(a[key], root), accepted(b[key], root))
+    lines = ["", f"same outputs ({len(keys)} requests), by B's step of the request: "
+                 "roots, depth 1 the same and depth 2 not, accepted by A / B"]
+    return lines + [f"  step {name:<5}{n:>7}{apart:>8}{acc_a:>10} / {acc_b:<8}"
+                    for name, (n, apart, acc_a, acc_b) in zip(BUCKETS, counts) if n]
 
 
 def _tau(prompts: list[Prompt]) -> tuple[int, float]:

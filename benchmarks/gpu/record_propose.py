@@ -37,7 +37,10 @@ reference drafts: docs/results/smollm2_sets_large_h200).
         depth, at the roots both drafted from, and the target's hidden states
         the two speculators were handed at the same verified positions (one
         target: they should agree to bf16 rounding); then τ and per-position
-        acceptance by turn and by repeat.
+        acceptance by turn and by repeat; then, over the requests with the
+        same output, by the request's step (0: the one after its prefill),
+        the common roots, those drafting the same first token and another
+        second one, and the drafts each accepted there.
 
 Run on the staged GPU host (docs/gpu.md): `bash benchmarks/gpu/host.sh
 record [ARGS]` records vLLM's `eagle3` K=5 and our chain K=5 with the same

@@ -137,7 +137,7 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
       rm -f "$HOME/rec/${row%%|*}".*
       timeout "${RECORD_TIMEOUT:-270}" python3 benchmarks/gpu/record_propose.py record \
         "${row%%|*}" "${row#*|}" --model "$model" --out "$HOME/rec" "$@" 2>&1 \
-        | tee "/tmp/rec-${row%%|*}.log" | grep -a " steps$\|Error" | tail -4
+        | tee "/tmp/rec-${row%%|*}.log" | grep -a ": recording \| steps$\|Error" | sed -n '1p;$p'
     done
     cp "$HOME"/rec/* "$OUT/rec/"
     python3 benchmarks/gpu/record_propose.py compare vllm ours --dir "$HOME/rec" \

@@ -150,6 +150,9 @@ class RecordingWorker(WorkerInfo):
     process, so the engine runs as `bench offline`'s does (its core in a
     process of its own, the host running ahead of the GPU)."""
 
+    specplug_recorder: Recorder | None = None  # until specplug_record_start wraps one
+    specplug_waves: WaveTensors | None = None
+
     def specplug_record_start(self, hidden: bool, sync: bool,
                               hidden_features: int | None) -> str | None:
         """Wraps Model Runner V2's speculator; its class name (None where the
@@ -164,12 +167,12 @@ class RecordingWorker(WorkerInfo):
 
     def specplug_record_take(self, key: str) -> list[list[str]]:
         """The steps since the last call, kept as wave `key`; their request ids."""
-        if getattr(self, "specplug_recorder", None) is None:
+        if self.specplug_recorder is None:
             return []
         return self.specplug_waves.add(key, self.specplug_recorder.take())
 
     def specplug_record_save(self, out: str, name: str) -> None:
-        if getattr(self, "specplug_recorder", None) is not None:
+        if self.specplug_waves is not None:
             self.specplug_waves.save(Path(out), name)
 
 

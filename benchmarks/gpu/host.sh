@@ -23,7 +23,8 @@
 #   bash benchmarks/gpu/host.sh record [ARGS]      # vLLM's eagle3 K=5 and our chain K=5 on
 #        SmolLM2 + HEAD (default $HOME/heads/large): what each speculator is handed and
 #        drafts, recorded (benchmarks/gpu/record_propose.py record ARGS), then compared;
-#        RECORD_ONLY=ours: our chain alone, compared with vLLM's of an earlier call
+#        RECORD_ONLY=ours: our chain alone, compared with vLLM's of an earlier call;
+#        RECORD_MODEL: another target than SmolLM2 (with its HEAD)
 set -uo pipefail
 export PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -128,7 +129,8 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     # chain alone (other ARGS: --sync, --engine-args) against vLLM's of an
     # earlier call; both come back in $OUT/rec
     shift
-    model=$(python3 -m vllm_specplug.cli.main build-model smollm2 | tail -1)
+    # RECORD_MODEL: another target (the tiny model: .gpu/work/tiny, HEAD=.gpu/work/tiny-eagle3)
+    model=${RECORD_MODEL:-$(python3 -m vllm_specplug.cli.main build-model smollm2 | tail -1)}
     head=${HEAD:-$HOME/heads/large}
     mkdir -p "$HOME/rec" "$OUT/rec"
     for row in "vllm|{\"method\": \"eagle3\", \"model\": \"$head\", \"num_speculative_tokens\": 5}" \

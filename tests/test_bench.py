@@ -574,7 +574,8 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
     from vllm_specplug.bench.compare import divergences
     from vllm_specplug.bench.offline import run_offline
     from vllm_specplug.bench.prompts import BenchPrompt
-    from vllm_specplug.bench.report import format_host_profiles, format_phases_table
+    from vllm_specplug.bench.report import (format_host_profiles, format_offline_table,
+                                            format_phases_table)
     from vllm_specplug.bench.specs import NamedSpec
     from vllm_specplug.engine import IN_PROCESS
     from vllm_specplug.models.corpus import repetitive_prompts
@@ -614,8 +615,54 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
     assert ours.num_mismatches == 0, (ours.num_near_ties, divergences(
         none.token_ids, ours.token_ids, none.top2_gaps or [[] for _ in none.token_ids]))
     assert ours.counts.num_drafts > 0 and ours.counts.mean_acceptance_length > 1.5
+    # each repeat on its own (bench/repeats.py): a restarted engine drafts the
+    # same n-grams from the same tokens, and looked its prompts up in its cache
+    first, second = ours.repeats
+    assert first["num_drafts"] + second["num_drafts"] == ours.counts.num_drafts
+    assert first["mean_acceptance_length"] == second["mean_acceptance_length"]
+    assert all(r["prefix_queries"] > 0 and r["head_adoptions"] is None for r in rows[1].repeats)
+    assert "by repeat" in format_offline_table(rows)
     verified = ours.adaptive["num_verified_drafts"]  # both engines' steps, summed
     assert 0.9 * verified <= ours.counts.num_drafts <= 1.1 * verified
+
+
+def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
+    """bench/repeats.py: a repeat's record is what it added to the engine's
+    counters; the table shows every speculating row's repeats in turn."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.offline import OfflineRow
+    from vllm_specplug.bench.repeats import read_repeat_state, repeat_record
+    from vllm_specplug.bench.report import format_repeats_table
+    from vllm_specplug.metrics import SpecDecodeCounts
+
+    def engine(drafts, accepted, per_pos, queries, hits):
+        metrics = [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
+                   SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                   SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   values=per_pos),
+                   SimpleNamespace(name="vllm:prefix_cache_queries", value=queries),
+                   SimpleNamespace(name="vllm:prefix_cache_hits", value=hits)]
+        return SimpleNamespace(get_metrics=lambda: metrics)
+
+    start = read_repeat_state(engine(10, 5, [4, 1], 100, 0), None, 2)
+    middle = read_repeat_state(engine(30, 25, [14, 8, 3], 300, 150), None, 5)
+    end = read_repeat_state(engine(40, 30, [20, 10, 3], 400, 250), None, 5)
+    assert middle.counts == SpecDecodeCounts(30, 0, 25, (14, 8, 3))
+    first, second = repeat_record(start, middle), repeat_record(middle, end)
+    assert first == {"num_drafts": 20, "num_accepted_tokens": 20, "mean_acceptance_length": 2.0,
+                     "per_position_acceptance": [0.5, 0.35, 0.15], "prefix_queries": 200,
+                     "prefix_hits": 150, "head_adoptions": 3}
+    assert second["mean_acceptance_length"] == 1.5 and second["head_adoptions"] == 0
+    none_head = repeat_record(read_repeat_state(engine(0, 0, [], 0, 0), None, None),
+                              read_repeat_state(engine(0, 0, [], 8, 8), None, None))
+    assert none_head["mean_acceptance_length"] is None and none_head["head_adoptions"] is None
+    ours = OfflineRow("ours", 1, counts=SpecDecodeCounts(30, 0, 25), repeats=[first, second])
+    none = OfflineRow("none", 1, repeats=[none_head])
+    table = format_repeats_table([none, ours])
+    assert "none" not in table  # no drafts: nothing to compare between its repeats
+    assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "20", "10",
+                                             "0.75", "1.00", "3", "0"]
 
 
 def test_ramp_stages_double_up_and_halve_down():

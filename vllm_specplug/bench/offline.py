@@ -55,8 +55,9 @@ from vllm_specplug.bench.starts import (check_parallel_starts, start_all, start_
                                         with_kv_cache_size)
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME
 from vllm_specplug.bench.waves import WaveTimes
+from vllm_specplug.bench.repeats import read_repeat_state, repeat_record
 from vllm_specplug.engine import generate
-from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts, vllm_collectors
+from vllm_specplug.metrics import SpecDecodeCounts, vllm_collectors
 
 logger = logging.getLogger("vllm_specplug.bench")
 ORDERS = ("interleaved", "restart", "sequential")
@@ -88,6 +89,9 @@ class OfflineRow:
     # each `generate` call's engine timestamps, summed over the repeats
     # (bench/waves.py; None: the engine kept no per-request stats)
     waves: dict | None = None
+    # each measured repeat's own acceptance, prefix-cache hits and head
+    # adoptions (bench/repeats.py)
+    repeats: list[dict] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # baseline rows: per request, per token, log p(top-1) - log p(top-2)
     top2_gaps: list[list[float]] = field(default_factory=list, repr=False)
@@ -154,7 +158,8 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     """One repeat of `row`; `collectors`: the engine's own metrics (several
     engines run interleaved in this process, and the newest holds the
     registry: without them an older engine's repeats would go uncounted)."""
-    before, adaptive_before = read_engine_counts(llm, collectors), _adaptive_stats(llm)
+    before = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_adoptions"))
+    adaptive_before = _adaptive_stats(llm)
     policy_before = _worker_call(llm, "specplug_batch_policy")
     captures_before = _worker_call(llm, "specplug_graph_captures")
     waves = WaveTimes()
@@ -162,7 +167,9 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     row.waves = waves.merged(row.waves)
     row.graph_captures = captures_delta(row.graph_captures, captures_before,
                                         _worker_call(llm, "specplug_graph_captures"))
-    row.counts = row.counts + (read_engine_counts(llm, collectors) - before)
+    after = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_adoptions"))
+    row.counts = row.counts + (after.counts - before.counts)
+    row.repeats.append(repeat_record(before, after))
     row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))
     row.batch_policy = batch_policy_delta(row.batch_policy, policy_before,
                                           _worker_call(llm, "specplug_batch_policy"))

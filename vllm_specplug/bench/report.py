@@ -96,7 +96,8 @@ def format_offline_table(rows) -> str:
                      f"{_exact_text(row.num_mismatches, row.num_near_ties):>8}  "
                      f"{_engine_text(row):<{e}}{per_pos}")
     tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows),
-                          format_captures_table(rows), format_waves_table(rows)) if t]
+                          format_captures_table(rows), format_waves_table(rows),
+                          format_repeats_table(rows)) if t]
     return "\n".join(lines + [line for t in tables for line in ("", t)])
 
 
@@ -203,6 +204,16 @@ def format_waves_table(rows) -> str:
         rows, "waves", "waves (engine timestamps)",
         f"{'waves':>7}{'first step ms':>16}{'max':>10}{'decode ms':>12}{'tail':>8}",
         lambda row: wave_cells(row.waves))
+
+
+def format_repeats_table(rows) -> str:
+    """Each speculating row's measured repeats one by one (bench/repeats.py):
+    τ, verify steps, prefix-cache hit rate, our head's prefix adoptions."""
+    from vllm_specplug.bench.repeats import REPEAT_COLUMNS, repeat_cells
+
+    speculating = [r for r in rows if r.counts.num_drafts]
+    return _decision_table(speculating, "repeats", "by repeat", REPEAT_COLUMNS,
+                           lambda row: repeat_cells(row.repeats))
 
 
 def format_step_kinds_table(rows) -> str:

@@ -25,6 +25,9 @@ class WorkerInfo:
         (proposers/head_graphs.PassGraphs.service_captures); None without."""
         return graph_captures(self)
 
+    def specplug_prefix_adoptions(self) -> int | None:
+        return prefix_adoptions(self)
+
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
 
@@ -72,6 +75,14 @@ def graph_captures(worker) -> dict | None:
         # pass, each a compile that stalled a step, beside our Triton kernels
         found["kernel_compiles"].update(compile_variants(steps))
     return found
+
+
+def prefix_adoptions(worker) -> int | None:
+    """Requests our Model Runner V2 head speculator started on saved head
+    rows of prefix-cached blocks so far (None without that speculator or
+    with prefix caching off: integration/v2/prefix_blocks.py)."""
+    prefix = getattr(getattr(worker.model_runner, "speculator", None), "prefix", None)
+    return None if prefix is None else prefix.num_adopted
 
 
 def adaptive_controller(worker):

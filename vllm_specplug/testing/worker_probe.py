@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vllm_specplug.bench.worker_info import graph_captures, runner_state
+from vllm_specplug.bench.worker_info import graph_captures, prefix_adoptions, runner_state
 
 PROBE_QUALNAME = "vllm_specplug.testing.worker_probe.SpecplugProbe"
 
@@ -81,11 +81,7 @@ class SpecplugProbe:
                 "step_keys": sorted((key[1], key[2], key[3], tuple(key[4])) for key in steps)}
 
     def specplug_prefix_adoptions(self) -> int | None:
-        """Requests our Model Runner V2 head speculator started on saved head
-        rows of prefix-cached blocks (None without that speculator or with
-        prefix caching off)."""
-        prefix = getattr(getattr(self.model_runner, "speculator", None), "prefix", None)
-        return None if prefix is None else prefix.num_adopted
+        return prefix_adoptions(self)
 
     def specplug_adaptive_stats(self) -> dict | None:
         from vllm_specplug.bench.worker_info import adaptive_stats

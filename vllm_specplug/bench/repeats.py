@@ -1,0 +1,77 @@
+"""Each measured repeat of a `bench offline` row on its own: acceptance,
+the engine's prefix-cache hits and our head's prefix adoptions.
+
+Under greedy sampling a row's repeats generate the same tokens, so a method
+whose drafting depends only on them accepts the same in every repeat. On the
+H200 (SmolLM2, MT-Bench, 2026-12-04) vLLM's `eagle3` took 1110 steps in each
+repeat and our chain a varying number, 4% more on average (issue 26): what
+differs between repeats is the state an engine carries over, above all its
+prefix cache (which blocks are still cached, and for our head, which of
+them it saved rows for). These per-repeat records say whether a row's
+acceptance moved with them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts
+
+PREFIX_QUERIES = "vllm:prefix_cache_queries"  # prompt tokens looked up (a counter)
+PREFIX_HITS = "vllm:prefix_cache_hits"  # of those, found cached
+
+
+@dataclass
+class RepeatState:
+    """An engine's cumulative counters at one moment."""
+
+    counts: SpecDecodeCounts
+    prefix_queries: int
+    prefix_hits: int
+    head_adoptions: int | None  # None: no head of ours keeps prefix rows
+
+
+def read_repeat_state(llm, collectors: list | None, head_adoptions: int | None
+                      ) -> RepeatState:
+    """The counters now (`collectors`: as `read_engine_counts`);
+    `head_adoptions`: the worker's answer to `specplug_prefix_adoptions`."""
+    counts = read_engine_counts(llm, collectors)  # puts the engine's collectors back
+    totals = dict.fromkeys((PREFIX_QUERIES, PREFIX_HITS), 0)
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += int(getattr(metric, "value", 0))
+    return RepeatState(counts, totals[PREFIX_QUERIES], totals[PREFIX_HITS], head_adoptions)
+
+
+def repeat_record(before: RepeatState, after: RepeatState) -> dict:
+    """What one repeat added (a row's `repeats` entry, JSON-ready)."""
+    counts = after.counts - before.counts
+    queries = after.prefix_queries - before.prefix_queries
+    adoptions = (None if after.head_adoptions is None or before.head_adoptions is None
+                 else after.head_adoptions - before.head_adoptions)
+    return {"num_drafts": counts.num_drafts,
+            "num_accepted_tokens": counts.num_accepted_tokens,
+            "mean_acceptance_length": (None if counts.num_drafts == 0
+                                       else counts.mean_acceptance_length),
+            "per_position_acceptance": counts.per_position_acceptance,
+            "prefix_queries": queries,
+            "prefix_hits": after.prefix_hits - before.prefix_hits,
+            "head_adoptions": adoptions}
+
+
+def repeat_cells(repeats: list[dict]) -> str:
+    """The "by repeat" table's cells: τ, verify steps, the prefix cache's
+    hit rate and our head's adoptions, repeat after repeat."""
+    def joined(values) -> str:
+        return " ".join(values)
+
+    taus = joined("-" if r["mean_acceptance_length"] is None
+                  else f"{r['mean_acceptance_length']:.3f}" for r in repeats)
+    steps = joined(str(r["num_drafts"]) for r in repeats)
+    hits = joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
+                  else "-" for r in repeats)
+    adopted = joined("-" if r["head_adoptions"] is None else str(r["head_adoptions"])
+                     for r in repeats)
+    return f"  {taus:<24}{steps:<22}{hits:<18}{adopted}"
+
+
+REPEAT_COLUMNS = f"  {'accept len':<24}{'verify steps':<22}{'prefix hits':<18}head adoptions"

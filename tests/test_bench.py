@@ -620,7 +620,7 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
     first, second = ours.repeats
     assert first["num_drafts"] + second["num_drafts"] == ours.counts.num_drafts
     assert first["mean_acceptance_length"] == second["mean_acceptance_length"]
-    assert all(r["prefix_queries"] > 0 and r["head_adoptions"] is None for r in rows[1].repeats)
+    assert all(r["prefix_queries"] > 0 and r["head_prefix"] is None for r in rows[1].repeats)
     assert "by repeat" in format_offline_table(rows)
     verified = ours.adaptive["num_verified_drafts"]  # both engines' steps, summed
     assert 0.9 * verified <= ours.counts.num_drafts <= 1.1 * verified
@@ -645,24 +645,27 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
                    SimpleNamespace(name="vllm:prefix_cache_hits", value=hits)]
         return SimpleNamespace(get_metrics=lambda: metrics)
 
-    start = read_repeat_state(engine(10, 5, [4, 1], 100, 0), None, 2)
-    middle = read_repeat_state(engine(30, 25, [14, 8, 3], 300, 150), None, 5)
-    end = read_repeat_state(engine(40, 30, [20, 10, 3], 400, 250), None, 5)
+    def head(adopted, missed):
+        return {"adopted": adopted, "missed": missed, "missed_positions": 16 * missed}
+
+    start = read_repeat_state(engine(10, 5, [4, 1], 100, 0), None, head(2, 0))
+    middle = read_repeat_state(engine(30, 25, [14, 8, 3], 300, 150), None, head(5, 1))
+    end = read_repeat_state(engine(40, 30, [20, 10, 3], 400, 250), None, head(5, 1))
     assert middle.counts == SpecDecodeCounts(30, 0, 25, (14, 8, 3))
     first, second = repeat_record(start, middle), repeat_record(middle, end)
     assert first == {"num_drafts": 20, "num_accepted_tokens": 20, "mean_acceptance_length": 2.0,
                      "per_position_acceptance": [0.5, 0.35, 0.15], "prefix_queries": 200,
-                     "prefix_hits": 150, "head_adoptions": 3}
-    assert second["mean_acceptance_length"] == 1.5 and second["head_adoptions"] == 0
+                     "prefix_hits": 150, "head_prefix": head(3, 1)}
+    assert second["mean_acceptance_length"] == 1.5 and second["head_prefix"] == head(0, 0)
     none_head = repeat_record(read_repeat_state(engine(0, 0, [], 0, 0), None, None),
                               read_repeat_state(engine(0, 0, [], 8, 8), None, None))
-    assert none_head["mean_acceptance_length"] is None and none_head["head_adoptions"] is None
+    assert none_head["mean_acceptance_length"] is None and none_head["head_prefix"] is None
     ours = OfflineRow("ours", 1, counts=SpecDecodeCounts(30, 0, 25), repeats=[first, second])
     none = OfflineRow("none", 1, repeats=[none_head])
     table = format_repeats_table([none, ours])
     assert "none" not in table  # no drafts: nothing to compare between its repeats
     assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "20", "10",
-                                             "0.75", "1.00", "3", "0"]
+                                             "0.75", "1.00", "3/1", "0/0"]
 
 
 def test_ramp_stages_double_up_and_halve_down():

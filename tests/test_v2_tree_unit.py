@@ -362,6 +362,8 @@ def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():
     assert not pool.valid[1, 12:].any()
     assert not prefix.adopt("c", 3, 8, pool) and not pool.valid[3].any()
     assert prefix.num_adopted == 1
+    # "c"'s hit of 8 positions is counted missed (bench's `by repeat`)
+    assert prefix.stats() == {"adopted": 1, "missed": 1, "missed_positions": 8}
     # block 8 handed out fresh (a new owner): its rows are gone
     prefix.schedule(output(running=[("b", [8])]), slots.get, computed, pool)
     assert 8 not in prefix.store.blocks and 7 in prefix.store.blocks

@@ -89,8 +89,8 @@ class OfflineRow:
     # each `generate` call's engine timestamps, summed over the repeats
     # (bench/waves.py; None: the engine kept no per-request stats)
     waves: dict | None = None
-    # each measured repeat's own acceptance, prefix-cache hits and head
-    # adoptions (bench/repeats.py)
+    # each measured repeat's own acceptance, prefix-cache hits and our
+    # head's prefix hits adopted and missed (bench/repeats.py)
     repeats: list[dict] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # baseline rows: per request, per token, log p(top-1) - log p(top-2)
@@ -158,7 +158,7 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     """One repeat of `row`; `collectors`: the engine's own metrics (several
     engines run interleaved in this process, and the newest holds the
     registry: without them an older engine's repeats would go uncounted)."""
-    before = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_adoptions"))
+    before = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_stats"))
     adaptive_before = _adaptive_stats(llm)
     policy_before = _worker_call(llm, "specplug_batch_policy")
     captures_before = _worker_call(llm, "specplug_graph_captures")
@@ -167,7 +167,7 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     row.waves = waves.merged(row.waves)
     row.graph_captures = captures_delta(row.graph_captures, captures_before,
                                         _worker_call(llm, "specplug_graph_captures"))
-    after = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_adoptions"))
+    after = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_stats"))
     row.counts = row.counts + (after.counts - before.counts)
     row.repeats.append(repeat_record(before, after))
     row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))

@@ -7,8 +7,9 @@ H200 (SmolLM2, MT-Bench, 2026-12-04) vLLM's `eagle3` took 1110 steps in each
 repeat and our chain a varying number, 4% more on average (issue 26): what
 differs between repeats is the state an engine carries over, above all its
 prefix cache (which blocks are still cached, and for our head, which of
-them it saved rows for). These per-repeat records say whether a row's
-acceptance moved with them.
+them it saved rows for: a hit with a block unsaved is "missed", and that
+request drafts from its uncached suffix alone). These per-repeat records
+say whether a row's acceptance moved with them.
 """
 from __future__ import annotations
 
@@ -27,27 +28,29 @@ class RepeatState:
     counts: SpecDecodeCounts
     prefix_queries: int
     prefix_hits: int
-    head_adoptions: int | None  # None: no head of ours keeps prefix rows
+    # our head's prefix hits: {"adopted", "missed", "missed_positions"}
+    # (PrefixBlocks.stats); None: no head of ours keeps prefix rows
+    head_prefix: dict | None
 
 
-def read_repeat_state(llm, collectors: list | None, head_adoptions: int | None
+def read_repeat_state(llm, collectors: list | None, head_prefix: dict | None
                       ) -> RepeatState:
     """The counters now (`collectors`: as `read_engine_counts`);
-    `head_adoptions`: the worker's answer to `specplug_prefix_adoptions`."""
+    `head_prefix`: the worker's answer to `specplug_prefix_stats`."""
     counts = read_engine_counts(llm, collectors)  # puts the engine's collectors back
     totals = dict.fromkeys((PREFIX_QUERIES, PREFIX_HITS), 0)
     for metric in llm.get_metrics():
         if metric.name in totals:
             totals[metric.name] += int(getattr(metric, "value", 0))
-    return RepeatState(counts, totals[PREFIX_QUERIES], totals[PREFIX_HITS], head_adoptions)
+    return RepeatState(counts, totals[PREFIX_QUERIES], totals[PREFIX_HITS], head_prefix)
 
 
 def repeat_record(before: RepeatState, after: RepeatState) -> dict:
     """What one repeat added (a row's `repeats` entry, JSON-ready)."""
     counts = after.counts - before.counts
     queries = after.prefix_queries - before.prefix_queries
-    adoptions = (None if after.head_adoptions is None or before.head_adoptions is None
-                 else after.head_adoptions - before.head_adoptions)
+    head = (None if after.head_prefix is None or before.head_prefix is None
+            else {k: after.head_prefix[k] - before.head_prefix[k] for k in after.head_prefix})
     return {"num_drafts": counts.num_drafts,
             "num_accepted_tokens": counts.num_accepted_tokens,
             "mean_acceptance_length": (None if counts.num_drafts == 0
@@ -55,12 +58,12 @@ def repeat_record(before: RepeatState, after: RepeatState) -> dict:
             "per_position_acceptance": counts.per_position_acceptance,
             "prefix_queries": queries,
             "prefix_hits": after.prefix_hits - before.prefix_hits,
-            "head_adoptions": adoptions}
+            "head_prefix": head}
 
 
 def repeat_cells(repeats: list[dict]) -> str:
     """The "by repeat" table's cells: τ, verify steps, the prefix cache's
-    hit rate and our head's adoptions, repeat after repeat."""
+    hit rate and our head's prefix hits adopted/missed, repeat after repeat."""
     def joined(values) -> str:
         return " ".join(values)
 
@@ -69,9 +72,11 @@ def repeat_cells(repeats: list[dict]) -> str:
     steps = joined(str(r["num_drafts"]) for r in repeats)
     hits = joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
                   else "-" for r in repeats)
-    adopted = joined("-" if r["head_adoptions"] is None else str(r["head_adoptions"])
+    adopted = joined("-" if r["head_prefix"] is None
+                     else f"{r['head_prefix']['adopted']}/{r['head_prefix']['missed']}"
                      for r in repeats)
     return f"  {taus:<24}{steps:<22}{hits:<18}{adopted}"
 
 
-REPEAT_COLUMNS = f"  {'accept len':<24}{'verify steps':<22}{'prefix hits':<18}head adoptions"
+REPEAT_COLUMNS = (f"  {'accept len':<24}{'verify steps':<22}{'prefix hits':<18}"
+                  "head hits adopted/missed")

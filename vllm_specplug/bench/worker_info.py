@@ -25,8 +25,8 @@ class WorkerInfo:
         (proposers/head_graphs.PassGraphs.service_captures); None without."""
         return graph_captures(self)
 
-    def specplug_prefix_adoptions(self) -> int | None:
-        return prefix_adoptions(self)
+    def specplug_prefix_stats(self) -> dict | None:
+        return prefix_stats(self)
 
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
@@ -77,12 +77,24 @@ def graph_captures(worker) -> dict | None:
     return found
 
 
+def _prefix_blocks(worker):
+    """Our Model Runner V2 head speculator's `PrefixBlocks`
+    (integration/v2/prefix_blocks.py); None without that speculator or
+    with prefix caching off."""
+    return getattr(getattr(worker.model_runner, "speculator", None), "prefix", None)
+
+
 def prefix_adoptions(worker) -> int | None:
-    """Requests our Model Runner V2 head speculator started on saved head
-    rows of prefix-cached blocks so far (None without that speculator or
-    with prefix caching off: integration/v2/prefix_blocks.py)."""
-    prefix = getattr(getattr(worker.model_runner, "speculator", None), "prefix", None)
+    """Requests our head speculator started on saved head rows of
+    prefix-cached blocks so far (None: see `_prefix_blocks`)."""
+    prefix = _prefix_blocks(worker)
     return None if prefix is None else prefix.num_adopted
+
+
+def prefix_stats(worker) -> dict | None:
+    """`PrefixBlocks.stats()`: prefix hits adopted and missed so far."""
+    prefix = _prefix_blocks(worker)
+    return None if prefix is None else prefix.stats()
 
 
 def adaptive_controller(worker):

@@ -47,6 +47,11 @@ class PrefixBlocks:
         self.block_ids: dict[str, list[int]] = {}  # request -> its blocks (group 0)
         self.hits: dict[str, int] = {}  # new request -> positions its prefix hit supplied
         self.num_adopted = 0  # requests that started on saved rows (tests, stats)
+        # requests whose prefix hit found some block unsaved: the head drafts
+        # from their uncached suffix alone, where vLLM's eagle3 has the whole
+        # prefix's draft KV (bench's `by repeat`: issue 26)
+        self.num_missed = 0
+        self.missed_positions = 0  # their hits' positions, summed
 
     def schedule(self, scheduler_output, slot_of, num_computed, pool,
                  token_ids: torch.Tensor | None = None) -> None:
@@ -100,6 +105,12 @@ class PrefixBlocks:
         self.store.save_blocks(block_ids[first:num_blocks], pool.keys[slot, :, span],
                                pool.values[slot, :, span], pool.valid[slot, span], next_ids)
 
+    def stats(self) -> dict[str, int]:
+        """Prefix hits so far: requests that started on saved rows, and
+        those whose hit could not be adopted (with its positions)."""
+        return {"adopted": self.num_adopted, "missed": self.num_missed,
+                "missed_positions": self.missed_positions}
+
     def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:
         """Give new request `req_id` (state slot `slot`, first computed
         position `first_position`) its prefix's saved rows, the last one
@@ -122,6 +133,9 @@ class PrefixBlocks:
                 adopted[r] = True
                 slots.append(slot)
                 block_lists.append(block_ids)
+            elif hit:
+                self.num_missed += 1
+                self.missed_positions += hit
         if slots:
             tokens = None if next_ids is None else next_ids[to_device(
                 np.flatnonzero(adopted), next_ids.device)]

@@ -501,6 +501,48 @@ def test_a_finished_prefix_hit_keeps_the_saved_rows_of_its_hit_blocks():
     assert prefix.store.blocks[5][2].tolist() == [True] * 4
 
 
+def test_a_hit_not_adopted_never_saves_the_blocks_it_did_not_ingest():
+    """A burst of requests on a new shared prefix: "a" fills block 3 while
+    "c" starts on it as a prefix-cache hit (vLLM caches a block once it is
+    scheduled), before any request saved it, so "c" drafts from its own
+    positions. "c" finishing first must not save block 3 from its slot
+    (empty there): saved, every later hit would adopt empty rows and "a"
+    would find block 3 saved and never save its own. Here "a"'s rows of
+    block 3 are what a later hit gets."""
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+    from vllm_specplug.proposers.head_cache import HeadCachePool
+
+    def scheduled(finished=(), new=()):
+        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
+                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
+                                      for r, ids, n in new],
+                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
+
+    pool = HeadCachePool(1, 2, 3, 5, torch.float32, torch.device("cpu"), num_slots=4)
+    pool.keys[0, 0, :, 0] = torch.arange(pool.capacity, dtype=torch.float32)
+    pool.valid[0, :8] = True  # "a" ingested its 8 positions; "c" only 4..7 of its own
+    pool.keys[1, 0, :, 0] = -1.0
+    pool.valid[1, 4:8] = True
+    prefix = PrefixBlocks(block_size=4)
+    slots, computed = {"a": 0, "c": 1, "d": 2}, (lambda slot: 8)
+    prefix.schedule(scheduled(new=[("a", [3, 9], 0), ("c", [3, 6], 4)]), slots.get, computed,
+                    pool)
+    assert prefix.adopt_all([("c", 1, 4)], pool).tolist() == [False]
+    prefix.schedule(scheduled(finished=["c"]), slots.get, computed, pool)
+    assert 3 not in prefix.store.blocks and 6 in prefix.store.blocks  # c's own block saved
+    prefix.schedule(scheduled(finished=["a"]), slots.get, computed, pool)
+    assert prefix.store.blocks[3][0][0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert prefix.store.blocks[3][2].tolist() == [True] * 4
+    # "d" hits block 3 and gets "a"'s rows (its last one left out: no next token given)
+    prefix.schedule(scheduled(new=[("d", [3, 5], 4)]), slots.get, computed, pool)
+    assert prefix.adopt("d", 2, 4, pool)
+    assert pool.keys[2, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert pool.valid[2, :4].tolist() == [True, True, True, False]
+    assert prefix.stats() == {"adopted": 1, "missed": 1, "missed_positions": 4}
+
+
 def test_drafts_vllm_marks_invalid_are_never_accepted():
     """A request under a reasoning section's chain rules: vLLM marks its
     drafts past the valid chain prefix invalid by logits row

@@ -21,7 +21,9 @@ draft positions were accepted, so here:
 - a block handed out fresh (a new owner: vLLM reuses evicted block ids)
   loses its saved rows;
 - a new request whose computed prefix is whole blocks, all saved, starts
-  with their rows (`HeadCachePool.adopt_slot`).
+  with their rows (`HeadCachePool.adopt_slot`); one whose hit has a block
+  not saved (still being filled by a request running beside it) drafts
+  from its own positions, and its hit blocks are never saved from its slot.
 
 The prefix's last row was computed with the token that followed it in the
 request that saved it: saved beside it (read from the request's token ids on
@@ -46,6 +48,9 @@ class PrefixBlocks:
         self.store = HeadBlockStore()
         self.block_ids: dict[str, list[int]] = {}  # request -> its blocks (group 0)
         self.hits: dict[str, int] = {}  # new request -> positions its prefix hit supplied
+        # request -> its leading blocks the head never ingested (a hit it
+        # could not adopt): never saved from its slot, where they are empty
+        self.unowned: dict[str, int] = {}
         self.num_adopted = 0  # requests that started on saved rows (tests, stats)
         # requests whose prefix hit found some block unsaved: the head drafts
         # from their uncached suffix alone, where vLLM's eagle3 has the whole
@@ -65,11 +70,12 @@ class PrefixBlocks:
         gone |= set(scheduler_output.preempted_req_ids or ())
         for req_id in gone:
             slot = slot_of(req_id)
+            # a hit never offered for adoption was not adopted either
+            unowned = self.unowned.pop(req_id, self.hits.pop(req_id, 0) // self.block_size)
             if slot is not None and pool is not None:
                 self._save(self.block_ids.get(req_id, []), slot, num_computed(slot), pool,
-                           None if token_ids is None else token_ids[slot])
+                           None if token_ids is None else token_ids[slot], unowned)
             self.block_ids.pop(req_id, None)
-            self.hits.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             ids = list(new.block_ids[0]) if new.block_ids else []
             cached = new.num_computed_tokens // self.block_size
@@ -84,19 +90,25 @@ class PrefixBlocks:
                 self.block_ids.setdefault(req_id, []).extend(new_ids[0])
 
     def _save(self, block_ids: list[int], slot: int, num_positions: int, pool,
-              token_ids: torch.Tensor | None) -> None:
-        """The request's whole blocks from its first one not saved yet: a
-        block still saved was a prefix-cache hit of this request (a block
-        handed out fresh is dropped), whose rows it adopted (less a last
-        row left out for another next token), or, where the hit was not
-        adopted, never ingested: saved again, they would only lose rows. One span a
-        request (`HeadBlockStore.save_blocks`: four copies), freed once
-        all its blocks are dropped; `token_ids` [max_len]: the request's
-        tokens, each block's last row's next one saved with it."""
+              token_ids: torch.Tensor | None, unowned: int = 0) -> None:
+        """The request's whole blocks from its first one not saved yet,
+        past its `unowned` first blocks: a block still saved was a
+        prefix-cache hit of this request (a block handed out fresh is
+        dropped), whose rows it adopted (less a last row left out for
+        another next token), or, where the hit was not adopted, never
+        ingested: saved again, they would only lose rows; and an unowned
+        block (a hit not adopted for want of it) was never ingested either:
+        saved, it would hand every later hit empty rows as adopted, and
+        the request that filled it would find it saved and keep its own
+        rows (a burst of requests on a new system prompt, the first to
+        finish one that only hit it). One span a request
+        (`HeadBlockStore.save_blocks`: four copies), freed once all its
+        blocks are dropped; `token_ids` [max_len]: the request's tokens,
+        each block's last row's next one saved with it."""
         num_blocks = min(len(block_ids), num_positions // self.block_size,
                          pool.capacity // self.block_size)
-        first = next((b for b in range(num_blocks) if int(block_ids[b]) not in self.store.blocks),
-                     num_blocks)
+        first = next((b for b in range(unowned, num_blocks)
+                      if int(block_ids[b]) not in self.store.blocks), num_blocks)
         span = slice(first * self.block_size, num_blocks * self.block_size)
         next_ids = None
         if token_ids is not None and num_blocks > first:  # the token after each block
@@ -136,6 +148,7 @@ class PrefixBlocks:
             elif hit:
                 self.num_missed += 1
                 self.missed_positions += hit
+                self.unowned[req_id] = hit // self.block_size
         if slots:
             tokens = None if next_ids is None else next_ids[to_device(
                 np.flatnonzero(adopted), next_ids.device)]

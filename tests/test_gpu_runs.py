@@ -25,6 +25,7 @@ RUNS = [
       ("heads", "lean", "free", "tree", "zero", "floor", "pin", "shapes")],
     ("smollm2", {}), ("smollm2", {"ROWS": "sized"}), ("smollm2", {"ROWS": "adaptive"}),
     ("smollm2", {"ROWS": "bestk"}), ("smollm2", {"ROWS": "compile"}),
+    ("smollm2", {"ROWS": "chains", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-sets", {"ROWS": "tau-ab"}),
@@ -67,6 +68,14 @@ def test_every_spec_of_a_gpu_run_parses_as_the_bench_reads_it(name, env, tmp_pat
     assert specs, f"{name}: no --spec in {arguments}"
     rows = named_specs(specs)  # raises SpecError naming the bad spec
     assert len(rows) == len(specs) + 1
+
+
+def test_the_chains_run_holds_the_two_chains_alone(tmp_path):
+    """ROWS=chains (issue 26's τ gap): vLLM's eagle3 K=5 and our chain K=5
+    beside no speculation, nothing else between their repeats."""
+    arguments = _dry_run("smollm2", {"ROWS": "chains"}, tmp_path)
+    names = [row.name for row in named_specs(_specs(arguments))]
+    assert names == ["none", "vllm-eagle3-K5", "ours-chain-K5"]
 
 
 def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_path):

@@ -23,7 +23,9 @@
 #            on CUDA) and eager ("-eager"); ROWS=compile-aa: the same plus vLLM's eagle3 K=5
 #            in a second engine (how far two engines of one config part); ROWS=tau-ab: vLLM's
 #            eagle3 K=5, our chain K=5 as by default, eager, and eager on the PyTorch
-#            head attention (draft_attention "torch"); HOST_PROFILE=1:
+#            head attention (draft_attention "torch"); ROWS=chains: vLLM's eagle3 K=5
+#            and our chain K=5 alone (issue 26's τ gap; `by repeat` shows each repeat's
+#            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
@@ -157,6 +159,10 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       printf '%s\n' --spec "ours-chain-K5={$chain}" \
         --spec "ours-chain-K5-eager={$chain, \"draft_compile\": false}" \
         --spec "ours-chain-K5-torch-attn={$chain, \"draft_compile\": false, \"draft_attention\": \"torch\"}" ;;
+    chains)
+      # the two chains alone: issue 26's τ gap on SmolLM2, without the other rows' work
+      # between repeats (the tiny model's two chains drafted the same: tiny_chain_ab_h200)
+      printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" ;;
     compile|compile-aa)
       # compile-aa: vLLM's eagle3 K=5 a second time, in an engine of its own: how far
       # two engines of one config part (the bias no interleaving removes)

@@ -646,7 +646,8 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
         return SimpleNamespace(get_metrics=lambda: metrics)
 
     def head(adopted, missed):
-        return {"adopted": adopted, "missed": missed, "missed_positions": 16 * missed}
+        return {"adopted": adopted, "missed": missed, "missed_positions": 16 * missed,
+                "filled": missed // 2}
 
     start = read_repeat_state(engine(10, 5, [4, 1], 100, 0), None, head(2, 0))
     middle = read_repeat_state(engine(30, 25, [14, 8, 3], 300, 150), None, head(5, 1))
@@ -665,7 +666,7 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
     table = format_repeats_table([none, ours])
     assert "none" not in table  # no drafts: nothing to compare between its repeats
     assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "20", "10",
-                                             "0.75", "1.00", "3/1", "0/0"]
+                                             "0.75", "1.00", "3/1/0", "0/0/0"]
 
 
 def test_ramp_stages_double_up_and_halve_down():

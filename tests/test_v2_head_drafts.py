@@ -117,6 +117,45 @@ def test_a_repeated_prompt_on_cached_blocks_drafts_as_the_first_time(continuatio
     assert runs[0] == runs[1], runs
 
 
+def test_requests_hitting_blocks_filled_beside_them_draft_from_their_whole_context(
+        continuations, tiny_eagle3_dir):
+    """A burst on one prompt (`n` > 1 samples, a shared system prompt): the
+    first request fills the prompt's blocks, and the others, in the same
+    step, start on them as a prefix-cache hit (vLLM caches a block once it
+    is scheduled). No saved rows exist yet, so they cannot adopt; after
+    the step's prefill ingest they take the first request's rows and ingest
+    their last prefill row again (`PrefixBlocks.fill_missed`), and every
+    step drafts what a runtime that ingested the whole prompt drafts.
+    Before that they drafted from their uncached suffix alone (4 of 18
+    steps drafted otherwise here)."""
+    from tests.v2_head_driver import BLOCK_SIZE, HeadEngine, Turn
+
+    found, embed = continuations
+    same = [found[0]] * 3  # three slots of one sequence
+    engine = HeadEngine(str(tiny_eagle3_dir), lambda ids: embed(ids.long()),
+                        embed.num_embeddings, same, {"topk": 1, "num_steps": 5},
+                        prefix_caching=True)
+    prompt = same[0].prompt_len
+    hit = (prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert hit >= BLOCK_SIZE
+    first_logits = []  # the slots' first drafts' logits: from each one's last prefill row
+
+    def after_prefill():
+        pool = engine.speculator.runtime.pool
+        first_logits.extend((pool.last_logits[r] - pool.last_logits[0]).abs().max().item()
+                            for r in (1, 2))
+
+    engine.serve([Turn(0, "a", prompt, prompt + 24)]
+                 + [Turn(r, f"b{r}", prompt, prompt + 24, hit, blocks_from=0) for r in (1, 2)],
+                 after_prefill)
+    assert engine.speculator.prefix.stats()["filled"] == 2
+    assert engine.num_differing == 0, engine.num_differing
+    # that row ingested again over the whole prefix: the first request's, to
+    # float32 rounding (other batch shapes); from the uncached suffix alone
+    # it differed by 0.42
+    assert max(first_logits) < 1e-4, first_logits
+
+
 def test_draft_attention_reaches_the_heads_runtime(continuations, tiny_eagle3_dir):
     """`draft_attention` is the attention path of the runtime the speculator
     drafts with (here "torch", the PyTorch path the reference runs on CPU)."""

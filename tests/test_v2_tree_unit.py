@@ -320,6 +320,16 @@ def test_a_beam_as_wide_as_the_kept_nodes_drafts_the_same_tree(num_nodes):
         assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
 
 
+def scheduled_output(finished=(), new=()):
+    """A scheduler output as `PrefixBlocks.schedule` reads it: finished
+    requests, new ones as (request, block ids, positions computed)."""
+    return SimpleNamespace(
+        finished_req_ids=set(finished), preempted_req_ids=None,
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=n)
+                            for r, ids, n in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]))
+
+
 def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():
     """Model Runner V2's prefix-cache bookkeeping for the head
     (integration/v2/prefix_blocks.py), on scheduler outputs as vLLM builds
@@ -363,7 +373,7 @@ def test_prefix_blocks_save_finished_requests_and_hand_them_to_prefix_hits():
     assert not prefix.adopt("c", 3, 8, pool) and not pool.valid[3].any()
     assert prefix.num_adopted == 1
     # "c"'s hit of 8 positions is counted missed (bench's `by repeat`)
-    assert prefix.stats() == {"adopted": 1, "missed": 1, "missed_positions": 8}
+    assert prefix.stats() == {"adopted": 1, "missed": 1, "missed_positions": 8, "filled": 0}
     # block 8 handed out fresh (a new owner): its rows are gone
     prefix.schedule(output(running=[("b", [8])]), slots.get, computed, pool)
     assert 8 not in prefix.store.blocks and 7 in prefix.store.blocks
@@ -376,16 +386,8 @@ def test_prefix_hits_of_one_step_are_adopted_together_as_one_by_one():
     ends as with one `adopt` after the other, each slot holding its own
     prefix with that prefix's last row left out; a miss among them gets
     nothing."""
-    from types import SimpleNamespace as NS
-
     from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
     from vllm_specplug.proposers.head_cache import HeadCachePool
-
-    def scheduled(finished=(), new=()):
-        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
-                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
-                                      for r, ids, n in new],
-                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
 
     def saved_pool_and_blocks():
         pool = HeadCachePool(2, 3, 3, 5, torch.float32, torch.device("cpu"), num_slots=8)
@@ -396,12 +398,12 @@ def test_prefix_hits_of_one_step_are_adopted_together_as_one_by_one():
         pool.valid[1, :8] = True
         prefix = PrefixBlocks(block_size=4)
         slots, computed = {"a": 0, "d": 1}, (lambda slot: 12 if slot == 0 else 8)
-        prefix.schedule(scheduled(new=[("a", [7, 8, 9], 0), ("d", [4, 5], 0)]), slots.get,
-                        computed, pool)
-        prefix.schedule(scheduled(finished=["a", "d"]), slots.get, computed, pool)
+        prefix.schedule(scheduled_output(new=[("a", [7, 8, 9], 0), ("d", [4, 5], 0)]),
+                        slots.get, computed, pool)
+        prefix.schedule(scheduled_output(finished=["a", "d"]), slots.get, computed, pool)
         # "b" hits a's 3 blocks, "c" a block never saved, "e" d's 2 blocks
-        prefix.schedule(scheduled(new=[("b", [7, 8, 9, 6], 12), ("c", [3, 2], 8),
-                                       ("e", [4, 5, 1], 8)]), slots.get, computed, pool)
+        prefix.schedule(scheduled_output(new=[("b", [7, 8, 9, 6], 12), ("c", [3, 2], 8),
+                                              ("e", [4, 5, 1], 8)]), slots.get, computed, pool)
         return pool, prefix
 
     requests = [("b", 5, 12), ("c", 6, 8), ("e", 7, 8)]
@@ -469,31 +471,23 @@ def test_a_finished_prefix_hit_keeps_the_saved_rows_of_its_hit_blocks():
     they were, with the row its adoption left out, and so do the rows of a
     hit it could not adopt, which its head never ingested; the blocks it
     filled itself are saved."""
-    from types import SimpleNamespace as NS
-
     from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
     from vllm_specplug.proposers.head_cache import HeadCachePool
-
-    def scheduled(finished=(), new=()):
-        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
-                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
-                                      for r, ids, n in new],
-                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
 
     pool = HeadCachePool(1, 2, 3, 5, torch.float32, torch.device("cpu"), num_slots=4)
     pool.keys[0, 0, :, 0] = torch.arange(pool.capacity, dtype=torch.float32)
     pool.valid[0, :8] = True
     prefix = PrefixBlocks(block_size=4)
     slots, computed = {"a": 0, "b": 1}, (lambda slot: 8 if slot == 0 else 12)
-    prefix.schedule(scheduled(new=[("a", [7, 8], 0)]), slots.get, computed, pool)
-    prefix.schedule(scheduled(finished=["a"]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(new=[("a", [7, 8], 0)]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(finished=["a"]), slots.get, computed, pool)
     saved = {b: [t.clone() for t in prefix.store.blocks[b]] for b in (7, 8)}
     # "b" hits blocks 7 and 8, adopts them, then fills block 5 itself
-    prefix.schedule(scheduled(new=[("b", [7, 8, 5], 8)]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(new=[("b", [7, 8, 5], 8)]), slots.get, computed, pool)
     assert prefix.adopt("b", 1, 8, pool) and not pool.valid[1, 7]  # the left-out row
     pool.keys[1, 0, 8:12, 0] = torch.tensor([50.0, 51.0, 52.0, 53.0])
     pool.valid[1, 8:12] = True
-    prefix.schedule(scheduled(finished=["b"]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(finished=["b"]), slots.get, computed, pool)
     for b in (7, 8):  # as "a" saved them: row 7 still valid
         assert all(torch.equal(x, y) for x, y in zip(prefix.store.blocks[b], saved[b])), b
     assert prefix.store.blocks[8][2].tolist() == [True] * 4
@@ -509,16 +503,8 @@ def test_a_hit_not_adopted_never_saves_the_blocks_it_did_not_ingest():
     (empty there): saved, every later hit would adopt empty rows and "a"
     would find block 3 saved and never save its own. Here "a"'s rows of
     block 3 are what a later hit gets."""
-    from types import SimpleNamespace as NS
-
     from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
     from vllm_specplug.proposers.head_cache import HeadCachePool
-
-    def scheduled(finished=(), new=()):
-        return NS(finished_req_ids=set(finished), preempted_req_ids=None,
-                  scheduled_new_reqs=[NS(req_id=r, block_ids=(ids,), num_computed_tokens=n)
-                                      for r, ids, n in new],
-                  scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[]))
 
     pool = HeadCachePool(1, 2, 3, 5, torch.float32, torch.device("cpu"), num_slots=4)
     pool.keys[0, 0, :, 0] = torch.arange(pool.capacity, dtype=torch.float32)
@@ -527,20 +513,57 @@ def test_a_hit_not_adopted_never_saves_the_blocks_it_did_not_ingest():
     pool.valid[1, 4:8] = True
     prefix = PrefixBlocks(block_size=4)
     slots, computed = {"a": 0, "c": 1, "d": 2}, (lambda slot: 8)
-    prefix.schedule(scheduled(new=[("a", [3, 9], 0), ("c", [3, 6], 4)]), slots.get, computed,
-                    pool)
+    prefix.schedule(scheduled_output(new=[("a", [3, 9], 0), ("c", [3, 6], 4)]), slots.get,
+                    computed, pool)
     assert prefix.adopt_all([("c", 1, 4)], pool).tolist() == [False]
-    prefix.schedule(scheduled(finished=["c"]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(finished=["c"]), slots.get, computed, pool)
     assert 3 not in prefix.store.blocks and 6 in prefix.store.blocks  # c's own block saved
-    prefix.schedule(scheduled(finished=["a"]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(finished=["a"]), slots.get, computed, pool)
     assert prefix.store.blocks[3][0][0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert prefix.store.blocks[3][2].tolist() == [True] * 4
     # "d" hits block 3 and gets "a"'s rows (its last one left out: no next token given)
-    prefix.schedule(scheduled(new=[("d", [3, 5], 4)]), slots.get, computed, pool)
+    prefix.schedule(scheduled_output(new=[("d", [3, 5], 4)]), slots.get, computed, pool)
     assert prefix.adopt("d", 2, 4, pool)
     assert pool.keys[2, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert pool.valid[2, :4].tolist() == [True, True, True, False]
-    assert prefix.stats() == {"adopted": 1, "missed": 1, "missed_positions": 4}
+    assert prefix.stats() == {"adopted": 1, "missed": 1, "missed_positions": 4, "filled": 0}
+
+
+def test_a_missed_hit_takes_its_rows_from_the_request_that_filled_them():
+    """Requests on a shared prefix in one step (a burst, `n` > 1 samples):
+    "b" and "e" hit block 3 that "a" fills in the same step, so they cannot
+    adopt it; after the step's prefill ingest (`PrefixBlocks.fill_missed`)
+    each takes "a"'s rows of it, the last one only where its own next token
+    is "a"'s. "x", whose hit's blocks no running request holds, stays
+    empty; none of them saves block 3 at its finish, "a" does."""
+    from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
+    from vllm_specplug.proposers.head_cache import HeadCachePool
+
+    pool = HeadCachePool(1, 2, 3, 5, torch.float32, torch.device("cpu"), num_slots=5)
+    prefix = PrefixBlocks(block_size=4)
+    slots = {"a": 0, "b": 1, "e": 2, "x": 3}
+    prefix.schedule(scheduled_output(new=[("a", [3, 9], 0), ("b", [3, 6], 4), ("e", [3, 7], 4),
+                                          ("x", [8, 5], 4)]), slots.get, lambda s: 8, pool)
+    assert prefix.adopt_all([("b", 1, 4), ("e", 2, 4), ("x", 3, 4)], pool).tolist() == [
+        False] * 3
+    # the step's prefill ingest: "a" its 8 positions, the others their own 4..7
+    pool.keys[0, 0, :8, 0] = torch.arange(8, dtype=torch.float32)
+    pool.valid[0, :8] = True
+    pool.keys[1:4, 0, 4:8, 0] = -1.0
+    pool.valid[1:4, 4:8] = True
+    token_ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]] * 4)
+    token_ids[2, 4] = 9  # "e" goes on otherwise after the shared block
+    prefix.fill_missed(slots.get, pool, token_ids)
+    assert pool.keys[1, 0, :8, 0].tolist() == [0.0, 1.0, 2.0, 3.0] + [-1.0] * 4
+    assert pool.valid[1, :8].all()
+    assert pool.keys[2, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert pool.valid[2, :8].tolist() == [True] * 3 + [False] + [True] * 4
+    assert not pool.valid[3, :4].any()
+    assert prefix.stats()["filled"] == 2 and not prefix.pending
+    prefix.schedule(scheduled_output(finished=["b", "e", "x"]), slots.get, lambda s: 8, pool)
+    assert 3 not in prefix.store.blocks and {6, 7, 5} <= set(prefix.store.blocks)
+    prefix.schedule(scheduled_output(finished=["a"]), slots.get, lambda s: 8, pool)
+    assert prefix.store.blocks[3][0][0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_drafts_vllm_marks_invalid_are_never_accepted():

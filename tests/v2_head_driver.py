@@ -70,13 +70,15 @@ class RequestStates:
 class Turn:
     """A request over the sequence of its state slot: its first `prompt_len`
     tokens are the prompt, the first `hit` of them (whole blocks) cached by
-    an earlier request of the slot, and it decodes while its drafts fit
-    before `stop_len`."""
+    an earlier request of the slot (or by the request of slot `blocks_from`,
+    of the same sequence, running beside it), and it decodes while its
+    drafts fit before `stop_len`."""
     slot: int
     req_id: str
     prompt_len: int
     stop_len: int
     hit: int = 0
+    blocks_from: int | None = None
 
 
 class HeadEngine:
@@ -131,9 +133,12 @@ class HeadEngine:
         self.num_differing = 0  # steps whose drafts differ from the reference's
         self.noise = torch.Generator().manual_seed(0)  # rejected rows' hidden states
 
-    def serve(self, turns: list[Turn]) -> None:
-        """The turns' prefills in one step, their decode steps, their finish."""
+    def serve(self, turns: list[Turn], after_prefill=None) -> None:
+        """The turns' prefills in one step, their decode steps, their finish;
+        `after_prefill()` runs between the first two steps."""
         drafts = self._prefill(turns)
+        if after_prefill is not None:
+            after_prefill()
         live = list(turns)
         while True:
             live = [t for t in live if int(self.states.total_len.gpu[t.slot]) + self.depth
@@ -149,7 +154,8 @@ class HeadEngine:
         states), new ones with their blocks, running ones' new blocks."""
         new_reqs = []
         for turn in new:
-            self.blocks[turn.slot] = self.blocks.get(turn.slot, [])[:turn.hit // BLOCK_SIZE]
+            source = turn.slot if turn.blocks_from is None else turn.blocks_from
+            self.blocks[turn.slot] = self.blocks.get(source, [])[:turn.hit // BLOCK_SIZE]
             self._grow(turn)
             new_reqs.append(SimpleNamespace(req_id=turn.req_id, num_computed_tokens=turn.hit,
                                             block_ids=(list(self.blocks[turn.slot]),),

@@ -7,7 +7,8 @@ H200 (SmolLM2, MT-Bench, 2026-12-04) vLLM's `eagle3` took 1110 steps in each
 repeat and our chain a varying number, 4% more on average (issue 26): what
 differs between repeats is the state an engine carries over, above all its
 prefix cache (which blocks are still cached, and for our head, which of
-them it saved rows for: a hit with a block unsaved is "missed", and that
+them it saved rows for: a hit with a block unsaved is "missed", and
+"filled" where the rows came from a request running beside it, else that
 request drafts from its uncached suffix alone). These per-repeat records
 say whether a row's acceptance moved with them.
 """
@@ -28,8 +29,8 @@ class RepeatState:
     counts: SpecDecodeCounts
     prefix_queries: int
     prefix_hits: int
-    # our head's prefix hits: {"adopted", "missed", "missed_positions"}
-    # (PrefixBlocks.stats); None: no head of ours keeps prefix rows
+    # our head's prefix hits: {"adopted", "missed", "missed_positions",
+    # "filled"} (PrefixBlocks.stats); None: no head of ours keeps prefix rows
     head_prefix: dict | None
 
 
@@ -63,7 +64,8 @@ def repeat_record(before: RepeatState, after: RepeatState) -> dict:
 
 def repeat_cells(repeats: list[dict]) -> str:
     """The "by repeat" table's cells: τ, verify steps, the prefix cache's
-    hit rate and our head's prefix hits adopted/missed, repeat after repeat."""
+    hit rate and our head's prefix hits adopted/missed/filled, repeat after
+    repeat."""
     def joined(values) -> str:
         return " ".join(values)
 
@@ -73,10 +75,11 @@ def repeat_cells(repeats: list[dict]) -> str:
     hits = joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
                   else "-" for r in repeats)
     adopted = joined("-" if r["head_prefix"] is None
-                     else f"{r['head_prefix']['adopted']}/{r['head_prefix']['missed']}"
+                     else "/".join(str(r["head_prefix"][k]) for k in HEAD_PREFIX_CELLS)
                      for r in repeats)
     return f"  {taus:<24}{steps:<22}{hits:<18}{adopted}"
 
 
+HEAD_PREFIX_CELLS = ("adopted", "missed", "filled")  # PrefixBlocks.stats
 REPEAT_COLUMNS = (f"  {'accept len':<24}{'verify steps':<22}{'prefix hits':<18}"
-                  "head hits adopted/missed")
+                  "head hits adopted/missed/filled")

@@ -161,6 +161,21 @@ class HeadCachePool:
         self.valid[row_slots, positions] = valid
         self.last_positions[slots] = np.asarray(lengths) - 1
 
+    def copy_prefix(self, src: int, dst: int, length: int,
+                    keep_last: torch.Tensor | None = None) -> None:
+        """Slot `dst` takes slot `src`'s rows at positions 0..length-1
+        (keys, values, validity), the last one valid only where `keep_last`
+        ([1] bool on the device: the two requests have the same token after
+        it, which that row was computed with) holds; None: left out. Device
+        copies only: no sync."""
+        self.keys[dst, :, :length] = self.keys[src, :, :length]
+        self.values[dst, :, :length] = self.values[src, :, :length]
+        self.valid[dst, :length] = self.valid[src, :length]
+        if keep_last is None:
+            self.valid[dst, length - 1] = False
+        else:
+            self.valid[dst, length - 1:length] &= keep_last
+
     def store(self, slots: np.ndarray, cuts: np.ndarray, row_slots: np.ndarray,
               row_positions: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Drop each slot's positions at or after `cuts[r]` ([R] host), then

@@ -117,5 +117,25 @@ class HeadRows:
                             next_prefill[0, slots].long())
         next_ids[to_device(last, self.device)] = after
         target = self.drafter.target_hidden(hidden, aux, device_rows)
-        self.runtime.ingest_slots(input_batch.idx_mapping_np[rows].astype(np.int64), new[rows],
-                                  target, next_ids, positions, counts.tolist())
+        slots_np = input_batch.idx_mapping_np[rows].astype(np.int64)
+        self.runtime.ingest_slots(slots_np, new[rows], target, next_ids, positions,
+                                  counts.tolist())
+        if self.prefix is not None and self.prefix.pending:  # hits missed this step
+            self._fill_missed_prefixes(slots_np, last, target, next_ids, positions)
+
+    def _fill_missed_prefixes(self, slots: np.ndarray, last: np.ndarray, target,
+                              next_ids: torch.Tensor, positions: np.ndarray) -> None:
+        """The prefill ingest's requests whose hit was missed take its rows
+        from a request running beside them (`PrefixBlocks.fill_missed`),
+        then ingest their last row again, over the whole prefix now (its
+        output is their first draft's). `slots` [R] host, `last` [R]: each
+        one's last row among the ingest's rows (target, next_ids on the
+        device; positions on the host)."""
+        filled = self.prefix.fill_missed(self.req_states.req_id_to_index.get,
+                                         self.runtime.pool, self.req_states.all_token_ids.gpu)
+        if not filled:
+            return
+        again = np.flatnonzero(np.isin(slots, filled))
+        index = to_device(last[again], self.device)
+        self.runtime.ingest_slots(slots[again], np.zeros(len(again), dtype=bool), target[index],
+                                  next_ids[index], positions[last[again]], [1] * len(again))

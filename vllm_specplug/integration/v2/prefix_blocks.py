@@ -22,8 +22,10 @@ draft positions were accepted, so here:
   loses its saved rows;
 - a new request whose computed prefix is whole blocks, all saved, starts
   with their rows (`HeadCachePool.adopt_slot`); one whose hit has a block
-  not saved (still being filled by a request running beside it) drafts
-  from its own positions, and its hit blocks are never saved from its slot.
+  not saved (still being filled by a request running beside it: a burst on
+  one prompt, `n` > 1 samples) takes that request's rows after the step's
+  prefill ingest (`fill_missed`), and its hit blocks are never saved from
+  its own slot.
 
 The prefix's last row was computed with the token that followed it in the
 request that saved it: saved beside it (read from the request's token ids on
@@ -57,6 +59,10 @@ class PrefixBlocks:
         # prefix's draft KV (bench's `by repeat`: issue 26)
         self.num_missed = 0
         self.missed_positions = 0  # their hits' positions, summed
+        # missed request -> (its slot, its hit): filled after the step's
+        # prefill ingest from a running request's slot (`fill_missed`)
+        self.pending: dict[str, tuple[int, int]] = {}
+        self.num_filled = 0  # of the missed, those filled so
 
     def schedule(self, scheduler_output, slot_of, num_computed, pool,
                  token_ids: torch.Tensor | None = None) -> None:
@@ -72,6 +78,7 @@ class PrefixBlocks:
             slot = slot_of(req_id)
             # a hit never offered for adoption was not adopted either
             unowned = self.unowned.pop(req_id, self.hits.pop(req_id, 0) // self.block_size)
+            self.pending.pop(req_id, None)
             if slot is not None and pool is not None:
                 self._save(self.block_ids.get(req_id, []), slot, num_computed(slot), pool,
                            None if token_ids is None else token_ids[slot], unowned)
@@ -121,7 +128,45 @@ class PrefixBlocks:
         """Prefix hits so far: requests that started on saved rows, and
         those whose hit could not be adopted (with its positions)."""
         return {"adopted": self.num_adopted, "missed": self.num_missed,
-                "missed_positions": self.missed_positions}
+                "missed_positions": self.missed_positions, "filled": self.num_filled}
+
+    def fill_missed(self, slot_of, pool, token_ids: torch.Tensor | None = None) -> list[int]:
+        """After a step's prefill ingest: each request whose hit was missed
+        takes its hit's rows from the slot of a request running beside it
+        whose blocks start with the same ones and whose head ingested them
+        (the request that filled them, this step or before: vLLM caches a
+        block once it is scheduled). Its own rows' keys and values need no
+        context: once the caller has ingested each one's last prefill row
+        again (its output is the first draft's), the request drafts as on
+        an adopted hit. `slot_of(req_id)`: a running request's state slot or
+        None; `token_ids` [slots, max_len]: each slot's tokens (V2's
+        `all_token_ids`), which keep the prefix's last row where the two
+        have the same token after it (None: left out). Returns the slots
+        filled."""
+        filled = []
+        for req_id, (slot, hit) in list(self.pending.items()):
+            del self.pending[req_id]
+            owner = self._owner(req_id, hit // self.block_size, slot_of)
+            if owner is None:
+                continue
+            keep = (None if token_ids is None
+                    else token_ids[owner, hit:hit + 1] == token_ids[slot, hit:hit + 1])
+            pool.copy_prefix(owner, slot, hit, keep)
+            filled.append(slot)
+        self.num_filled += len(filled)
+        return filled
+
+    def _owner(self, req_id: str, num_blocks: int, slot_of) -> int | None:
+        """The slot of a running request, other than `req_id`, whose head
+        holds rows of `req_id`'s first `num_blocks` blocks (its own or
+        adopted ones: none of them unowned); None if there is none."""
+        blocks = self.block_ids.get(req_id, [])[:num_blocks]
+        for other, ids in self.block_ids.items():
+            if other != req_id and other not in self.unowned and ids[:num_blocks] == blocks:
+                slot = slot_of(other)
+                if slot is not None:
+                    return int(slot)
+        return None
 
     def adopt(self, req_id: str, slot: int, first_position: int, pool) -> bool:
         """Give new request `req_id` (state slot `slot`, first computed
@@ -149,6 +194,7 @@ class PrefixBlocks:
                 self.num_missed += 1
                 self.missed_positions += hit
                 self.unowned[req_id] = hit // self.block_size
+                self.pending[req_id] = (slot, hit)
         if slots:
             tokens = None if next_ids is None else next_ids[to_device(
                 np.flatnonzero(adopted), next_ids.device)]

@@ -50,12 +50,12 @@ from tqdm import tqdm
 from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatches, top2_gaps
 from vllm_specplug.bench.prompts import (BenchPrompt, bench_prompt_of_input,
                                          sampling_params_for)
+from vllm_specplug.bench.repeats import read_repeat_state, repeat_record
 from vllm_specplug.bench.specs import NamedSpec
 from vllm_specplug.bench.starts import (check_parallel_starts, start_all, start_engine,
                                         with_kv_cache_size)
 from vllm_specplug.bench.worker_info import WORKER_INFO_QUALNAME
 from vllm_specplug.bench.waves import WaveTimes
-from vllm_specplug.bench.repeats import read_repeat_state, repeat_record
 from vllm_specplug.engine import generate
 from vllm_specplug.metrics import SpecDecodeCounts, vllm_collectors
 
@@ -90,7 +90,7 @@ class OfflineRow:
     # (bench/waves.py; None: the engine kept no per-request stats)
     waves: dict | None = None
     # each measured repeat's own acceptance, prefix-cache hits and our
-    # head's prefix hits adopted and missed (bench/repeats.py)
+    # head's prefix hits adopted, missed and filled (bench/repeats.py)
     repeats: list[dict] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # baseline rows: per request, per token, log p(top-1) - log p(top-2)

@@ -1,5 +1,5 @@
 """Each measured repeat of a `bench offline` row on its own: acceptance,
-the engine's prefix-cache hits and our head's prefix adoptions.
+the engine's prefix-cache hits and our head's prefix hits.
 
 Under greedy sampling a row's repeats generate the same tokens, so a method
 whose drafting depends only on them accepts the same in every repeat. On the

@@ -208,8 +208,8 @@ def format_waves_table(rows) -> str:
 
 def format_repeats_table(rows) -> str:
     """Each speculating row's measured repeats one by one (bench/repeats.py):
-    τ, verify steps, prefix-cache hit rate, our head's prefix hits adopted
-    and missed."""
+    τ, verify steps, prefix-cache hit rate, our head's prefix hits adopted,
+    missed and filled."""
     from vllm_specplug.bench.repeats import REPEAT_COLUMNS, repeat_cells
 
     speculating = [r for r in rows if r.counts.num_drafts]

@@ -92,7 +92,7 @@ def prefix_adoptions(worker) -> int | None:
 
 
 def prefix_stats(worker) -> dict | None:
-    """`PrefixBlocks.stats()`: prefix hits adopted and missed so far."""
+    """`PrefixBlocks.stats()`: prefix hits adopted, missed and filled so far."""
     prefix = _prefix_blocks(worker)
     return None if prefix is None else prefix.stats()
 

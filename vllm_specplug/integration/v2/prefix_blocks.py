@@ -125,8 +125,9 @@ class PrefixBlocks:
                                pool.values[slot, :, span], pool.valid[slot, span], next_ids)
 
     def stats(self) -> dict[str, int]:
-        """Prefix hits so far: requests that started on saved rows, and
-        those whose hit could not be adopted (with its positions)."""
+        """Prefix hits so far: requests that started on saved rows, those
+        whose hit could not be adopted (with its positions), and of those
+        the ones that took the rows from a request beside them."""
         return {"adopted": self.num_adopted, "missed": self.num_missed,
                 "missed_positions": self.missed_positions, "filled": self.num_filled}
 

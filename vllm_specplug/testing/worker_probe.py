@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vllm_specplug.bench.worker_info import graph_captures, prefix_adoptions, runner_state
+from vllm_specplug.bench.worker_info import (graph_captures, prefix_adoptions, prefix_stats,
+                                             runner_state)
 
 PROBE_QUALNAME = "vllm_specplug.testing.worker_probe.SpecplugProbe"
 
@@ -82,6 +83,9 @@ class SpecplugProbe:
 
     def specplug_prefix_adoptions(self) -> int | None:
         return prefix_adoptions(self)
+
+    def specplug_prefix_stats(self) -> dict | None:
+        return prefix_stats(self)
 
     def specplug_adaptive_stats(self) -> dict | None:
         from vllm_specplug.bench.worker_info import adaptive_stats

@@ -71,11 +71,12 @@ class SpecDecodeCounts:
                 "per_position_acceptance": self.per_position_acceptance}
 
 
-def read_spec_decode_counts(llm) -> SpecDecodeCounts:
-    """Current cumulative counters of `llm`, summed over engines and labels."""
+def read_spec_decode_counts(llm, metrics: list | None = None) -> SpecDecodeCounts:
+    """Current cumulative counters of `llm`, summed over engines and labels
+    (`metrics`: `llm.get_metrics()` already read)."""
     totals = dict.fromkeys(_TOTALS, 0)
     per_pos: list[int] = []
-    for metric in llm.get_metrics():
+    for metric in llm.get_metrics() if metrics is None else metrics:
         if not metric.name.startswith(_PREFIX):
             continue
         key = metric.name[len(_PREFIX):]
@@ -146,6 +147,12 @@ def collectors_by_thread():
 def read_engine_counts(llm, collectors: list | None) -> SpecDecodeCounts:
     """`read_spec_decode_counts` of the engine whose collectors these are,
     put back into the registry first (None: the registry as it is)."""
+    return read_spec_decode_counts(llm, read_engine_metrics(llm, collectors))
+
+
+def read_engine_metrics(llm, collectors: list | None) -> list:
+    """`llm.get_metrics()` of the engine whose collectors these are, put
+    back into the registry first (None: the registry as it is)."""
     if collectors is not None:
         from prometheus_client import REGISTRY
 
@@ -153,7 +160,7 @@ def read_engine_counts(llm, collectors: list | None) -> SpecDecodeCounts:
             REGISTRY.unregister(collector)
         for collector in collectors:
             REGISTRY.register(collector)
-    return read_spec_decode_counts(llm)
+    return llm.get_metrics()
 
 
 def parse_prometheus_counts(text: str) -> SpecDecodeCounts:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_specplug.metrics import SpecDecodeCounts, read_engine_counts
+from vllm_specplug.metrics import SpecDecodeCounts, read_engine_metrics, read_spec_decode_counts
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"  # prompt tokens looked up (a counter)
 PREFIX_HITS = "vllm:prefix_cache_hits"  # of those, found cached
@@ -38,9 +38,10 @@ def read_repeat_state(llm, collectors: list | None, head_prefix: dict | None
                       ) -> RepeatState:
     """The counters now (`collectors`: as `read_engine_counts`);
     `head_prefix`: the worker's answer to `specplug_prefix_stats`."""
-    counts = read_engine_counts(llm, collectors)  # puts the engine's collectors back
+    metrics = read_engine_metrics(llm, collectors)  # the engine's collectors put back
+    counts = read_spec_decode_counts(llm, metrics)
     totals = dict.fromkeys((PREFIX_QUERIES, PREFIX_HITS), 0)
-    for metric in llm.get_metrics():
+    for metric in metrics:
         if metric.name in totals:
             totals[metric.name] += int(getattr(metric, "value", 0))
     return RepeatState(counts, totals[PREFIX_QUERIES], totals[PREFIX_HITS], head_prefix)

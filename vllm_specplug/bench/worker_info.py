@@ -77,23 +77,11 @@ def graph_captures(worker) -> dict | None:
     return found
 
 
-def _prefix_blocks(worker):
-    """Our Model Runner V2 head speculator's `PrefixBlocks`
-    (integration/v2/prefix_blocks.py); None without that speculator or
-    with prefix caching off."""
-    return getattr(getattr(worker.model_runner, "speculator", None), "prefix", None)
-
-
-def prefix_adoptions(worker) -> int | None:
-    """Requests our head speculator started on saved head rows of
-    prefix-cached blocks so far (None: see `_prefix_blocks`)."""
-    prefix = _prefix_blocks(worker)
-    return None if prefix is None else prefix.num_adopted
-
-
 def prefix_stats(worker) -> dict | None:
-    """`PrefixBlocks.stats()`: prefix hits adopted, missed and filled so far."""
-    prefix = _prefix_blocks(worker)
+    """Our Model Runner V2 head speculator's prefix hits adopted, missed and
+    filled so far (`PrefixBlocks.stats()`, integration/v2/prefix_blocks.py);
+    None without that speculator or with prefix caching off."""
+    prefix = getattr(getattr(worker.model_runner, "speculator", None), "prefix", None)
     return None if prefix is None else prefix.stats()
 
 

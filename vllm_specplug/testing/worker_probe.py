@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vllm_specplug.bench.worker_info import (graph_captures, prefix_adoptions, prefix_stats,
-                                             runner_state)
+from vllm_specplug.bench.worker_info import graph_captures, prefix_stats, runner_state
 
 PROBE_QUALNAME = "vllm_specplug.testing.worker_probe.SpecplugProbe"
 
@@ -80,9 +79,6 @@ class SpecplugProbe:
                 "step_layouts": sorted({(key[-2], str(key[-1])) for key in steps}),
                 # (padded batch, rows per request, key range, tree shape) of each
                 "step_keys": sorted((key[1], key[2], key[3], tuple(key[4])) for key in steps)}
-
-    def specplug_prefix_adoptions(self) -> int | None:
-        return prefix_adoptions(self)
 
     def specplug_prefix_stats(self) -> dict | None:
         return prefix_stats(self)

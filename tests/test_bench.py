@@ -621,6 +621,11 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
     assert first["num_drafts"] + second["num_drafts"] == ours.counts.num_drafts
     assert first["mean_acceptance_length"] == second["mean_acceptance_length"]
     assert all(r["prefix_queries"] > 0 and r["head_prefix"] is None for r in rows[1].repeats)
+    # tokens a step over every step, from the engine's generation and request
+    # counters: one without speculation; with it, at most τ (its requests'
+    # steps without a draft count too)
+    assert [r["tokens_per_step"] for r in none.repeats] == [1.0, 1.0]
+    assert all(1.0 < r["tokens_per_step"] <= r["mean_acceptance_length"] for r in ours.repeats)
     assert "by repeat" in format_offline_table(rows)
     verified = ours.adaptive["num_verified_drafts"]  # both engines' steps, summed
     assert 0.9 * verified <= ours.counts.num_drafts <= 1.1 * verified
@@ -636,37 +641,48 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
     from vllm_specplug.bench.report import format_repeats_table
     from vllm_specplug.metrics import SpecDecodeCounts
 
-    def engine(drafts, accepted, per_pos, queries, hits):
+    def engine(drafts, accepted, per_pos, queries, hits, generated=0, requests=(0, 0)):
         metrics = [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
                    SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
                    SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos",
                                    values=per_pos),
                    SimpleNamespace(name="vllm:prefix_cache_queries", value=queries),
-                   SimpleNamespace(name="vllm:prefix_cache_hits", value=hits)]
+                   SimpleNamespace(name="vllm:prefix_cache_hits", value=hits),
+                   SimpleNamespace(name="vllm:generation_tokens", value=generated)]
+        # finished requests: one counter per finish reason (stop, length)
+        metrics += [SimpleNamespace(name="vllm:request_success", value=n) for n in requests]
         return SimpleNamespace(get_metrics=lambda: metrics)
 
     def head(adopted, missed):
         return {"adopted": adopted, "missed": missed, "missed_positions": 16 * missed,
                 "filled": missed // 2}
 
-    start = read_repeat_state(engine(10, 5, [4, 1], 100, 0), None, head(2, 0))
-    middle = read_repeat_state(engine(30, 25, [14, 8, 3], 300, 150), None, head(5, 1))
-    end = read_repeat_state(engine(40, 30, [20, 10, 3], 400, 250), None, head(5, 1))
+    start = read_repeat_state(engine(10, 5, [4, 1], 100, 0, 20, (2, 1)), None, head(2, 0))
+    # the first repeat: 4 requests decode 40 tokens after their first, 20
+    # drafting steps make 20 + 20 of them, every step drafted
+    middle = read_repeat_state(engine(30, 25, [14, 8, 3], 300, 150, 64, (4, 3)), None,
+                               head(5, 1))
+    # the second: 2 requests decode 24 tokens; 10 drafting steps make 15,
+    # and 9 steps whose drafts were cut to nothing make one each
+    end = read_repeat_state(engine(40, 30, [20, 10, 3], 400, 250, 90, (5, 4)), None,
+                            head(5, 1))
     assert middle.counts == SpecDecodeCounts(30, 0, 25, (14, 8, 3))
     first, second = repeat_record(start, middle), repeat_record(middle, end)
     assert first == {"num_drafts": 20, "num_accepted_tokens": 20, "mean_acceptance_length": 2.0,
                      "per_position_acceptance": [0.5, 0.35, 0.15], "prefix_queries": 200,
-                     "prefix_hits": 150, "head_prefix": head(3, 1)}
+                     "prefix_hits": 150, "head_prefix": head(3, 1), "tokens_per_step": 2.0}
     assert second["mean_acceptance_length"] == 1.5 and second["head_prefix"] == head(0, 0)
+    assert second["tokens_per_step"] == 24 / 19  # vLLM's τ would say 1.5
     none_head = repeat_record(read_repeat_state(engine(0, 0, [], 0, 0), None, None),
                               read_repeat_state(engine(0, 0, [], 8, 8), None, None))
     assert none_head["mean_acceptance_length"] is None and none_head["head_prefix"] is None
+    assert none_head["tokens_per_step"] is None  # nothing decoded
     ours = OfflineRow("ours", 1, counts=SpecDecodeCounts(30, 0, 25), repeats=[first, second])
     none = OfflineRow("none", 1, repeats=[none_head])
     table = format_repeats_table([none, ours])
     assert "none" not in table  # no drafts: nothing to compare between its repeats
-    assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "20", "10",
-                                             "0.75", "1.00", "3/1/0", "0/0/0"]
+    assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "2.000", "1.263",
+                                             "20", "10", "0.75", "1.00", "3/1/0", "0/0/0"]
 
 
 def test_ramp_stages_double_up_and_halve_down():

@@ -11,6 +11,14 @@ them it saved rows for: a hit with a block unsaved is "missed", and
 "filled" where the rows came from a request running beside it, else that
 request drafts from its uncached suffix alone). These per-repeat records
 say whether a row's acceptance moved with them.
+
+vLLM's τ (`accept len`) counts only steps that drafted: under a grammar
+its scheduler keeps the valid prefix of each draft, and a step whose
+draft was cut to nothing is no draft. Each repeat therefore also gets
+`tokens_per_step`: the tokens each request decoded after its first, over
+every step they took. A step with a draft yields 1 + its accepted
+tokens, a step without yields 1, so the steps without a draft are those
+tokens less the drafting steps' (docs/results/grammar_large_head_cpu).
 """
 from __future__ import annotations
 
@@ -20,6 +28,9 @@ from vllm_specplug.metrics import SpecDecodeCounts, read_engine_metrics, read_sp
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"  # prompt tokens looked up (a counter)
 PREFIX_HITS = "vllm:prefix_cache_hits"  # of those, found cached
+GENERATION_TOKENS = "vllm:generation_tokens"  # tokens generated, each request's first included
+REQUESTS_DONE = "vllm:request_success"  # requests finished (one counter per finish reason)
+COUNTERS = (PREFIX_QUERIES, PREFIX_HITS, GENERATION_TOKENS, REQUESTS_DONE)
 
 
 @dataclass
@@ -32,6 +43,8 @@ class RepeatState:
     # our head's prefix hits: {"adopted", "missed", "missed_positions",
     # "filled"} (PrefixBlocks.stats); None: no head of ours keeps prefix rows
     head_prefix: dict | None
+    num_generated_tokens: int = 0
+    num_requests: int = 0  # finished
 
 
 def read_repeat_state(llm, collectors: list | None, head_prefix: dict | None
@@ -40,11 +53,24 @@ def read_repeat_state(llm, collectors: list | None, head_prefix: dict | None
     `head_prefix`: the worker's answer to `specplug_prefix_stats`."""
     metrics = read_engine_metrics(llm, collectors)  # the engine's collectors put back
     counts = read_spec_decode_counts(llm, metrics)
-    totals = dict.fromkeys((PREFIX_QUERIES, PREFIX_HITS), 0)
+    totals = dict.fromkeys(COUNTERS, 0)
     for metric in metrics:
         if metric.name in totals:
             totals[metric.name] += int(getattr(metric, "value", 0))
-    return RepeatState(counts, totals[PREFIX_QUERIES], totals[PREFIX_HITS], head_prefix)
+    return RepeatState(counts, totals[PREFIX_QUERIES], totals[PREFIX_HITS], head_prefix,
+                       totals[GENERATION_TOKENS], totals[REQUESTS_DONE])
+
+
+def tokens_per_step(num_decoded: int, num_drafts: int, num_accepted: int) -> float | None:
+    """Tokens a step over every decode step: `num_decoded` tokens after
+    each request's first, `num_drafts` steps with a draft accepting
+    `num_accepted` tokens past their first; each other step made one token
+    (a step whose draft the grammar cut to nothing, or none was asked for).
+    None without decoded tokens."""
+    if num_decoded <= 0:
+        return None
+    undrafted = max(num_decoded - num_drafts - num_accepted, 0)
+    return num_decoded / (num_drafts + undrafted)
 
 
 def repeat_record(before: RepeatState, after: RepeatState) -> dict:
@@ -60,7 +86,11 @@ def repeat_record(before: RepeatState, after: RepeatState) -> dict:
             "per_position_acceptance": counts.per_position_acceptance,
             "prefix_queries": queries,
             "prefix_hits": after.prefix_hits - before.prefix_hits,
-            "head_prefix": head}
+            "head_prefix": head,
+            "tokens_per_step": tokens_per_step(
+                (after.num_generated_tokens - before.num_generated_tokens)
+                - (after.num_requests - before.num_requests),
+                counts.num_drafts, counts.num_accepted_tokens)}
 
 
 def repeat_cells(repeats: list[dict]) -> str:
@@ -72,15 +102,17 @@ def repeat_cells(repeats: list[dict]) -> str:
 
     taus = joined("-" if r["mean_acceptance_length"] is None
                   else f"{r['mean_acceptance_length']:.3f}" for r in repeats)
+    per_step = joined("-" if r.get("tokens_per_step") is None  # files of older runs
+                      else f"{r['tokens_per_step']:.3f}" for r in repeats)
     steps = joined(str(r["num_drafts"]) for r in repeats)
     hits = joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
                   else "-" for r in repeats)
     adopted = joined("-" if r["head_prefix"] is None
                      else "/".join(str(r["head_prefix"][k]) for k in HEAD_PREFIX_CELLS)
                      for r in repeats)
-    return f"  {taus:<24}{steps:<22}{hits:<18}{adopted}"
+    return f"  {taus:<24}{per_step:<24}{steps:<22}{hits:<18}{adopted}"
 
 
 HEAD_PREFIX_CELLS = ("adopted", "missed", "filled")  # PrefixBlocks.stats
-REPEAT_COLUMNS = (f"  {'accept len':<24}{'verify steps':<22}{'prefix hits':<18}"
-                  "head hits adopted/missed/filled")
+REPEAT_COLUMNS = (f"  {'accept len':<24}{'tokens a step':<24}{'verify steps':<22}"
+                  f"{'prefix hits':<18}head hits adopted/missed/filled")

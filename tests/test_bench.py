@@ -619,6 +619,8 @@ def test_restart_order_interleaves_with_one_engine_alive_at_a_time(tiny_model_di
     # same n-grams from the same tokens, and looked its prompts up in its cache
     first, second = ours.repeats
     assert first["num_drafts"] + second["num_drafts"] == ours.counts.num_drafts
+    # and its decode time, from the engine's timestamps (`bench ratios --decode`)
+    assert all(r["decode_ms"] > 0 for r in none.repeats + ours.repeats)
     assert first["mean_acceptance_length"] == second["mean_acceptance_length"]
     assert all(r["prefix_queries"] > 0 and r["head_prefix"] is None for r in rows[1].repeats)
     # tokens a step over every step, from the engine's generation and request
@@ -667,10 +669,12 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
     end = read_repeat_state(engine(40, 30, [20, 10, 3], 400, 250, 90, (5, 4)), None,
                             head(5, 1))
     assert middle.counts == SpecDecodeCounts(30, 0, 25, (14, 8, 3))
-    first, second = repeat_record(start, middle), repeat_record(middle, end)
+    first, second = repeat_record(start, middle, 812.4), repeat_record(middle, end)
     assert first == {"num_drafts": 20, "num_accepted_tokens": 20, "mean_acceptance_length": 2.0,
                      "per_position_acceptance": [0.5, 0.35, 0.15], "prefix_queries": 200,
-                     "prefix_hits": 150, "head_prefix": head(3, 1), "tokens_per_step": 2.0}
+                     "prefix_hits": 150, "head_prefix": head(3, 1), "tokens_per_step": 2.0,
+                     "decode_ms": 812.4}
+    assert second["decode_ms"] is None  # an engine without per-request stats
     assert second["mean_acceptance_length"] == 1.5 and second["head_prefix"] == head(0, 0)
     assert second["tokens_per_step"] == 24 / 19  # vLLM's τ would say 1.5
     none_head = repeat_record(read_repeat_state(engine(0, 0, [], 0, 0), None, None),
@@ -682,7 +686,8 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
     table = format_repeats_table([none, ours])
     assert "none" not in table  # no drafts: nothing to compare between its repeats
     assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "2.000", "1.263",
-                                             "20", "10", "0.75", "1.00", "3/1/0", "0/0/0"]
+                                             "20", "10", "812", "-", "0.75", "1.00", "3/1/0",
+                                             "0/0/0"]
 
 
 def test_ramp_stages_double_up_and_halve_down():
@@ -741,6 +746,35 @@ def test_bench_ratios_are_taken_within_each_repeat(tmp_path, capsys):
     path.write_text("[1, 2]")
     assert main(["bench", "ratios", str(path), "--over", "none"]) == 2
     assert "not a `bench offline` or `bench online` result JSON" in capsys.readouterr().err
+
+
+def test_bench_ratios_of_decode_times_are_taken_within_each_repeat(tmp_path, capsys):
+    """`bench ratios --decode`: each repeat's decode time (its waves' first
+    token to last) instead of its tokens/s, a row over another as the
+    inverse of their times; repeats before one without a time count, and a
+    result with none at all is refused, naming the way back to tokens/s."""
+    from vllm_specplug.bench.ratios import repeat_ratios
+
+    def row(name, decode_ms):
+        return {"name": name, "batch_size": 1, "tokens_per_second": [100.0] * 3,
+                "repeats": [{"decode_ms": ms} for ms in decode_ms]}
+
+    rows = [row("vllm", [300.0, 600.0, 200.0]), row("ours", [200.0, 500.0, 250.0]),
+            row("old", [300.0, None, 100.0])]
+    assert repeat_ratios(rows, "ours", ["vllm"], 1, decode=True) == [1.5, 1.2, 0.8]
+    assert repeat_ratios(rows, "ours", ["vllm"], 1) == [1.0, 1.0, 1.0]  # tokens/s
+    assert repeat_ratios(rows, "old", ["vllm"], 1, decode=True) == [1.0]
+    path = tmp_path / "offline.json"
+    path.write_text(json.dumps({"settings": {}, "rows": rows}))
+    assert main(["bench", "ratios", str(path), "--over", "vllm", "--row", "ours",
+                 "--decode"]) == 0
+    out = capsys.readouterr().out
+    assert "decode speed over vllm" in out and "1.20 [0.80-1.50]" in out
+    path.write_text(json.dumps({"settings": {}, "rows": [
+        {**r, "repeats": [{"decode_ms": None}]} for r in rows]}))
+    assert main(["bench", "ratios", str(path), "--over", "vllm", "--decode"]) == 2
+    assert "--decode: no row of this result has its repeats' decode times" in (
+        capsys.readouterr().err)
 
 
 def test_bench_ratios_read_online_rows_one_per_repeat(tmp_path, capsys):

@@ -169,7 +169,8 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
                                         _worker_call(llm, "specplug_graph_captures"))
     after = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_stats"))
     row.counts = row.counts + (after.counts - before.counts)
-    row.repeats.append(repeat_record(before, after))
+    row.repeats.append(repeat_record(before, after,
+                                     waves.decode_ms if waves.num_waves else None))
     row.adaptive = adaptive_delta(row.adaptive, adaptive_before, _adaptive_stats(llm))
     row.batch_policy = batch_policy_delta(row.batch_policy, policy_before,
                                           _worker_call(llm, "specplug_batch_policy"))

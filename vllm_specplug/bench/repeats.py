@@ -10,7 +10,9 @@ prefix cache (which blocks are still cached, and for our head, which of
 them it saved rows for: a hit with a block unsaved is "missed", and
 "filled" where the rows came from a request running beside it, else that
 request drafts from its uncached suffix alone). These per-repeat records
-say whether a row's acceptance moved with them.
+say whether a row's acceptance moved with them. Each also keeps its decode
+time (`decode_ms`: its waves' first token to last, engine timestamps;
+bench/waves.py), which `bench ratios --decode` compares repeat by repeat.
 
 vLLM's τ (`accept len`) counts only steps that drafted: under a grammar
 its scheduler keeps the valid prefix of each draft, and a step whose
@@ -73,8 +75,11 @@ def tokens_per_step(num_decoded: int, num_drafts: int, num_accepted: int) -> flo
     return num_decoded / (num_drafts + undrafted)
 
 
-def repeat_record(before: RepeatState, after: RepeatState) -> dict:
-    """What one repeat added (a row's `repeats` entry, JSON-ready)."""
+def repeat_record(before: RepeatState, after: RepeatState,
+                  decode_ms: float | None = None) -> dict:
+    """What one repeat added (a row's `repeats` entry, JSON-ready);
+    `decode_ms`: its waves' decode time, summed (bench/waves.py; None: the
+    engine kept no per-request stats)."""
     counts = after.counts - before.counts
     queries = after.prefix_queries - before.prefix_queries
     head = (None if after.head_prefix is None or before.head_prefix is None
@@ -90,7 +95,8 @@ def repeat_record(before: RepeatState, after: RepeatState) -> dict:
             "tokens_per_step": tokens_per_step(
                 (after.num_generated_tokens - before.num_generated_tokens)
                 - (after.num_requests - before.num_requests),
-                counts.num_drafts, counts.num_accepted_tokens)}
+                counts.num_drafts, counts.num_accepted_tokens),
+            "decode_ms": decode_ms}
 
 
 def repeat_cells(repeats: list[dict]) -> str:
@@ -107,12 +113,14 @@ def repeat_cells(repeats: list[dict]) -> str:
     steps = joined(str(r["num_drafts"]) for r in repeats)
     hits = joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
                   else "-" for r in repeats)
+    decode = joined("-" if r.get("decode_ms") is None  # files of older runs
+                    else f"{r['decode_ms']:.0f}" for r in repeats)
     adopted = joined("-" if r["head_prefix"] is None
                      else "/".join(str(r["head_prefix"][k]) for k in HEAD_PREFIX_CELLS)
                      for r in repeats)
-    return f"  {taus:<24}{per_step:<24}{steps:<22}{hits:<18}{adopted}"
+    return f"  {taus:<24}{per_step:<24}{steps:<22}{decode:<20}{hits:<18}{adopted}"
 
 
 HEAD_PREFIX_CELLS = ("adopted", "missed", "filled")  # PrefixBlocks.stats
 REPEAT_COLUMNS = (f"  {'accept len':<24}{'tokens a step':<24}{'verify steps':<22}"
-                  f"{'prefix hits':<18}head hits adopted/missed/filled")
+                  f"{'decode ms':<20}{'prefix hits':<18}head hits adopted/missed/filled")

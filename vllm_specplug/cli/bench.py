@@ -121,6 +121,10 @@ def add_parser(sub) -> None:
                         help="rows to report (default: every other row)")
     ratios.add_argument("--prompt-set", default=None, metavar="NAME",
                         help="a run of several --prompts sets: the rows of this one")
+    ratios.add_argument("--decode", action="store_true",
+                        help="compare each repeat's decode time (engine timestamps, first "
+                        "token to last of its waves) instead of its tokens/s: steadier on a "
+                        "host-bound GPU (offline results only)")
     ratios.set_defaults(func=run_ratios_command)
 
 
@@ -313,7 +317,7 @@ def run_ratios_command(args) -> int:
 
     try:
         rows = set_rows(load_rows(args.json), args.prompt_set)
-        print(ratio_table(rows, args.over, args.row))
+        print(ratio_table(rows, args.over, args.row, args.decode))
     except ValueError as error:
         return _fail(error)
     return 0

@@ -25,7 +25,8 @@
 #            eagle3 K=5, our chain K=5 as by default, eager, and eager on the PyTorch
 #            head attention (draft_attention "torch"); ROWS=chains: vLLM's eagle3 K=5
 #            and our chain K=5 alone (issue 26's τ gap; `by repeat` shows each repeat's
-#            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); HOST_PROFILE=1:
+#            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); ROWS=wide: vLLM's
+#            eagle3 K=5, our tree 16 and a wide tree (WIDE, default "8 4 32"); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
@@ -159,6 +160,13 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       printf '%s\n' --spec "ours-chain-K5={$chain}" \
         --spec "ours-chain-K5-eager={$chain, \"draft_compile\": false}" \
         --spec "ours-chain-K5-torch-attn={$chain, \"draft_compile\": false, \"draft_attention\": \"torch\"}" ;;
+    wide)
+      # issue 26's tree against vLLM's chain with more nodes: our tree 16 and a wide tree
+      # (WIDE="topk num_steps num_draft_tokens", default 8 4 32: on SmolLM2 its τ was 1.23x
+      # our chain's on MT-Bench's object questions without a schema, 2026-12-04)
+      read -r wk ws wn <<< "${WIDE:-8 4 32}"
+      printf '%s\n' --spec "ours-tree16={$tree}" \
+        --spec "ours-tree-$wk-$ws-$wn={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25}" ;;
     chains)
       # the two chains alone: issue 26's τ gap on SmolLM2, without the other rows' work
       # between repeats (the tiny model's two chains drafted the same: tiny_chain_ab_h200)

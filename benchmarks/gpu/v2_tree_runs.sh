@@ -31,7 +31,8 @@
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
 #            issue's table (ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
-#            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; HEAD as above, default
+#            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; DTYPE=float32: the
+#            engines in float32, outputs compared token for token; HEAD as above, default
 #            .gpu/heads/smollm2-eagle3-demo)
 #   smollm2-schema  issue 30 on SmolLM2 + its head (HEAD as smollm2-sets): MT-Bench's
 #            first turns asking for an object, under its schema (--prompts mt-bench-json)
@@ -338,6 +339,7 @@ run() {
       host real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
         --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${PHASES-} \
+        ${DTYPE:+--dtype "$DTYPE"} \
         --engine-args "{$PAR_KV$NOPFX\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
         --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-schema)

@@ -165,7 +165,8 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
     wide)
       # issue 26's tree against vLLM's chain with more nodes: our tree 16 and a wide tree
       # (WIDE="topk num_steps num_draft_tokens", default 8 4 32: on SmolLM2 its τ was 1.23x
-      # our chain's on MT-Bench's object questions without a schema, 2026-12-04)
+      # our chain's on MT-Bench's object questions without a schema on the H200, and 1.27x
+      # on MT-Bench's first turns on CPU, tree 16's 1.18x: docs/results/smollm2_tree_shapes_cpu)
       read -r wk ws wn <<< "${WIDE:-8 4 32}"
       printf '%s\n' --spec "ours-tree16={$tree}" \
         --spec "ours-tree-$wk-$ws-$wn={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25}" ;;

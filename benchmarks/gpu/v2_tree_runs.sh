@@ -118,6 +118,14 @@ PAR_ARG=${PARALLEL:+--parallel-starts}
 # τ on SmolLM2 fell under vLLM's, 2026-12-04: our head's saved prefix rows on or off)
 NOPFX=${NO_PREFIX_CACHE:+"\"enable_prefix_caching\": false, "}
 
+wide_tree() {  # HEAD_DIR DEFAULT_SHAPE: a wide tree from WIDE="topk num_steps num_draft_tokens"
+  # (else DEFAULT_SHAPE): sets wide_name (ours-tree-K-S-N) and wide (its JSON fields)
+  local wk ws wn
+  read -r wk ws wn <<< "${WIDE:-$2}"
+  wide_name="ours-tree-$wk-$ws-$wn"
+  wide="\"method\": \"specplug_eagle3\", \"model\": \"$1\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25"
+}
+
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
@@ -167,9 +175,8 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # (WIDE="topk num_steps num_draft_tokens", default 8 4 32: on SmolLM2 its τ was 1.23x
       # our chain's on MT-Bench's object questions without a schema on the H200, and 1.27x
       # on MT-Bench's first turns on CPU, tree 16's 1.18x: docs/results/smollm2_tree_shapes_cpu)
-      read -r wk ws wn <<< "${WIDE:-8 4 32}"
-      printf '%s\n' --spec "ours-tree16={$tree}" \
-        --spec "ours-tree-$wk-$ws-$wn={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25}" ;;
+      wide_tree "$h" "8 4 32"
+      printf '%s\n' --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}" ;;
     chains)
       # the two chains alone: issue 26's τ gap on SmolLM2, without the other rows' work
       # between repeats (the tiny model's two chains drafted the same: tiny_chain_ab_h200)
@@ -361,13 +368,12 @@ run() {
         # chain, both with the first drafting step masked; wide-choices: plus the wide tree
         # decided from the target's choices (grammar_verify "choices": no row a node; under
         # the schema on the H200 the rows took the 8-4-32 tree's decode to 2.5x, 2026-12-04)
-        read -r wk ws wn <<< "${WIDE:-8 2 16}"
-        wide="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25"
+        wide_tree "$h" "8 2 16"
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
-          --spec "ours-tree-$wk-$ws-$wn-first={$wide, \"grammar_drafts\": \"first\"}"
+          --spec "$wide_name-first={$wide, \"grammar_drafts\": \"first\"}"
           [ "$SCHEMA_ROWS" = wide-choices ] && printf '%s\n' \
-            --spec "ours-tree-$wk-$ws-$wn-choices={$wide, \"grammar_verify\": \"choices\"}")
+            --spec "$wide_name-choices={$wide, \"grammar_verify\": \"choices\"}")
       elif [ "${SCHEMA_ROWS:-all}" = queued ]; then
         # rows in the worker from the outputs the drafting pass queued (drafts unmasked,
         # no read of the device in the step) against rows in the worker after the first
@@ -431,11 +437,11 @@ run() {
         # with the worker's rows
         chain_scheduler="ours-chain-K5-first-scheduler-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"scheduler\"}"
         chain_worker="ours-chain-K5-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}"
-        read -r wk ws wn <<< "${WIDE:-8 2 16}"
+        wide_tree "$h" "8 2 16"
         mapfile -t S < <(printf '%s\n' --spec "$chain_scheduler" --spec "$chain_worker"
           [ "$SCHEMA_ROWS" = worker ] && printf '%s\n' \
             --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
-            --spec "ours-tree-$wk-$ws-$wn-first-worker-rows={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}")
+            --spec "$wide_name-first-worker-rows={$wide, \"grammar_drafts\": \"first\", \"grammar_rows\": \"worker\"}")
       else
       mapfile -t S < <(printf '%s\n' --spec 'vllm-ngram-K5={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
                        specs three "$h"

@@ -141,44 +141,10 @@ def _stalling_suffix(num_reqs: int) -> dict:
     (SmolLM2's suffix steps at K=5 and batch 16: 70 to 552 ms, median 96;
     docs/results/batch_draft_length_cpu_run18), and a suffix-like method
     drafts for half the requests, so a step's own work varies too. At batch
-    16 and 80, K=1 and no speculation are best, K=5 14-37% behind."""
+    16 and 80, K=1 and no speculation are best, K=5 14-37% behind
+    (benchmarks/policy_noise.py)."""
     return dict(rates=[0.6, 0.55, 0.5, 0.5, 0.5], fixed=0.03 * num_reqs ** 0.4,
                 per_token=3.5e-3, per_draft=0.0, noise=0.1, found=0.5, stalls=(0.2, 1.5, 4.0))
-
-
-@pytest.mark.parametrize("num_reqs", [16, 80])
-def test_steps_that_stall_at_random_price_every_length_alike(num_reqs):
-    """With the CPU's stalls (`_stalling_suffix`), after 800 steps the
-    lengths the policy only tried are priced against the one it runs as
-    their costs compare: within 15% by the median over 12 seeds (here 1.13
-    / 1.11 at batch 16 / 80). Before, the host's speed the policy follows
-    (`StepTimes._followed`) took a mean of the current length's first three
-    steps and stalls the mean left out, moved 1.3-1.5x up within 100 steps
-    and stayed there: the lengths measured before read 1.54 / 1.45x dearer
-    than they were, and the policy seldom left the current one. Lengths are
-    also read by their medians now. At batch 16 the policy runs within 5% of
-    the best static length on average over the 12 seeds (0.98; over 40
-    seeds 0.965, before 0.948, its tenth percentile 0.916 against 0.845);
-    at batch 80 the gain is within the seeds' spread (40 seeds: 0.949
-    against 0.939)."""
-    candidates = draft_length_candidates(5)
-    engine_args = _stalling_suffix(num_reqs)
-    cost = {k: engine_args["fixed"] + engine_args["per_token"] * num_reqs * (1 + 0.5 * k)
-            for k in candidates}
-    relative, ratios = [], []
-    for seed in range(12):
-        static = {k: _run(_ChainEngine(**engine_args, seed=seed), num_reqs, 800,
-                          lambda b, k=k: k) for k in candidates}
-        policy = BatchDraftLength(candidates)
-        ratios.append(_run(_ChainEngine(**engine_args, seed=seed), num_reqs, 800, policy)
-                      / max(static.values()))
-        priced = {k: policy.times.estimate(k, num_reqs, policy.current) for k in candidates}
-        current = priced[policy.current][0] / cost[policy.current]
-        relative += [priced[k][0] / cost[k] / current for k in candidates
-                     if k != policy.current and priced[k] is not None]
-    assert np.median(relative) <= 1.15, sorted(relative)
-    if num_reqs == 16:
-        assert np.mean(ratios) >= 0.95, ratios
 
 
 @pytest.mark.parametrize("num_reqs", [1, 64])
@@ -553,19 +519,18 @@ def test_step_times_read_every_length_at_the_asked_batch_size():
     assert flat.exponent(5) == 0.0 and flat.typical(0, 5, 16) == pytest.approx(0.09)
 
 
-def test_a_lengths_time_is_the_median_of_its_steps():
-    """On the 2-core CPU one step in five stalls 1.5-4x whatever its length
-    (docs/results/batch_draft_length_cpu_run18): a length's time is its
-    window's median, which reads past them and past strays (a capture; an
-    interval that ended early). The host's speed is followed by the mean
-    without the strays (`StepTimes._followed`)."""
+def test_a_lengths_time_is_the_mean_of_its_steps_without_strays():
+    """Suffix on SmolLM2/CPU: with K=5 asked, a step's work depends on how
+    many requests found a draft (steps at batch 16 from 90 ms to 2x that;
+    lower quartile 90, mean 138, K=0 84). Tokens per second is tokens over
+    summed time, so the time is the mean, without steps 3x off the median
+    (a capture, a stall; an interval that ended early)."""
     from vllm_specplug.adaptive.step_times import StepTimes
 
     times = StepTimes()
-    for seconds in [0.10, 0.11, 0.09, 0.10, 0.30] * 4 + [2.0, 0.001]:  # the last two: strays
+    for seconds in [0.09, 0.19] * 8 + [2.0, 0.001]:  # the last two: strays
         times.samples.setdefault((5, 5), deque(maxlen=32)).append((16, seconds))
-    assert times.typical(5, 5, 16) == pytest.approx(0.10)
-    assert times._median_and_mean(5, 5, 16)[1] == pytest.approx(2.8 / 20)
+    assert times.typical(5, 5, 16) == pytest.approx(0.14)
 
 
 def test_the_workers_copy_holds_the_step_times_sent_only_when_taken_again():
@@ -852,9 +817,7 @@ def test_a_draining_wave_is_weighed_by_its_slowest_request():
     with the request it gains nothing. Weighed by that request
     (`adaptive_focus`, adaptive/wave_focus.py), the policy's waves take about
     as long as no speculation's (within what learning each wave's ratios
-    costs), shorter than weighed by the mean: by 3% (by 8% while the host's
-    speed the policy follows still drifted, `StepTimes._followed`, and the
-    waves weighed by the mean took 22.1 s)."""
+    costs), 8% shorter than weighed by the mean."""
     rates = {f"r{i}": 0.7 for i in range(15)} | {"slow": 0.0}
     engine_args = dict(rates=RATES, fixed=0.05, per_token=1e-3, per_draft=0.0, noise=0.02)
     static = {k: sum(_wave(_ChainEngine(**engine_args, seed=3), k, rates, 48, RequestGains())
@@ -869,9 +832,9 @@ def test_a_draining_wave_is_weighed_by_its_slowest_request():
         if not focused:
             gains.focus = lambda *args: None  # the batch's mean request, as before
         times[focused] = sum(_wave(engine, policy, rates, 48, gains) for _ in range(6))
-    # (here 20.3 s focused, 20.95 by the mean, 19.0 no speculation, 25.3 K=5:
+    # (here 20.3 s focused, 22.1 by the mean, 19.0 no speculation, 25.3 K=5:
     # each wave's first steps and its last request's learn their ratios)
-    assert times[True] < times[False]
+    assert times[True] < 0.95 * times[False]
     assert times[True] < 1.10 * static[0]
     assert policy.stats.num_focused > 0
 

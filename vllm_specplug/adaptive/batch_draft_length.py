@@ -18,15 +18,14 @@ where E comes from the accepted counts of recent steps verified at that K
 can only grow with K, so it is kept non-decreasing; a length whose mean
 falls below a shorter one's learnt on later requests is stale and tried
 first, length_acceptance.py), and seconds(b, K) is
-the median of recent decode steps' times at that K in b's bucket
+the mean of recent decode steps' times at that K in b's bucket
 of batch sizes (powers of two: 1, 2-3, 4-7, ...), each scaled to b by how
 the bucket's times grow with the batch (step_times.py). One-off
 slow steps are kept out three ways: the scheduler does not time the first
 step at each new shape (it captures a drafting graph: 200-450 ms on the
 H100 where others took 4); a step `STALL_RATIO` times slower than one known
-to do at least as much work is dropped; and the median of the last 32
-reads past the rest (on CPU one step in five runs 1.5-4x slow whatever its
-length: `StepTimes.typical`). A length not measured in this bucket is priced by its ratio to the
+to do at least as much work is dropped; and the mean of the last 32 leaves
+out those over 3x their median. A length not measured in this bucket is priced by its ratio to the
 current length in the nearest bucket where both were measured, if that is
 at most 4x the batch away (else it is measured there). A step
 counts for the time of K only when it both verified the drafts asked at K

@@ -57,38 +57,22 @@ REFIT_EVERY = 8
 # three samples of 9.7 ms against 15 nodes' last 32 at 19.6, where their
 # steps over the run averaged 31 ms (docs/results/batch_draft_length_cpu_run6).
 # So samples are kept relative to the host's speed when taken (`host`): the
-# current length's steps against their own mean time (without strays, as
-# `_clipped_mean`), an exponentially weighted mean with this weight per
-# step, kept within HOST_RANGE. It follows a lasting change only in part
-# (the current length's window takes in the rest while it moves: after a 2x
-# speed-up it settled at 0.74, not 0.5), and a change in the current
-# length's own cost is read as the host's too. It starts once the current
-# length has HOST_MIN_SAMPLES steps, leaves out the steps the mean leaves
-# out, and keeps each step at the speed before it moved it: where one step
-# in five stalls 1.5-4x (the 2-core CPU, docs/results/
-# batch_draft_length_cpu_run18), a mean of the first three steps and stalls
-# the mean left out but the speed took in had moved it 1.3-1.5x up within
-# 100 steps, to stay there, and the lengths the policy had measured before
-# then read 1.45-1.54x dearer against the current one than they were; now
-# 1.11-1.13x (at weight 0.1 1.21-1.28x, at 0.05 1.15-1.18x; at 0.03 it
-# followed a 2x slow spell too slowly: tests/test_batch_draft_length_unit.py,
-# `_stalling_suffix`, test_a_length_timed_in_a_slow_spell_...).
-HOST_WEIGHT = 0.04
-HOST_MIN_SAMPLES = 16
+# current length's steps against their own typical time, an exponentially
+# weighted mean with this weight per step, kept within HOST_RANGE. It
+# follows a lasting change only in part (the current length's window takes in
+# the rest while it moves: after a 2x speed-up it settled at 0.6, not 0.5),
+# and a change in the current length's own cost is read as the host's too;
+# at weight 0.1 it cost the simulated draining phases about 1% where the
+# host did not drift (test_lengths_measured_at_other_batch_sizes_...).
+HOST_WEIGHT = 0.1
 HOST_RANGE = (0.25, 4.0)
-
-
-def _middle(times: list[float]) -> float:
-    """The median of sorted `times` (the mean of the middle two of an even count)."""
-    n = len(times)
-    return 0.5 * (times[(n - 1) // 2] + times[n // 2])
 
 
 def _clipped_mean(times: list[float]) -> float:
     """The mean of sorted `times` without those over `STALL_RATIO` x their
     median or under 1 / `STALL_RATIO` of it (an interval that ended early:
     outputs queued behind a host stall come back close together)."""
-    middle = _middle(times)
+    middle = times[len(times) // 2]
     kept = [t for t in times if middle / STALL_RATIO <= t <= middle * STALL_RATIO]
     return sum(kept) / len(kept)
 
@@ -129,9 +113,9 @@ class StepTimes:
         self.fits: dict[int, float | None] = {}
         self.fit_age: dict[int, int] = {}  # bucket -> samples added since its fit
         # what the policy asks every step, until it can change: bucket ->
-        # `exponent`, and bucket -> {(K, batch size): (`typical`, its mean)}
+        # `exponent`, and bucket -> {(K, batch size): `typical`}
         self.exponents: dict[int, float] = {}
-        self.typicals: dict[int, dict[tuple[int, int], tuple[float | None, float | None]]] = {}
+        self.typicals: dict[int, dict[tuple[int, int], float | None]] = {}
         self.medians: dict[tuple[int, int], float] = {}  # (K, bucket) -> raw median
         # (fixed, per verified token) seconds that override the samples (tests)
         self.pinned: tuple[float, float] | None = None
@@ -152,12 +136,10 @@ class StepTimes:
         reference = self.reference(*key)
         if reference is not None and seconds / self.host > STALL_RATIO * reference:
             return False
-        # kept at the host's speed before this step moves it (a slow step
-        # that first raised `host` was kept that much faster)
-        host = self._followed(key, batch_size, seconds) if follow_host else self.host
+        if follow_host:
+            self._follow_host(key, batch_size, seconds)
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(
             (int(batch_size), seconds / self.host))
-        self.host = host
         self.max_bucket = max(self.max_bucket, key[1])
         _drop(self.ceilings, lambda c: c[0] == k and c[1] < key[1])  # they read k's time here
         self.fit_age[key[1]] = self.fit_age.get(key[1], 0) + 1
@@ -172,17 +154,15 @@ class StepTimes:
             self.capped.clear()  # every length's noise in the bucket moved
         return True
 
-    def _followed(self, key: tuple[int, int], batch_size: int, seconds: float) -> float:
-        """`host` moved `HOST_WEIGHT` of the way to this step's time over its
-        length's mean at `host`'s speed (the window before this step; once it
-        holds `HOST_MIN_SAMPLES`, and not for a step the mean leaves out)."""
-        if len(self.samples.get(key, ())) < HOST_MIN_SAMPLES:
-            return self.host
-        median, mean = self._median_and_mean(key[0], key[1], batch_size)
-        if not median / STALL_RATIO <= seconds / self.host <= median * STALL_RATIO:
-            return self.host
-        speed = (1 - HOST_WEIGHT) * self.host + HOST_WEIGHT * seconds / mean
-        return min(max(speed, HOST_RANGE[0]), HOST_RANGE[1])
+    def _follow_host(self, key: tuple[int, int], batch_size: int, seconds: float) -> None:
+        """Move `host` towards this step's time over its length's typical
+        one (at its batch size): where the host slowed down, every length's
+        time is read that much higher, whenever it was taken."""
+        typical = self.typical(key[0], key[1], batch_size)
+        if typical is None:
+            return
+        speed = (1 - HOST_WEIGHT) * self.host + HOST_WEIGHT * seconds / typical
+        self.host = min(max(speed, HOST_RANGE[0]), HOST_RANGE[1])
 
     def _refit(self, bucket: int) -> None:
         """Take the bucket's exponent and spread again (every `REFIT_EVERY`
@@ -222,42 +202,22 @@ class StepTimes:
         return sorted(s * (batch_size / b) ** exponent for b, s in window)
 
     def typical(self, k: int, bucket: int, batch_size: int | None = None) -> float | None:
-        """The median of the bucket's last `WINDOW` step times at
-        `batch_size` (the bucket's smallest by default; None under
-        `MIN_SAMPLES`), in the host's speed when each was taken (`host`).
-
-        Tokens per second is tokens over the steps' summed time, so a
-        length costs its steps' mean. But on the 2-core CPU one step in five
-        or so runs 1.5-4x slow whatever its length (the engine core shares
-        the cores with the front end): SmolLM2's suffix steps at K=5 and
-        batch 16 ran from 70 to 552 ms, median 96 (docs/results/
-        batch_draft_length_cpu_run18), and the mean of the few steps of a
-        length the policy only tries took such stalls for its cost: K=0 at
-        batch 16 read 89.9 ms (median 69.9) against K=5's 88.1 (median
-        83.1), and the policy kept K=5 where no speculation ran 1.08x faster
-        (run14's windows). A stall that slows every length alike moves every
-        median alike, and their ranking is the means' at a fraction of the
-        noise: on a simulated engine with such stalls (`_stalling_suffix` in
-        tests/test_batch_draft_length_unit.py, 40 seeds) the policy ran 0.97
-        / 0.96x the best static length at batch 16 / 80 by medians, 0.95 /
-        0.94x by these means. The median misprices a length whose own work
-        varies from step to step in two lumps (n-gram and suffix draft for
-        some requests only); at batch 16 that work is a sum over requests,
-        about symmetric. (A lower quartile in its place once kept K=5 on 93%
-        of the steps where no speculation ran 1.1x faster:
-        docs/results/batch_draft_length_cpu_run4.)"""
-        return self._median_and_mean(k, bucket, batch_size)[0]
-
-    def _median_and_mean(self, k: int, bucket: int,
-                         batch_size: int | None) -> tuple[float | None, float | None]:
-        """`typical` and the mean the host's speed is followed by
-        (`_clipped_mean`), kept until k's window moves."""
+        """The mean of the bucket's last `WINDOW` step times at `batch_size`
+        (the bucket's smallest by default; None under `MIN_SAMPLES`), less
+        those `STALL_RATIO` times over or under their median (a graph
+        captured on first use, a stall; an interval that ended early), in the
+        host's speed when each was taken (`host`). The mean, because tokens
+        per second is tokens over the steps' summed time: where a step's work varies (n-gram and
+        suffix draft for some requests only), a quantile misprices it. On
+        SmolLM2 on CPU, suffix's steps at K=5 and batch 16 had a lower
+        quartile of 90 ms and a mean of 138: read by the quartile, K=5 beat
+        no speculation (84 ms), which ran 1.1x faster than it
+        (docs/results/batch_draft_length_cpu_run4)."""
         key = (k, batch_size or bucket_batch(bucket))
         cache = self.typicals.setdefault(bucket, {})
         if key not in cache:
             times = self.scaled(k, bucket, key[1])
-            cache[key] = ((_middle(times), _clipped_mean(times)) if len(times) >= MIN_SAMPLES
-                          else (None, None))
+            cache[key] = _clipped_mean(times) if len(times) >= MIN_SAMPLES else None
         return cache[key]
 
     def exponent(self, bucket: int) -> float:

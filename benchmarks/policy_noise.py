@@ -1,0 +1,129 @@
+"""The batch draft-length policy (`adaptive/batch_draft_length.py`, issue 27)
+against every static length on a simulated engine, over many seeds, under
+the step-time noise of each kind of host: how close it stays to the best
+static length when the times it learns from are noisy. No engine: a
+simulation, whose scenarios are the unit tests' (`tests/
+test_batch_draft_length_unit.py`: `_ChainEngine`, `_stalling_suffix`).
+
+Scenarios (a steady batch, 800 steps, the length chosen at a step drafted
+there and verified at the next, as the scheduler drives it):
+- `cpu`: the 2-core CPU's stalls (one step in five 1.5-4x slow, whatever
+  its length; 10% noise besides) and a suffix-like method drafting for half
+  the requests; batch 1, 16, 80; K=5 best at 1, K=1 or none at 16 and 80.
+- `cpu_light`: the same costs with 5% noise and no stalls.
+- `gpu`: little cost per token until the batch is large, drafting passes
+  dear at small batches (3% noise); batch 1, 16, 64, 128.
+- `gpu_noisy`: batch 1, every length about as dear, 20% noise.
+
+    .venv/bin/python benchmarks/policy_noise.py --seeds 40 --out docs/results/batch_policy_noise_sim
+
+Prints, per scenario and batch size, the policy's tokens/s over the best
+static length's, its mean, tenth percentile and minimum over the seeds;
+writes `policy_noise.json`, `policy_noise.txt` and `policy_noise.png` with
+`--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.test_batch_draft_length_unit import (RATES, _ChainEngine, _run,  # noqa: E402
+                                                _stalling_suffix)
+from vllm_specplug.adaptive.batch_draft_length import (BatchDraftLength,  # noqa: E402
+                                                       draft_length_candidates)
+
+STEPS = 800
+
+
+def _cpu(num_reqs: int) -> tuple[dict, int]:
+    return _stalling_suffix(num_reqs), 5
+
+
+def _cpu_light(num_reqs: int) -> tuple[dict, int]:
+    return {**_stalling_suffix(num_reqs), "noise": 0.05, "stalls": (0.0, 1.0, 1.0)}, 5
+
+
+def _gpu(num_reqs: int) -> tuple[dict, int]:
+    return dict(rates=RATES, fixed=4e-3, per_token=2e-5, per_draft=3e-4), 8
+
+
+def _gpu_noisy(num_reqs: int) -> tuple[dict, int]:
+    return dict(rates=RATES, fixed=3e-3, per_token=2e-5, per_draft=2e-5, noise=0.2), 8
+
+
+# name -> (engine arguments and longest length at a batch size, batch sizes)
+SCENARIOS = {"cpu": (_cpu, (1, 16, 80)), "cpu_light": (_cpu_light, (1, 16, 80)),
+             "gpu": (_gpu, (1, 16, 64, 128)), "gpu_noisy": (_gpu_noisy, (1,))}
+
+
+def policy_over_best_static(engine_args: dict, max_k: int, num_reqs: int, seed: int) -> float:
+    """The policy's tokens/s over the best static length's, on one seed."""
+    candidates = draft_length_candidates(max_k)
+    static = max(_run(_ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, lambda b, k=k: k)
+                 for k in candidates)
+    policy = BatchDraftLength(candidates)
+    return _run(_ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, policy) / static
+
+
+def summarise(ratios: list[float]) -> dict:
+    return {"mean": round(float(np.mean(ratios)), 4),
+            "p10": round(float(np.percentile(ratios, 10)), 4),
+            "min": round(float(min(ratios)), 4), "seeds": len(ratios)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=40)
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    points = [(name, b) for name in args.scenarios for b in SCENARIOS[name][1]]
+    rows = []
+    for name, num_reqs in tqdm(points, desc="scenarios"):
+        engine_args, max_k = SCENARIOS[name][0](num_reqs)
+        ratios = [policy_over_best_static(engine_args, max_k, num_reqs, seed)
+                  for seed in range(args.seeds)]
+        rows.append({"scenario": name, "batch_size": num_reqs, **summarise(ratios)})
+    lines = [f"{r['scenario']:10s} batch {r['batch_size']:<4d} policy / best static: mean "
+             f"{r['mean']:.3f}  p10 {r['p10']:.3f}  min {r['min']:.3f}  ({r['seeds']} seeds)"
+             for r in rows]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "policy_noise.json").write_text(json.dumps({"steps": STEPS, "rows": rows},
+                                                               indent=1) + "\n")
+        (args.out / "policy_noise.txt").write_text("\n".join(lines) + "\n")
+        plot(rows, args.out / "policy_noise.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Each point's mean over the seeds, with a bar down to its tenth percentile."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['scenario']}\nb{r['batch_size']}" for r in rows]
+    means = [r["mean"] for r in rows]
+    fig, ax = plt.subplots(figsize=(1.0 * len(rows) + 2, 3.5))
+    ax.bar(labels, means, yerr=[[m - r["p10"] for m, r in zip(means, rows)], [0] * len(rows)],
+           color="tab:blue", capsize=3)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(0.97, color="tab:red", lw=0.8, ls="--", label="issue 27's 0.97")
+    ax.set_ylim(0.75, 1.02)
+    ax.set_ylabel("policy / best static length")
+    ax.set_title(f"batch policy on a simulated engine ({rows[0]['seeds']} seeds; bar: mean, "
+                 "line down to the tenth percentile)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

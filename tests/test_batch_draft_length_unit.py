@@ -630,6 +630,29 @@ def test_the_8b_projection_keeps_the_policy_near_the_best_static_length():
                                                                r["chosen"])
 
 
+def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
+    """`benchmarks/policy_noise.py` (docs/results/batch_policy_noise_sim):
+    one seed of the GPU-like noisy point, its table, JSON and plot; and
+    the stalling engine it simulates the CPU with slows some steps 1.5-4x."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import policy_noise
+
+    monkeypatch.setattr(sys, "argv", ["policy_noise.py", "--seeds", "1", "--scenarios",
+                                      "gpu_noisy", "--out", str(tmp_path)])
+    policy_noise.main()
+    (row,) = json.loads((tmp_path / "policy_noise.json").read_text())["rows"]
+    assert row["scenario"] == "gpu_noisy" and 0.9 < row["mean"] <= 1.05, row
+    assert (tmp_path / "policy_noise.png").stat().st_size > 0
+    engine = _ChainEngine(**_stalling_suffix(16), seed=0)
+    steps = np.array([engine.seconds(0, 16) for _ in range(400)])
+    slow = steps > 1.3 * np.median(steps)
+    assert 0.1 < slow.mean() < 0.3 and steps.max() > 3 * np.median(steps)
+
+
 def test_a_time_above_a_bigger_batchs_is_read_at_that_one():
     """The H200's run9: the adaptive tree's first steps at batch 1 (15 and 8
     nodes, timed first) ran 3x slower than the same steps later, and batch

@@ -665,8 +665,8 @@ def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
     slow = steps > 1.3 * np.median(steps)
     assert 0.1 < slow.mean() < 0.3 and steps.max() > 3 * np.median(steps)
     # drafts in bursts: a step's own work at K=5 skewed to the slow side
-    bursts = _ChainEngine(**{**_stalling_suffix(16), "stalls": (0.0, 1.0, 1.0),
-                             "found": (0.25, 1.0, 0.2)}, seed=0)
+    bursts = _ChainEngine(**{**policy_noise._cpu_bursts(16)[0], "stalls": (0.0, 1.0, 1.0)},
+                          seed=0)
     steps = np.array([bursts.seconds(5, 16) for _ in range(400)])
     assert steps.mean() > 1.15 * np.median(steps)
 

@@ -14,6 +14,9 @@ there and verified at the next, as the scheduler drives it):
   steps nearly all of them, the rest a fifth): a step's own work at K=5 is
   skewed to the slow side, as suffix's was on SmolLM2 (its K=5 steps' mean
   1.35x their median at batch 16: docs/results/batch_draft_length_cpu_run19).
+- `cpu_drift`: `cpu`, and the host's speed drawn again every 150 steps,
+  0.75-1.5x (the CPU's own repeats moved 1.5x; the H200 beside other
+  engines 1.5-2x).
 - `cpu_light`: the `cpu` costs with 5% noise and no stalls.
 - `gpu`: little cost per token until the batch is large, drafting passes
   dear at small batches (3% noise); batch 1, 16, 64, 128.
@@ -54,6 +57,10 @@ def _cpu_bursts(num_reqs: int) -> tuple[dict, int]:
     return {**_stalling_suffix(num_reqs), "found": (0.25, 1.0, 0.2)}, 5
 
 
+def _cpu_drift(num_reqs: int) -> tuple[dict, int]:
+    return {**_stalling_suffix(num_reqs), "drift": (150, 0.75, 1.5)}, 5
+
+
 def _cpu_light(num_reqs: int) -> tuple[dict, int]:
     return {**_stalling_suffix(num_reqs), "noise": 0.05, "stalls": (0.0, 1.0, 1.0)}, 5
 
@@ -68,7 +75,7 @@ def _gpu_noisy(num_reqs: int) -> tuple[dict, int]:
 
 # name -> (engine arguments and longest length at a batch size, batch sizes)
 SCENARIOS = {"cpu": (_cpu, (1, 16, 80)), "cpu_bursts": (_cpu_bursts, (1, 16, 80)),
-             "cpu_light": (_cpu_light, (1, 16, 80)),
+             "cpu_drift": (_cpu_drift, (1, 16, 80)), "cpu_light": (_cpu_light, (1, 16, 80)),
              "gpu": (_gpu, (1, 16, 64, 128)), "gpu_noisy": (_gpu_noisy, (1,))}
 
 

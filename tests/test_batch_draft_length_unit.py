@@ -28,17 +28,22 @@ class _ChainEngine:
     side as suffix's was on SmolLM2 (its K=5 steps' mean 1.35x their median
     at batch 16, docs/results/batch_draft_length_cpu_run19); `stalls`:
     (probability, low, high), a step that many times slower, uniform in
-    [low, high] (the 2-core CPU, docs/results/batch_draft_length_cpu_run18)."""
+    [low, high] (the 2-core CPU, docs/results/batch_draft_length_cpu_run18);
+    `drift`: (steps, low, high), the host's speed drawn again, uniform in
+    [low, high], every that many steps (a CPU's own repeats moved 1.5x, the
+    H200 beside other engines 1.5-2x), from a stream of its own: every
+    engine of one seed sees the same host."""
 
     def __init__(self, rates, fixed, per_token, per_draft, seed=0, first_slow=False,
                  padded=False, floor=0.0, noise=0.03, per_request=0.0, settle=0.0, speed=1.0,
-                 found=1.0, stalls=(0.0, 1.0, 1.0)):
-        self.found, self.stalls = found, stalls
+                 found=1.0, stalls=(0.0, 1.0, 1.0), drift=None):
+        self.found, self.stalls, self.drift, self.num_steps = found, stalls, drift, 0
         self.rates, self.floor = rates, floor  # floor: a latency-bound step's seconds
         self.settle, self.speed = settle, speed  # speed: the host's, a factor on every step
         self.noise, self.per_request = noise, per_request
         self.fixed, self.per_token, self.per_draft = fixed, per_token, per_draft
         self.rng = np.random.default_rng(seed)
+        self.host_rng = np.random.default_rng([seed, 1])
         # the first step at each (K, batch size) 100x slower: a drafting graph
         # captured on first use (200-450 ms against 4 on the H100); `padded`:
         # per (K, padded batch size), as the head captures
@@ -72,6 +77,9 @@ class _ChainEngine:
             mean *= 100
         if self.stalls[0] and self.rng.random() < self.stalls[0]:
             mean *= self.rng.uniform(*self.stalls[1:])
+        if self.drift is not None and self.num_steps % self.drift[0] == 0:
+            self.speed = self.host_rng.uniform(*self.drift[1:])
+        self.num_steps += 1
         return self.speed * mean * self.rng.uniform(1 - self.noise, 1 + self.noise)
 
 

@@ -688,6 +688,16 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
     assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "2.000", "1.263",
                                              "20", "10", "812", "-", "0.75", "1.00", "3/1/0",
                                              "0/0/0"]
+    # five repeats overflow any fixed width: each field still starts under
+    # its heading, two spaces after the one before (run 19's table ran them
+    # together: "1.7611.335")
+    five = OfflineRow("five", 80, counts=SpecDecodeCounts(30, 0, 25), repeats=[first] * 5)
+    header, _, line = format_repeats_table([five]).splitlines()
+    assert line.split() == ["five", "80"] + ["2.000"] * 10 + ["20"] * 5 + ["812"] * 5 + [
+        "0.75"] * 5 + ["3/1/0"] * 5
+    for heading in ("tokens a step", "verify steps", "decode ms", "prefix hits", "head hits"):
+        start = header.index(heading)
+        assert line[start - 2:start] == "  " and line[start] != " ", (heading, header, line)
 
 
 def test_ramp_stages_double_up_and_halve_down():

@@ -99,28 +99,40 @@ def repeat_record(before: RepeatState, after: RepeatState,
             "decode_ms": decode_ms}
 
 
-def repeat_cells(repeats: list[dict]) -> str:
-    """The "by repeat" table's cells: τ, verify steps, the prefix cache's
-    hit rate and our head's prefix hits adopted/missed/filled, repeat after
-    repeat."""
+def repeat_fields(repeats: list[dict]) -> list[str]:
+    """The "by repeat" table's fields for one row, each with its repeats'
+    values one after another: τ, tokens a step, verify steps, decode ms, the
+    prefix cache's hit rate and our head's prefix hits adopted/missed/filled."""
     def joined(values) -> str:
         return " ".join(values)
 
-    taus = joined("-" if r["mean_acceptance_length"] is None
-                  else f"{r['mean_acceptance_length']:.3f}" for r in repeats)
-    per_step = joined("-" if r.get("tokens_per_step") is None  # files of older runs
-                      else f"{r['tokens_per_step']:.3f}" for r in repeats)
-    steps = joined(str(r["num_drafts"]) for r in repeats)
-    hits = joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
-                  else "-" for r in repeats)
-    decode = joined("-" if r.get("decode_ms") is None  # files of older runs
-                    else f"{r['decode_ms']:.0f}" for r in repeats)
-    adopted = joined("-" if r["head_prefix"] is None
-                     else "/".join(str(r["head_prefix"][k]) for k in HEAD_PREFIX_CELLS)
-                     for r in repeats)
-    return f"  {taus:<24}{per_step:<24}{steps:<22}{decode:<20}{hits:<18}{adopted}"
+    return [joined("-" if r["mean_acceptance_length"] is None
+                   else f"{r['mean_acceptance_length']:.3f}" for r in repeats),
+            joined("-" if r.get("tokens_per_step") is None  # files of older runs
+                   else f"{r['tokens_per_step']:.3f}" for r in repeats),
+            joined(str(r["num_drafts"]) for r in repeats),
+            joined("-" if r.get("decode_ms") is None  # files of older runs
+                   else f"{r['decode_ms']:.0f}" for r in repeats),
+            joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
+                   else "-" for r in repeats),
+            joined("-" if r["head_prefix"] is None
+                   else "/".join(str(r["head_prefix"][k]) for k in HEAD_PREFIX_CELLS)
+                   for r in repeats)]
 
 
 HEAD_PREFIX_CELLS = ("adopted", "missed", "filled")  # PrefixBlocks.stats
-REPEAT_COLUMNS = (f"  {'accept len':<24}{'tokens a step':<24}{'verify steps':<22}"
-                  f"{'decode ms':<20}{'prefix hits':<18}head hits adopted/missed/filled")
+REPEAT_HEADS = ("accept len", "tokens a step", "verify steps", "decode ms", "prefix hits",
+                "head hits adopted/missed/filled")
+
+
+def repeat_widths(rows_fields: list[list[str]]) -> list[int]:
+    """Each field's width over every row: its widest value or heading, and
+    two spaces (5 repeats of τ are 29 characters: fixed widths ran fields
+    together in docs/results/batch_draft_length_cpu_run19)."""
+    return [max(len(head), *(len(fields[i]) for fields in rows_fields)) + 2
+            for i, head in enumerate(REPEAT_HEADS)]
+
+
+def repeat_line(fields, widths: list[int]) -> str:
+    """Headings or one row's fields, each padded to its width."""
+    return "  " + "".join(f"{field:<{width}}" for field, width in zip(fields, widths)).rstrip()

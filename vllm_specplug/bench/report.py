@@ -210,11 +210,15 @@ def format_repeats_table(rows) -> str:
     """Each speculating row's measured repeats one by one (bench/repeats.py):
     τ, verify steps, prefix-cache hit rate, our head's prefix hits adopted,
     missed and filled."""
-    from vllm_specplug.bench.repeats import REPEAT_COLUMNS, repeat_cells
+    from vllm_specplug.bench.repeats import (REPEAT_HEADS, repeat_fields, repeat_line,
+                                             repeat_widths)
 
-    speculating = [r for r in rows if r.counts.num_drafts]
-    return _decision_table(speculating, "repeats", "by repeat", REPEAT_COLUMNS,
-                           lambda row: repeat_cells(row.repeats))
+    speculating = [r for r in rows if r.counts.num_drafts and r.repeats and r.error is None]
+    if not speculating:
+        return ""
+    widths = repeat_widths([repeat_fields(r.repeats) for r in speculating])
+    return _decision_table(speculating, "repeats", "by repeat", repeat_line(REPEAT_HEADS, widths),
+                           lambda row: repeat_line(repeat_fields(row.repeats), widths))
 
 
 def format_step_kinds_table(rows) -> str:

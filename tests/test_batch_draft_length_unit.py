@@ -677,6 +677,19 @@ def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
                           seed=0)
     steps = np.array([bursts.seconds(5, 16) for _ in range(400)])
     assert steps.mean() > 1.15 * np.median(steps)
+    # a drifting host: its speed drawn again every 150 steps, the same for
+    # every engine of a seed whatever lengths they run
+    quiet = {**policy_noise._cpu_drift(16)[0], "stalls": (0.0, 1.0, 1.0), "noise": 0.0,
+             "found": 1.0}
+    one, two = _ChainEngine(**quiet, seed=3), _ChainEngine(**quiet, seed=3)
+    speeds = [(one.seconds(0, 16) / two.seconds(5, 16)) for _ in range(600)]
+    assert len({round(one.speed, 6), round(two.speed, 6)}) == 1
+    assert len(set(np.round(speeds, 9))) == 1  # one ratio of costs: the host is shared
+    paths = [one.speed]
+    for _ in range(4):
+        [one.seconds(0, 16) for _ in range(150)]
+        paths.append(one.speed)
+    assert len(set(paths)) == 5 and all(0.75 <= v <= 1.5 for v in paths)
 
 
 def test_a_time_above_a_bigger_batchs_is_read_at_that_one():

@@ -111,21 +111,17 @@ REWEIGH_BATCH_SHARE = 0.25
 SETTLE_STEPS = 64
 SETTLED_FACTOR = 8
 # A move to a shorter length needs a gain beyond the margin of this many
-# standard errors of the two times. It was 2 (docs/results/
-# batch_draft_length_h100_run3: windows of 8 steps priced by their lower
-# quartile, 20% noise a step, moved the batch on noise). Windows of 32 steps
-# priced by their mean now keep a latency-bound batch on the longest length
-# without it (`test_noisy_times_of_lengths_that_cost_the_same_keep_the_
-# longest`), and under this CPU's stalls (a length's time 7-12% noisy after
-# 32 steps) 2 asked a shorter length for a 20-30% gain: the policy kept the
-# first of several lengths within 10% of each other it landed on. On the
-# simulated engine (benchmarks/policy_noise.py, 40 seeds) 0 ran 0.968 /
-# 0.958 / 0.954 of the best static length at batch 1 / 16 / 80 under the
-# CPU's noise against 0.964 / 0.948 / 0.940, 0.940 / 0.961 against 0.892 /
-# 0.929 at 16 / 80 with drafts in bursts, and 0.977 against 0.985 where
-# every length costs the same at batch 1 with 20% noise
-# (docs/results/batch_policy_switch_z_sim).
-SWITCH_Z = 0.0
+# standard errors of the two times: the policy weighs its lengths every few
+# steps, and one noisy time in twenty would otherwise move it (a longer
+# length is never worse by the tokens it adds, so its risk is only its time).
+# On the simulated engine under this CPU's stalls 0 did better (0.958 /
+# 0.954 of the best static length at batch 16 / 80 against 0.948 / 0.940,
+# benchmarks/policy_noise.py), but on the engine (SmolLM2, suffix) it ran
+# 0.78 / 0.89 / 0.85x the better of none and static K=5 at batch 1 / 16 / 80
+# against 2's 0.96 / 0.92 / 0.97: at batch 1 a shorter length priced from
+# its first few steps (K=1: 34 ms expected, 73 taken) took 20% of the steps
+# (docs/results/batch_draft_length_cpu_run20).
+SWITCH_Z = 2.0
 
 
 def draft_length_candidates(max_k: int) -> tuple[int, ...]:

@@ -15,7 +15,10 @@ trace and nothing set, the replay gives the trace's own prices and host
 speeds: it says whether it did (`faithful`). Prints the host's speed along
 the trace and, per length, for the steps priced beforehand: taken over
 expected (their sums), the median ratio and the mean |log ratio|, apart for
-the length the policy ran and the lengths it tried; `--json` writes it.
+the length the policy ran and the lengths it tried; and for the tries, the
+tried length's price over the current length's against its time over the
+current length's steps beside it (what a choice between them rests on);
+`--json` writes it.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ LINE = re.compile(r"measured k=(\d+) batch=(\d+) ms=([\d.]+) expected_ms=(-|[\d.
                   r"host=([\d.]+) current=(\d+)")
 # the trace's rounding: ms to 2 decimals, the host to 3
 HOST_TOLERANCE, PRICE_TOLERANCE = 1.5e-3, 0.02
+BESIDE = 16  # trace steps either side of a try whose current-length steps it is read against
 
 
 @dataclass
@@ -67,9 +71,15 @@ def replay(steps: list[TraceStep]) -> dict:
     """Each step priced before it is added, as `BatchDraftLength.measured`
     does: (ran it, k, expected ms, taken ms) per priced step, the host's
     speed before each step, and whether both equal the trace's."""
-    times, priced, hosts, faithful = step_times.StepTimes(), [], [], True
-    for step in steps:
+    times, priced, hosts, faithful, relative = step_times.StepTimes(), [], [], True, []
+    for i, step in enumerate(steps):
         expected = times.estimate(step.k, step.batch_size, step.current)
+        anchor = times.estimate(step.current, step.batch_size, step.current)
+        beside = _beside(steps, i)
+        if step.k != step.current and None not in (expected, anchor, beside):
+            # the tried length's price over the current one's, against its
+            # time over the current length's steps beside it
+            relative.append((step.k, math.log((expected[0] / anchor[0]) / (step.ms / beside))))
         faithful &= abs(times.host - step.host) <= HOST_TOLERANCE
         faithful &= (expected is None) == (step.expected_ms is None) and (
             expected is None or abs(1e3 * expected[0] - step.expected_ms)
@@ -78,7 +88,17 @@ def replay(steps: list[TraceStep]) -> dict:
             priced.append((step.k == step.current, step.k, 1e3 * expected[0], step.ms))
         hosts.append(times.host)
         times.add(step.k, step.batch_size, step.ms / 1e3, follow_host=step.k == step.current)
-    return {"priced": priced, "hosts": hosts, "faithful": bool(faithful)}
+    return {"priced": priced, "hosts": hosts, "faithful": bool(faithful), "relative": relative}
+
+
+def _beside(steps: list[TraceStep], i: int) -> float | None:
+    """The mean ms of the current length's steps within `BESIDE` steps of
+    step i at its batch size's bucket (None without any)."""
+    step, bucket = steps[i], step_times.batch_bucket(steps[i].batch_size)
+    near = [s.ms for s in steps[max(i - BESIDE, 0):i + BESIDE + 1]
+            if s.k == step.current == s.current
+            and step_times.batch_bucket(s.batch_size) == bucket]
+    return sum(near) / len(near) if near else None
 
 
 def pricing(priced: list[tuple]) -> dict | None:
@@ -100,7 +120,17 @@ def summarise(result: dict) -> dict:
             "host_path": [round(h, 3) for h in hosts[::every]] + [round(hosts[-1], 3)],
             "ran": pricing([p for p in priced if p[0]]),
             "tried": {k: pricing([p for p in priced if not p[0] and p[1] == k]) for k in lengths
-                      if any(not p[0] and p[1] == k for p in priced)}}
+                      if any(not p[0] and p[1] == k for p in priced)},
+            "tried_relative": {k: _relative([r for j, r in result["relative"] if j == k])
+                               for k in sorted({j for j, _ in result["relative"]})}}
+
+
+def _relative(logs: list[float]) -> dict:
+    """How a tried length's price over the current one's compared with its
+    time over the current length's steps beside it: the median and mean
+    ratio (over 1: priced dear against the length the policy runs)."""
+    return {"steps": len(logs), "median": round(math.exp(float(np.median(logs))), 3),
+            "mean_abs_log": round(float(np.mean(np.abs(logs))), 3)}
 
 
 def set_constants(assignments: list[str]) -> None:
@@ -127,6 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                      for k, v in summary["tried"].items()]:
         print(f"  {label:<10} " + ("-" if value is None else
                                    "  ".join(f"{key} {v}" for key, v in value.items())))
+    print("tried lengths priced against the current one, over their time against its steps "
+          f"within {BESIDE} beside them:")
+    for k, value in summary["tried_relative"].items():
+        print(f"  k={k:<8} " + "  ".join(f"{key} {v}" for key, v in value.items()))
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -50,6 +50,11 @@ def test_a_replay_gives_the_traces_own_prices_and_host_speeds(trace, tmp_path, c
     # before its last step
     assert len(set(summary["host_path"])) > 3
     assert summary["ran"]["steps"] > 100 and summary["tried"]
+    # each try's price against the current length's, read against its time
+    # over the current length's steps beside it: one entry per tried length
+    relative = summary["tried_relative"]
+    assert relative and all(v["steps"] > 0 and v["median"] > 0 for v in relative.values())
+    assert set(relative) <= set(summary["tried"])
     assert (tmp_path / "replay.json").stat().st_size > 0
 
 

@@ -129,7 +129,7 @@ def repeat_widths(rows_fields: list[list[str]]) -> list[int]:
     """Each field's width over every row: its widest value or heading, and
     two spaces (5 repeats of τ are 29 characters: fixed widths ran fields
     together in docs/results/batch_draft_length_cpu_run19)."""
-    return [max(len(head), *(len(fields[i]) for fields in rows_fields)) + 2
+    return [max([len(head)] + [len(fields[i]) for fields in rows_fields]) + 2
             for i, head in enumerate(REPEAT_HEADS)]
 
 

@@ -297,15 +297,6 @@ class BatchDraftLength:
             preferred = stale + [k for k in [far] + near if k is not None]
         else:
             preferred = stale + near
-        # then the others, measured least recently first: where the
-        # neighbours do not fit the credit (`_affordable`), a farther length
-        # that does is tried. On SmolLM2 at batch 80 (K=5 current, K=4 its
-        # only neighbour and dear) K=0 kept the 3 steps it was first timed
-        # at for the whole run, one of them stalled, and no speculation, the
-        # better there, was never run (docs/results/batch_draft_length_cpu_run21)
-        rest = sorted((k for k in others if k not in preferred),
-                      key=lambda k: self.lengths[k].last_measured)
-        preferred = list(dict.fromkeys(preferred + rest))
         recent = PATHS_RECENT_STEPS * self.sample_every  # paths recorded that much rarer
         if (self.stats.num_steps - self.last_path_step <= recent
                 and self.num_exploring_turns % TIME_ONLY_EVERY != 0):

@@ -74,12 +74,13 @@ def replay(steps: list[TraceStep]) -> dict:
     times, priced, hosts, faithful, relative = step_times.StepTimes(), [], [], True, []
     for i, step in enumerate(steps):
         expected = times.estimate(step.k, step.batch_size, step.current)
-        anchor = times.estimate(step.current, step.batch_size, step.current)
-        beside = _beside(steps, i)
-        if step.k != step.current and None not in (expected, anchor, beside):
-            # the tried length's price over the current one's, against its
-            # time over the current length's steps beside it
-            relative.append((step.k, math.log((expected[0] / anchor[0]) / (step.ms / beside))))
+        if step.k != step.current and expected is not None:
+            # a try: its price over the current length's, against its time
+            # over the current length's steps beside it
+            anchor = times.estimate(step.current, step.batch_size, step.current)
+            beside = _beside(steps, i)
+            if anchor is not None and beside is not None:
+                relative.append((step.k, math.log((expected[0] / anchor[0]) / (step.ms / beside))))
         faithful &= abs(times.host - step.host) <= HOST_TOLERANCE
         faithful &= (expected is None) == (step.expected_ms is None) and (
             expected is None or abs(1e3 * expected[0] - step.expected_ms)
@@ -115,14 +116,17 @@ def pricing(priced: list[tuple]) -> dict | None:
 def summarise(result: dict) -> dict:
     hosts, priced = result["hosts"], result["priced"]
     every = max(len(hosts) // 10, 1)
-    lengths = sorted({p[1] for p in priced})
+    tried, relative = {}, {}
+    for p in priced:
+        if not p[0]:
+            tried.setdefault(p[1], []).append(p)
+    for k, log in result["relative"]:
+        relative.setdefault(k, []).append(log)
     return {"faithful": result["faithful"], "steps": len(hosts),
             "host_path": [round(h, 3) for h in hosts[::every]] + [round(hosts[-1], 3)],
             "ran": pricing([p for p in priced if p[0]]),
-            "tried": {k: pricing([p for p in priced if not p[0] and p[1] == k]) for k in lengths
-                      if any(not p[0] and p[1] == k for p in priced)},
-            "tried_relative": {k: _relative([r for j, r in result["relative"] if j == k])
-                               for k in sorted({j for j, _ in result["relative"]})}}
+            "tried": {k: pricing(tried[k]) for k in sorted(tried)},
+            "tried_relative": {k: _relative(relative[k]) for k in sorted(relative)}}
 
 
 def _relative(logs: list[float]) -> dict:

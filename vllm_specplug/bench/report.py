@@ -216,9 +216,10 @@ def format_repeats_table(rows) -> str:
     speculating = [r for r in rows if r.counts.num_drafts and r.repeats and r.error is None]
     if not speculating:
         return ""
-    widths = repeat_widths([repeat_fields(r.repeats) for r in speculating])
+    fields = {id(r): repeat_fields(r.repeats) for r in speculating}
+    widths = repeat_widths(list(fields.values()))
     return _decision_table(speculating, "repeats", "by repeat", repeat_line(REPEAT_HEADS, widths),
-                           lambda row: repeat_line(repeat_fields(row.repeats), widths))
+                           lambda row: repeat_line(fields[id(row)], widths))
 
 
 def format_step_kinds_table(rows) -> str:

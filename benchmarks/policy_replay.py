@@ -27,6 +27,7 @@ import json
 import math
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,13 +138,22 @@ def _relative(logs: list[float]) -> dict:
             "mean_abs_log": round(float(np.mean(np.abs(logs))), 3)}
 
 
-def set_constants(assignments: list[str]) -> None:
-    """`NAME=VALUE` for constants of step_times.py (their own type)."""
-    for assignment in assignments:
-        name, _, value = assignment.partition("=")
-        if not hasattr(step_times, name) or not name.isupper():
-            raise SystemExit(f"--set {assignment}: step_times.py has no constant {name!r}")
-        setattr(step_times, name, type(getattr(step_times, name))(value))
+@contextmanager
+def constants_set(assignments: list[str]):
+    """`NAME=VALUE` for constants of step_times.py (their own type), put
+    back afterwards (a caller in the same process, a test, sees the code's)."""
+    saved = {}
+    try:
+        for assignment in assignments:
+            name, _, value = assignment.partition("=")
+            if not hasattr(step_times, name) or not name.isupper():
+                raise SystemExit(f"--set {assignment}: step_times.py has no constant {name!r}")
+            saved.setdefault(name, getattr(step_times, name))
+            setattr(step_times, name, type(saved[name])(value))
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(step_times, name, value)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -152,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    set_constants(args.set)
-    summary = {"set": args.set, **summarise(replay(parse_trace(args.trace)))}
+    with constants_set(args.set):
+        summary = {"set": args.set, **summarise(replay(parse_trace(args.trace)))}
     print(f"{args.trace}: {summary['steps']} steps, replay faithful to the trace: "
           f"{'yes' if summary['faithful'] else 'no'} (set: {', '.join(args.set) or 'nothing'})")
     print("host speed along the trace: " + " ".join(f"{h:.2f}" for h in summary["host_path"]))

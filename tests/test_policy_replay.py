@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_batch_draft_length_unit import _ChainEngine, _run, _stalling_suffix
+from vllm_specplug.adaptive import step_times
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -62,6 +63,7 @@ def test_a_changed_constant_is_replayed_and_said_unfaithful(trace):
     path, _ = trace
     summary = policy_replay.main([str(path), "--set", "HOST_WEIGHT=0.0"])
     assert not summary["faithful"] and set(summary["host_path"]) == {1.0}
+    assert step_times.HOST_WEIGHT > 0.0  # the code's again for whatever runs next
     with pytest.raises(SystemExit, match="no constant 'HOST_WIEGHT'"):
         policy_replay.main([str(path), "--set", "HOST_WIEGHT=0.0"])
 

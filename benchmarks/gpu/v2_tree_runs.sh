@@ -30,7 +30,8 @@
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
-#            issue's table (ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
+#            issue's table (SIZES, default "1 16 64"; CAPTURE, the largest captured
+#            token count, default 1024; ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
 #            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; DTYPE=float32: the
 #            engines in float32, outputs compared token for token; HEAD as above, default
 #            .gpu/heads/smollm2-eagle3-demo)
@@ -344,12 +345,14 @@ run() {
       # than its generations here); ROWS=full (default): vLLM's eagle3 at K 3/5/7,
       # our chain and trees of 8-64 nodes; ROWS=free: the model-free rows
       mapfile -t S < <(specs "${ROWS:-full}" "${HEAD:-.gpu/heads/smollm2-eagle3-demo}")
-      # PHASES=--phases: where each step's time goes; engines start at once (PARALLEL)
+      # PHASES=--phases: where each step's time goes; engines start at once (PARALLEL);
+      # SIZES: fewer batch sizes; CAPTURE: the graphs' largest token count (1024: a
+      # 33-token tree at batch 64 is 2112 and ran without graphs, 2026-12-05)
       host real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
-        --batch-sizes 1 16 64 --limit-prompts 1=8 --limit-prompts 16=32 \
+        --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${PHASES-} \
         ${DTYPE:+--dtype "$DTYPE"} \
-        --engine-args "{$PAR_KV$NOPFX\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        --engine-args "{$PAR_KV$NOPFX\"compilation_config\": {\"max_cudagraph_capture_size\": ${CAPTURE:-1024}}}" \
         --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-schema)
       h=${HEAD:-.gpu/heads/smollm2-eagle3-demo}

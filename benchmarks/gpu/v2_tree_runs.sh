@@ -107,7 +107,7 @@ export SPECPLUG_GPU_WORK=${SPECPLUG_GPU_WORK:-.gpu/work}
 OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 W=$SPECPLUG_GPU_WORK
-# tiny3, tiny-mtp and smollm2 start their engines at once (bench offline
+# tiny3, tiny-mtp, smollm2, smollm2-sets and smollm2-schema start their engines at once (bench offline
 # --parallel-starts, bench/starts.py: each with a KV cache of half its memory share,
 # or of PARALLEL_KV bytes), not one after the other (80-120 s an engine on the H200;
 # three at once took 141 s instead of 338, docs/results/bench_parallel_starts_h200).
@@ -456,8 +456,8 @@ run() {
       host real-bench "${P[@]}" \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 \
-        --engine-args '{"compilation_config": {"max_cudagraph_capture_size": 1024}}' \
-        ${PHASES-} --out "$RESULTS/${RUN_NAME:-$1}" ;;
+        --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        ${PHASES-} --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-tp)
       # the head rows of `smollm2` and the n-gram rows of smollm2-sets, on a sharded target
       mapfile -t S < <(specs three "${HEAD:-.gpu/heads/smollm2-eagle3-demo}"; full_specs ngram -)

@@ -55,6 +55,26 @@ def test_our_method_keeps_decode_sizes_under_a_user_maximum(tiny_model_dir):
     assert set(plain) <= set(sizes) and 6 not in plain   # what vLLM alone gives
 
 
+def test_a_user_maximum_that_leaves_big_decode_steps_eager_is_warned_of(tiny_model_dir,
+                                                                         caplog):
+    """64 requests of 6 tokens are 384, over a maximum of 96: steps of more
+    than 16 requests run without graphs, and the warning names the fix."""
+    from vllm_specplug.integration.cudagraph import eager_decode_warning
+
+    assert eager_decode_warning(1, 256, 8) is None           # no drafts: one token a request
+    assert eager_decode_warning(QUERY_LEN, 16, 96) is None   # 16 x 6 = 96 fits
+    spec = {"method": "specplug_ngram", "num_speculative_tokens": K}
+    with caplog.at_level("WARNING"):
+        _sizes(tiny_model_dir, spec, max_size=96)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "more than 16 requests (6 tokens each)" in said, said
+    assert "max_cudagraph_capture_size to 384 (max_num_seqs 64)" in said, said
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _sizes(tiny_model_dir, spec, max_size=384)
+    assert "without CUDA graphs" not in caplog.text
+
+
 def test_vllm_defaults_and_explicit_sizes_are_left_alone(tiny_model_dir):
     spec = {"method": "specplug_ngram", "num_speculative_tokens": K}
     explicit = [1, 2, 4, 8]

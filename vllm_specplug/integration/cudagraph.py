@@ -43,6 +43,23 @@ def with_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int) -> li
     return sorted(set(sizes) | set(decode_capture_sizes(query_len, max_num_reqs, sizes[-1])))
 
 
+def eager_decode_warning(query_len: int, max_num_reqs: int, max_size: int) -> str | None:
+    """What to tell a user whose `max_cudagraph_capture_size` leaves decode
+    steps of more requests than it holds without a graph (None: every decode
+    step up to `max_num_reqs` fits). On the H200 a 33-token tree (`topk` 8,
+    32 nodes) at 64 requests, 2112 tokens over a 1024 maximum, ran at 0.26x
+    vLLM's `eagle3` K=5, which its graphs held
+    (docs/results/smollm2_wide_h200_s60)."""
+    if query_len <= 1 or max_num_reqs * query_len <= max_size:
+        return None
+    return (f"vllm-specplug: decode steps of more than {max_size // query_len} requests "
+            f"({query_len} tokens each) pass max_cudagraph_capture_size {max_size} and "
+            f"run without CUDA graphs, several times slower on a small model; raise "
+            f"compilation_config.max_cudagraph_capture_size to {max_num_reqs * query_len} "
+            f"(max_num_seqs {max_num_reqs}), or draft less at large batches "
+            f"(num_speculative_tokens_per_batch_size, or \"adaptive\": true)")
+
+
 def with_all_decode_sizes(sizes: list[int], query_len: int, max_num_reqs: int,
                           max_num_tokens: int) -> list[int]:
     """`sizes` plus the decode sizes of every request count of vLLM's grid up

@@ -3,7 +3,7 @@ against every static length on a simulated engine, over many seeds, under
 the step-time noise of each kind of host: how close it stays to the best
 static length when the times it learns from are noisy. No engine: a
 simulation, whose scenarios are the unit tests' (`tests/
-test_batch_draft_length_unit.py`: `_ChainEngine`, `_stalling_suffix`).
+test_batch_draft_length_unit.py`, on `vllm_specplug/testing/policy_sim.py`).
 
 Scenarios (a steady batch, 800 steps, the length chosen at a step drafted
 there and verified at the next, as the scheduler drives it):
@@ -33,36 +33,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.test_batch_draft_length_unit import (RATES, _ChainEngine, _run,  # noqa: E402
-                                                _stalling_suffix)
-from vllm_specplug.adaptive.batch_draft_length import (BatchDraftLength,  # noqa: E402
-                                                       draft_length_candidates)
+from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
+from vllm_specplug.testing.policy_sim import RATES, ChainEngine, run_steps, stalling_suffix
 
 STEPS = 800
 
 
 def _cpu(num_reqs: int) -> tuple[dict, int]:
-    return _stalling_suffix(num_reqs), 5
+    return stalling_suffix(num_reqs), 5
 
 
 def _cpu_bursts(num_reqs: int) -> tuple[dict, int]:
-    return {**_stalling_suffix(num_reqs), "found": (0.25, 1.0, 0.2)}, 5
+    return {**stalling_suffix(num_reqs), "found": (0.25, 1.0, 0.2)}, 5
 
 
 def _cpu_drift(num_reqs: int) -> tuple[dict, int]:
-    return {**_stalling_suffix(num_reqs), "drift": (150, 0.75, 1.5)}, 5
+    return {**stalling_suffix(num_reqs), "drift": (150, 0.75, 1.5)}, 5
 
 
 def _cpu_light(num_reqs: int) -> tuple[dict, int]:
-    return {**_stalling_suffix(num_reqs), "noise": 0.05, "stalls": (0.0, 1.0, 1.0)}, 5
+    return {**stalling_suffix(num_reqs), "noise": 0.05, "stalls": (0.0, 1.0, 1.0)}, 5
 
 
 def _gpu(num_reqs: int) -> tuple[dict, int]:
@@ -82,10 +77,10 @@ SCENARIOS = {"cpu": (_cpu, (1, 16, 80)), "cpu_bursts": (_cpu_bursts, (1, 16, 80)
 def policy_over_best_static(engine_args: dict, max_k: int, num_reqs: int, seed: int) -> float:
     """The policy's tokens/s over the best static length's, on one seed."""
     candidates = draft_length_candidates(max_k)
-    static = max(_run(_ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, lambda b, k=k: k)
+    static = max(run_steps(ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, lambda b, k=k: k)
                  for k in candidates)
     policy = BatchDraftLength(candidates)
-    return _run(_ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, policy) / static
+    return run_steps(ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, policy) / static
 
 
 def summarise(ratios: list[float]) -> dict:

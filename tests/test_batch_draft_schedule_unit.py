@@ -2,7 +2,8 @@
 issue 27): the table that makes vLLM capture each candidate, what each step's
 output tells the policy (times, kinds, accepted counts), the policy's channel
 to a server's /metrics, and what `bench` reports of it. The policy itself on a
-simulated engine: tests/test_batch_draft_length_unit.py."""
+simulated engine: tests/test_batch_draft_length_unit.py and
+tests/test_batch_draft_length_phases_unit.py."""
 from __future__ import annotations
 
 import pytest

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_batch_draft_length_unit import _ChainEngine, _run, _stalling_suffix
+from vllm_specplug.testing.policy_sim import ChainEngine, run_steps, stalling_suffix
 from vllm_specplug.adaptive import step_times
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
 
@@ -33,7 +33,7 @@ def trace(tmp_path_factory):
     logger.setLevel(logging.DEBUG)
     try:
         policy = BatchDraftLength(draft_length_candidates(5))
-        _run(_ChainEngine(**_stalling_suffix(16), seed=2), 16, 600, policy)
+        run_steps(ChainEngine(**stalling_suffix(16), seed=2), 16, 600, policy)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

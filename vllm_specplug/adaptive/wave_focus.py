@@ -21,7 +21,7 @@ stop token may be taken for the slowest while it runs.
 
 Opt-in (`"adaptive_focus": true` beside the batch policy): on a simulated
 wave it ran 8% shorter than the mean's weighing
-(tests/test_batch_draft_length_unit.py), but the CPU engine showed no gain
+(tests/test_batch_draft_length_phases_unit.py), but the CPU engine showed no gain
 (docs/results/batch_draft_length_cpu_run16).
 """
 from __future__ import annotations

@@ -90,7 +90,8 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
     assert config["grammar_drafts"] == "first"
 
 
-@pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2", "smollm2-sets"])
+@pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2", "smollm2-sets",
+                                  "smollm2-schema"])
 def test_the_runs_start_their_engines_at_once_unless_told_not_to(name, tmp_path):
     """By default the run starts its engines at once (bench/starts.py sizes
     each KV cache); PARALLEL_KV sets that size in engine arguments that are
@@ -103,6 +104,21 @@ def test_the_runs_start_their_engines_at_once_unless_told_not_to(name, tmp_path)
         engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
         assert ("--parallel-starts" in arguments) == parallel, env
         assert engine_kwargs.get("kv_cache_memory_bytes") == size, env
+
+
+def test_the_sets_run_takes_fewer_sizes_and_a_bigger_capture(tmp_path):
+    """SIZES and CAPTURE (a 33-token tree at batch 64 is 2112 tokens a step:
+    over the default 1024 it ran without graphs on the H200)."""
+    import json
+
+    arguments = _dry_run("smollm2-sets", {"ROWS": "wide", "SIZES": "64", "CAPTURE": "2112"},
+                         tmp_path)
+    sizes = arguments[arguments.index("--batch-sizes") + 1:arguments.index("--limit-prompts")]
+    assert sizes == ["64"]
+    engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+    assert engine_kwargs["compilation_config"]["max_cudagraph_capture_size"] == 2112
+    names = [row.name for row in named_specs(_specs(arguments))]
+    assert names == ["none", "vllm-eagle3-K5", "ours-tree16", "ours-tree-8-4-32"]
 
 
 @pytest.mark.parametrize("name", ["smollm2", "smollm2-sets"])

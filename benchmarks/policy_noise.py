@@ -5,8 +5,9 @@ static length when the times it learns from are noisy. No engine: a
 simulation, whose scenarios are the unit tests' (`tests/
 test_batch_draft_length_unit.py`, on `vllm_specplug/testing/policy_sim.py`).
 
-Scenarios (a steady batch, 800 steps, the length chosen at a step drafted
-there and verified at the next, as the scheduler drives it):
+Scenarios (a steady batch, 800 steps, but `cpu_phases`; the length chosen
+at a step drafted there and verified at the next, as the scheduler drives
+it):
 - `cpu`: the 2-core CPU's stalls (one step in five 1.5-4x slow, whatever
   its length; 10% noise besides) and a suffix-like method drafting for half
   the requests; batch 1, 16, 80; K=5 best at 1, K=1 or none at 16 and 80.
@@ -21,6 +22,13 @@ there and verified at the next, as the scheduler drives it):
 - `gpu`: little cost per token until the batch is large, drafting passes
   dear at small batches (3% noise); batch 1, 16, 64, 128.
 - `gpu_noisy`: batch 1, every length about as dear, 20% noise.
+- `cpu_phases`: not a steady batch but `bench offline`'s phases of 1, 16
+  and 80 requests, each draining as its requests end (24-96 tokens each),
+  three rounds, the first a warm-up (`run_phases`), with the `cpu` stalls
+  and noise and a suffix-like method: K=4 best at 1, K=1 at 16, none at 80.
+  The engine's own losses show here (0.93 / 0.91 / 0.92 of the best static
+  length over 40 seeds, tenth percentiles 0.78-0.82), where the steady
+  `cpu` scenario keeps 0.94-0.96 (docs/results/batch_policy_host_follow_replay).
 
     .venv/bin/python benchmarks/policy_noise.py --seeds 40 --out docs/results/batch_policy_noise_sim
 
@@ -39,7 +47,8 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
-from vllm_specplug.testing.policy_sim import RATES, ChainEngine, run_steps, stalling_suffix
+from vllm_specplug.testing.policy_sim import (RATES, ChainEngine, run_phases, run_steps,
+                                              stalling_suffix)
 
 STEPS = 800
 
@@ -68,6 +77,18 @@ def _gpu_noisy(num_reqs: int) -> tuple[dict, int]:
     return dict(rates=RATES, fixed=3e-3, per_token=2e-5, per_draft=2e-5, noise=0.2), 8
 
 
+def _cpu_phases() -> tuple[dict, int]:
+    """Draining phases' costs: per request and per verified token, drafting
+    cheap, the `cpu` stalls and noise, half the requests drafting."""
+    return dict(rates=[0.6, 0.55, 0.5, 0.5, 0.5], fixed=0.02, per_request=0.002,
+                per_token=0.0025, per_draft=2e-4, noise=0.1, found=0.5,
+                stalls=(0.2, 1.5, 4.0)), 5
+
+
+# `bench offline`'s order: every batch size a phase, the first round a warm-up
+PHASES = (1, 16, 80) * 3
+# name -> engine arguments and longest length, for runs of PHASES
+PHASED = {"cpu_phases": _cpu_phases}
 # name -> (engine arguments and longest length at a batch size, batch sizes)
 SCENARIOS = {"cpu": (_cpu, (1, 16, 80)), "cpu_bursts": (_cpu_bursts, (1, 16, 80)),
              "cpu_drift": (_cpu_drift, (1, 16, 80)), "cpu_light": (_cpu_light, (1, 16, 80)),
@@ -83,6 +104,25 @@ def policy_over_best_static(engine_args: dict, max_k: int, num_reqs: int, seed: 
     return run_steps(ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, policy) / static
 
 
+def phases_over_best_static(engine_args: dict, max_k: int, seed: int) -> dict[int, float]:
+    """Per batch size of `PHASES`, the policy's mean tokens/s over its
+    rounds (the warm-up left out) over the best static length's, one seed."""
+    candidates = draft_length_candidates(max_k)
+    static = [run_phases(ChainEngine(**engine_args, seed=seed), PHASES, lambda b, k=k: k,
+                         seed)[3:] for k in candidates]
+    policy = run_phases(ChainEngine(**engine_args, seed=seed), PHASES,
+                        BatchDraftLength(candidates), seed)[3:]
+    return {b: float(np.mean(policy[i::3]) / max(np.mean(r[i::3]) for r in static))
+            for i, b in enumerate(PHASES[:3])}
+
+
+def _phased_rows(name: str, num_seeds: int) -> list[dict]:
+    engine_args, max_k = PHASED[name]()
+    by_seed = [phases_over_best_static(engine_args, max_k, seed) for seed in range(num_seeds)]
+    return [{"scenario": name, "batch_size": b, **summarise([r[b] for r in by_seed])}
+            for b in PHASES[:3]]
+
+
 def summarise(ratios: list[float]) -> dict:
     return {"mean": round(float(np.mean(ratios)), 4),
             "p10": round(float(np.percentile(ratios, 10)), 4),
@@ -92,12 +132,18 @@ def summarise(ratios: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=40)
-    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    names = [*SCENARIOS, *PHASED]
+    parser.add_argument("--scenarios", nargs="+", choices=names, default=names)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    points = [(name, b) for name in args.scenarios for b in SCENARIOS[name][1]]
+    points = [(name, b) for name in args.scenarios if name in SCENARIOS
+              for b in SCENARIOS[name][1]]
+    points += [(name, None) for name in args.scenarios if name in PHASED]
     rows = []
     for name, num_reqs in tqdm(points, desc="scenarios"):
+        if num_reqs is None:  # one run gives every phase's point
+            rows += _phased_rows(name, args.seeds)
+            continue
         engine_args, max_k = SCENARIOS[name][0](num_reqs)
         ratios = [policy_over_best_static(engine_args, max_k, num_reqs, seed)
                   for seed in range(args.seeds)]

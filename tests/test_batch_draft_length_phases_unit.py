@@ -187,7 +187,8 @@ def test_the_8b_projection_keeps_the_policy_near_the_best_static_length():
 
 def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
     """`benchmarks/policy_noise.py` (docs/results/batch_policy_noise_sim):
-    one seed of the GPU-like noisy point, its table, JSON and plot; the
+    one seed of the GPU-like noisy point and of the draining phases, its
+    table, JSON and plot; the
     stalling engine it simulates the CPU with slows some steps 1.5-4x, and
     drafts in bursts make K=5's steps' mean exceed their median."""
     import json
@@ -198,10 +199,14 @@ def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
     import policy_noise
 
     monkeypatch.setattr(sys, "argv", ["policy_noise.py", "--seeds", "1", "--scenarios",
-                                      "gpu_noisy", "--out", str(tmp_path)])
+                                      "gpu_noisy", "cpu_phases", "--out", str(tmp_path)])
     policy_noise.main()
-    (row,) = json.loads((tmp_path / "policy_noise.json").read_text())["rows"]
+    row, *phases = json.loads((tmp_path / "policy_noise.json").read_text())["rows"]
     assert row["scenario"] == "gpu_noisy" and 0.9 < row["mean"] <= 1.05, row
+    # draining phases: a point per phase's batch size, from one run each
+    assert [(r["scenario"], r["batch_size"]) for r in phases] == [
+        ("cpu_phases", 1), ("cpu_phases", 16), ("cpu_phases", 80)]
+    assert all(0.5 < r["mean"] <= 1.2 for r in phases), phases
     assert (tmp_path / "policy_noise.png").stat().st_size > 0
     engine = ChainEngine(**stalling_suffix(16), seed=0)
     steps = np.array([engine.seconds(0, 16) for _ in range(400)])

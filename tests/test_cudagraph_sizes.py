@@ -69,10 +69,12 @@ def test_a_user_maximum_that_leaves_big_decode_steps_eager_is_warned_of(tiny_mod
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "more than 16 requests (6 tokens each)" in said, said
     assert "max_cudagraph_capture_size to 384 (max_num_seqs 64)" in said, said
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        _sizes(tiny_model_dir, spec, max_size=384)
-    assert "without CUDA graphs" not in caplog.text
+    for fits in (dict(spec=spec, max_size=384),   # 64 x 6 fits
+                 dict(spec={**spec, "adaptive": True}, max_size=96)):  # sized per step
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            _sizes(tiny_model_dir, **fits)
+        assert "without CUDA graphs" not in caplog.text, fits
 
 
 def test_vllm_defaults_and_explicit_sizes_are_left_alone(tiny_model_dir):

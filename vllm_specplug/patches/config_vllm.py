@@ -244,17 +244,21 @@ def _set_cudagraph_sizes(original):
 
 def _decode_sizes(config, sizes: list[int], user_max: int | None) -> list[int]:
     """Under a user's maximum: the decode sizes under it, and a warning where
-    decode steps of max_num_seqs requests pass it (without a per-batch table,
-    whose smaller lengths may fit). Otherwise: every decode size up to
-    max_num_seqs requests, within max_num_batched_tokens."""
+    decode steps of max_num_seqs requests pass it (unless the drafts are
+    sized per batch, by a table or by our per-step policy, whose table is set
+    after this: their smaller lengths may fit). Otherwise: every decode size
+    up to max_num_seqs requests, within max_num_batched_tokens."""
+    from vllm_specplug.integration.config import batch_draft_length_wanted, selection_of
     from vllm_specplug.integration.cudagraph import (eager_decode_warning, with_all_decode_sizes,
                                                      with_decode_sizes)
 
     scheduler = config.scheduler_config
     if user_max is not None:
-        table = getattr(config.speculative_config, "num_speculative_tokens_per_batch_size", None)
+        spec = config.speculative_config
+        sized = (getattr(spec, "num_speculative_tokens_per_batch_size", None)
+                 or batch_draft_length_wanted(selection_of(spec)))
         # no sizes: no graphs at all (the CPU, enforce_eager)
-        warning = None if table or not sizes else eager_decode_warning(
+        warning = None if sized or not sizes else eager_decode_warning(
             config.uniform_decode_query_len, scheduler.max_num_seqs, user_max)
         if warning:
             logger.warning(warning)

@@ -25,17 +25,21 @@ it):
 - `cpu_phases`: not a steady batch but `bench offline`'s phases of 1, 16
   and 80 requests, each draining as its requests end (24-96 tokens each),
   three rounds, the first a warm-up (`run_phases`), with the `cpu` stalls
-  and noise and a suffix-like method: K=4 best at 1, K=1 at 16, none at 80.
-  The engine's own losses show here (0.93 / 0.91 / 0.92 of the best static
+  and noise and a suffix-like method: by the cost model's means K=2 is best
+  at 1 (K=4 within 1%), K=1 at 16 and 80 (none 9% and 3% behind). The
+  engine's own losses show here (0.93 / 0.91 / 0.92 of the best static
   length over 40 seeds, tenth percentiles 0.78-0.82), where the steady
   `cpu` scenario keeps 0.94-0.96 (docs/results/batch_policy_host_follow_replay).
 
     .venv/bin/python benchmarks/policy_noise.py --seeds 40 --out docs/results/batch_policy_noise_sim
 
 Prints, per scenario and batch size, the policy's tokens/s over the best
-static length's, its mean, tenth percentile and minimum over the seeds;
-writes `policy_noise.json`, `policy_noise.txt` and `policy_noise.png` with
-`--out`.
+static length's, its mean, tenth percentile and minimum over the seeds, and
+for `cpu_phases` also how close its steps came to the best length at each
+step's batch size by the cost model's means (`expected`: without the run's
+noise; the best of the static lengths' noisy runs is biased upwards); writes
+`policy_noise.json`, `policy_noise.txt` and `policy_noise.png` with `--out`.
+`--set NAME=VALUE` changes a constant of adaptive/step_times.py for the run.
 """
 from __future__ import annotations
 
@@ -44,11 +48,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+from policy_replay import constants_set
 from tqdm import tqdm
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
-from vllm_specplug.testing.policy_sim import (RATES, ChainEngine, run_phases, run_steps,
-                                              stalling_suffix)
+from vllm_specplug.testing.policy_sim import (RATES, ChainEngine, expected_over_best,
+                                              run_phases, run_steps, stalling_suffix)
 
 STEPS = 800
 
@@ -104,22 +109,31 @@ def policy_over_best_static(engine_args: dict, max_k: int, num_reqs: int, seed: 
     return run_steps(ChainEngine(**engine_args, seed=seed), num_reqs, STEPS, policy) / static
 
 
-def phases_over_best_static(engine_args: dict, max_k: int, seed: int) -> dict[int, float]:
-    """Per batch size of `PHASES`, the policy's mean tokens/s over its
-    rounds (the warm-up left out) over the best static length's, one seed."""
+def phases_over_best_static(engine_args: dict, max_k: int,
+                            seed: int) -> dict[int, tuple[float, float]]:
+    """Per batch size of `PHASES`, over its rounds (the warm-up left out),
+    one seed: (the policy's mean tokens/s over the best static length's,
+    how close its steps came to the best length at each step's batch size
+    by the cost model's means, `expected_over_best`)."""
     candidates = draft_length_candidates(max_k)
     static = [run_phases(ChainEngine(**engine_args, seed=seed), PHASES, lambda b, k=k: k,
                          seed)[3:] for k in candidates]
-    policy = run_phases(ChainEngine(**engine_args, seed=seed), PHASES,
-                        BatchDraftLength(candidates), seed)[3:]
-    return {b: float(np.mean(policy[i::3]) / max(np.mean(r[i::3]) for r in static))
-            for i, b in enumerate(PHASES[:3])}
+    engine, starts = ChainEngine(**engine_args, seed=seed), []
+    policy = run_phases(engine, PHASES, BatchDraftLength(candidates), seed, starts)[3:]
+    bounds = list(zip(starts, starts[1:] + [len(engine.steps)]))[3:]
+    points = {}
+    for i, b in enumerate(PHASES[:3]):
+        steps = [step for start, end in bounds[i::3] for step in engine.steps[start:end]]
+        points[b] = (float(np.mean(policy[i::3]) / max(np.mean(r[i::3]) for r in static)),
+                     expected_over_best(engine, steps, candidates))
+    return points
 
 
 def _phased_rows(name: str, num_seeds: int) -> list[dict]:
     engine_args, max_k = PHASED[name]()
     by_seed = [phases_over_best_static(engine_args, max_k, seed) for seed in range(num_seeds)]
-    return [{"scenario": name, "batch_size": b, **summarise([r[b] for r in by_seed])}
+    return [{"scenario": name, "batch_size": b, **summarise([r[b][0] for r in by_seed]),
+             "expected": round(float(np.mean([r[b][1] for r in by_seed])), 4)}
             for b in PHASES[:3]]
 
 
@@ -135,7 +149,26 @@ def main() -> None:
     names = [*SCENARIOS, *PHASED]
     parser.add_argument("--scenarios", nargs="+", choices=names, default=names)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a constant of adaptive/step_times.py, as policy_replay.py's")
     args = parser.parse_args()
+    with constants_set(args.set):
+        rows = _rows(args)
+    lines = [f"{r['scenario']:10s} batch {r['batch_size']:<4d} policy / best static: mean "
+             f"{r['mean']:.3f}  p10 {r['p10']:.3f}  min {r['min']:.3f}  ({r['seeds']} seeds)"
+             + (f"  expected / best per batch size {r['expected']:.3f}" if "expected" in r else "")
+             for r in rows]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "policy_noise.json").write_text(json.dumps(
+            {"steps": STEPS, "set": args.set, "rows": rows}, indent=1) + "\n")
+        (args.out / "policy_noise.txt").write_text("\n".join(lines) + "\n")
+        plot(rows, args.out / "policy_noise.png")
+
+
+def _rows(args) -> list[dict]:
+    """Every point of `args.scenarios` over `args.seeds` seeds."""
     points = [(name, b) for name in args.scenarios if name in SCENARIOS
               for b in SCENARIOS[name][1]]
     points += [(name, None) for name in args.scenarios if name in PHASED]
@@ -148,16 +181,7 @@ def main() -> None:
         ratios = [policy_over_best_static(engine_args, max_k, num_reqs, seed)
                   for seed in range(args.seeds)]
         rows.append({"scenario": name, "batch_size": num_reqs, **summarise(ratios)})
-    lines = [f"{r['scenario']:10s} batch {r['batch_size']:<4d} policy / best static: mean "
-             f"{r['mean']:.3f}  p10 {r['p10']:.3f}  min {r['min']:.3f}  ({r['seeds']} seeds)"
-             for r in rows]
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "policy_noise.json").write_text(json.dumps({"steps": STEPS, "rows": rows},
-                                                               indent=1) + "\n")
-        (args.out / "policy_noise.txt").write_text("\n".join(lines) + "\n")
-        plot(rows, args.out / "policy_noise.png")
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -13,8 +13,9 @@ import pytest
 
 from vllm_specplug.adaptive.batch_draft_length import BatchDraftLength, draft_length_candidates
 from vllm_specplug.adaptive.wave_focus import RequestGains
-from vllm_specplug.testing.policy_sim import (RATES, ChainEngine, drain_wave, one_step,
-                                              run_phases, run_steps, stalling_suffix)
+from vllm_specplug.testing.policy_sim import (RATES, ChainEngine, drain_wave,
+                                              expected_over_best, one_step, run_phases,
+                                              run_steps, stalling_suffix)
 
 
 def test_lengths_measured_at_other_batch_sizes_of_one_bucket_are_compared_at_one():
@@ -86,6 +87,44 @@ def test_a_lengths_time_is_the_mean_of_its_steps_without_strays():
     for seconds in [0.09, 0.19] * 8 + [2.0, 0.001]:  # the last two: strays
         times.samples.setdefault((5, 5), deque(maxlen=32)).append((16, seconds))
     assert times.typical(5, 5, 16) == pytest.approx(0.14)
+
+
+def test_a_length_timed_on_a_few_quiet_steps_is_drawn_to_its_buckets_cost_line():
+    """Under the 2-core CPU's stalls three quiet steps priced K=5 at half
+    its cost at batch 80, and the policy ran it for a sixth of the phase
+    (benchmarks/policy_noise.py, `cpu_phases`). Every drafting length's
+    times in the bucket fit a line in K (`StepTimes.line`), and a length's
+    own mean is drawn towards it by `LINE_WEIGHT` samples' worth: K=5's three
+    quiet steps at half its cost are read more than halfway back to it, a
+    length on its full window keeps 80% of its own mean, and no speculation
+    (no drafting pass, which the line's intercept holds) keeps its own."""
+    from vllm_specplug.adaptive.step_times import LINE_WEIGHT, StepTimes
+
+    times = StepTimes()
+    for _ in range(32):  # 0.2 s + 0.02 s a draft, well measured
+        for k in (0, 1, 2, 4):
+            times.add(k, 80, 0.2 + 0.02 * k)
+    for _ in range(3):
+        times.add(5, 80, 0.15)  # three quiet steps of a 0.3 s length
+    intercept, slope = times.line(80)  # K=5's three steps in it, weighed as three
+    assert slope > 0.01 and intercept > 0.19
+    k5, _ = times.estimate(5, 80, anchor=4)
+    expected = (3 * 0.15 + LINE_WEIGHT * (intercept + 5 * slope)) / (3 + LINE_WEIGHT)
+    assert k5 == pytest.approx(expected) and k5 > (0.15 + 0.3) / 2
+    assert times.estimate(0, 80, anchor=4)[0] == pytest.approx(0.2)
+    # a full window keeps most of its own: 32 / (32 + LINE_WEIGHT)
+    own_weight = 32 / (32 + LINE_WEIGHT)
+    assert own_weight == pytest.approx(0.8)
+    assert times.estimate(2, 80, anchor=4)[0] == pytest.approx(0.24, rel=0.01)
+    # a line needs two drafting lengths in the bucket; a slope is never < 0
+    lone = StepTimes()
+    for _ in range(4):
+        lone.add(0, 16, 0.1)
+        lone.add(5, 16, 0.2)
+    assert lone.line(16) is None and lone.estimate(5, 16, anchor=5)[0] == pytest.approx(0.2)
+    for _ in range(4):
+        lone.add(4, 16, 0.25)
+    assert lone.line(16) == (pytest.approx(0.225), 0.0)
 
 
 def test_the_workers_copy_holds_the_step_times_sent_only_when_taken_again():
@@ -206,7 +245,16 @@ def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
     # draining phases: a point per phase's batch size, from one run each
     assert [(r["scenario"], r["batch_size"]) for r in phases] == [
         ("cpu_phases", 1), ("cpu_phases", 16), ("cpu_phases", 80)]
-    assert all(0.5 < r["mean"] <= 1.2 for r in phases), phases
+    assert all(0.5 < r["mean"] <= 1.2 and 0.5 < r["expected"] <= 1.0 for r in phases), phases
+    # `expected`: the steps priced by the cost model's means against the best
+    # length at each one's batch size, 1 for those steps themselves
+    engine, _ = policy_noise._cpu_phases()
+    engine = ChainEngine(**engine, seed=0)
+    lengths = draft_length_candidates(5)
+    best = {b: max(lengths, key=lambda k: engine.expected_rate(k, b)) for b in (1, 16, 80)}
+    assert best == {1: 2, 16: 1, 80: 1}  # as its docstring says
+    assert expected_over_best(engine, [(best[b], b) for b in (1, 16, 80)], lengths) == 1.0
+    assert expected_over_best(engine, [(5, 80)], lengths) < 0.75
     assert (tmp_path / "policy_noise.png").stat().st_size > 0
     engine = ChainEngine(**stalling_suffix(16), seed=0)
     steps = np.array([engine.seconds(0, 16) for _ in range(400)])

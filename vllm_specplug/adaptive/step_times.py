@@ -66,6 +66,17 @@ REFIT_EVERY = 8
 # host did not drift (test_lengths_measured_at_other_batch_sizes_...).
 HOST_WEIGHT = 0.1
 HOST_RANGE = (0.25, 4.0)
+# A length's time in a bucket is drawn towards the bucket's cost line
+# (`line`: seconds = a + b * K, fitted on every drafting length's times there)
+# as if the line were this many samples of its own. A length measured on a
+# few steps kept whatever those few steps took: under the 2-core CPU's stalls
+# (one step in five 1.5-4x slow) three quiet steps priced K=5 at half its
+# cost at batch 80, and the policy ran it there for a sixth of bench
+# offline's batch-80 phase (benchmarks/policy_noise.py, `cpu_phases`: 6% of
+# the phase's time lost, 0.8% with the line). A length measured on its full
+# window (32) keeps 80% of its own mean, so a cost that is not linear in K
+# (a GPU's padded graph sizes) still shows.
+LINE_WEIGHT = 8.0
 
 
 def _clipped_mean(times: list[float]) -> float:
@@ -75,6 +86,20 @@ def _clipped_mean(times: list[float]) -> float:
     middle = times[len(times) // 2]
     kept = [t for t in times if middle / STALL_RATIO <= t <= middle * STALL_RATIO]
     return sum(kept) / len(kept)
+
+
+def _weighted_line(points: list[tuple[int, float, int]]) -> tuple[float, float] | None:
+    """(intercept, slope >= 0) of the least-squares line through (x, y)
+    with weights w, `points` [(x, y, w)]; None under two distinct x."""
+    if len({x for x, _, _ in points}) < 2:
+        return None
+    total = sum(w for _, _, w in points)
+    x_mean = sum(w * x for x, _, w in points) / total
+    y_mean = sum(w * y for _, y, w in points) / total
+    slope = (sum(w * (x - x_mean) * (y - y_mean) for x, y, w in points)
+             / sum(w * (x - x_mean) ** 2 for x, _, w in points))
+    slope = max(slope, 0.0)
+    return y_mean - slope * x_mean, slope
 
 
 def _drop(cache: dict, stale) -> None:
@@ -124,8 +149,10 @@ class StepTimes:
         self.max_bucket = 0  # the biggest bucket with samples (`ceiling`)
         self.ceilings: dict[tuple[int, int], tuple[float, int] | None] = {}
         # (K, batch size) -> `_capped`, asked for every length every step:
-        # kept until that length's times or every length's spread moves
+        # kept until that length's times, its bucket's line or every
+        # length's spread moves
         self.capped: dict[tuple[int, int], tuple[float, float] | None] = {}
+        self.lines: dict[int, tuple[float, float] | None] = {}  # batch size -> `line`
 
     def add(self, k: int, batch_size: int, seconds: float, follow_host: bool = False) -> bool:
         """Keep a step's time, relative to the host's speed (`host`, which a
@@ -148,7 +175,9 @@ class StepTimes:
         # only this length's typical times moved (a refit clears them all)
         _drop(self.typicals.get(key[1], {}), lambda c: c[0] == k)
         self.medians.pop(key, None)
-        _drop(self.capped, lambda c: c[0] == k)
+        # k's times here moved, and with them its bucket's line (`line`)
+        _drop(self.capped, lambda c: c[0] == k or batch_bucket(c[1]) == key[1])
+        _drop(self.lines, lambda b: batch_bucket(b) == key[1])
         if len(self.samples[key]) <= MIN_SAMPLES:  # a length joins the pooled spread
             self.spreads.pop(key[1], None)
             self.capped.clear()  # every length's noise in the bucket moved
@@ -174,6 +203,7 @@ class StepTimes:
             self.exponents.clear()
             self.typicals.clear()
             self.ceilings.clear()
+            self.lines.clear()
         self.fits[bucket], self.fit_age[bucket] = fit, 0
         self.capped.clear()
         self.spreads.pop(bucket, None)
@@ -289,11 +319,40 @@ class StepTimes:
         its bucket: its typical time, or a bigger bucket's lower one
         (`ceiling`); None while it has too few samples here."""
         if (k, batch_size) not in self.capped:
-            own, ceiling = self.typical(k, bucket, batch_size), self.ceiling(k, bucket)
+            own, ceiling = self._on_line(k, bucket, batch_size), self.ceiling(k, bucket)
             self.capped[(k, batch_size)] = (
                 None if own is None else ceiling if ceiling is not None and ceiling[0] < own
                 else (own, self.noise(k, bucket)))
         return self.capped[(k, batch_size)]
+
+    def _on_line(self, k: int, bucket: int, batch_size: int) -> float | None:
+        """`typical(k, bucket, batch_size)` drawn towards the bucket's
+        cost line with `LINE_WEIGHT` samples' weight; no speculation
+        (k = 0) keeps its own: a step without drafts skips the drafting
+        pass, which the line's intercept holds."""
+        own = self.typical(k, bucket, batch_size)
+        line = self.line(batch_size) if own is not None and k > 0 else None
+        if line is None:
+            return own
+        num_samples = len(self.samples[(k, bucket)])
+        return ((num_samples * own + LINE_WEIGHT * (line[0] + line[1] * k))
+                / (num_samples + LINE_WEIGHT))
+
+    def line(self, batch_size: int) -> tuple[float, float] | None:
+        """(intercept, seconds per draft) of the drafting lengths' times at
+        `batch_size` in its bucket: a least-squares line through each
+        length's `typical` time, weighted by its samples, the slope kept
+        >= 0 (a longer draft never costs less); None under two lengths
+        measured there. Every step at any length moves it, where a length's
+        own mean moves only with its own (rare) steps."""
+        if batch_size not in self.lines:
+            bucket, points = batch_bucket(batch_size), []
+            for (k, b), window in self.samples.items():
+                time = self.typical(k, b, batch_size) if b == bucket and k > 0 else None
+                if time is not None:
+                    points.append((k, time, len(window)))
+            self.lines[batch_size] = _weighted_line(points)
+        return self.lines[batch_size]
 
     def ceiling(self, k: int, bucket: int) -> tuple[float, float] | None:
         """(seconds, relative standard error) of `k`'s lowest typical time in

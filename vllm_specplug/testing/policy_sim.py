@@ -47,6 +47,25 @@ class ChainEngine:
         # captured on first use (200-450 ms against 4 on the H100); `padded`:
         # per (K, padded batch size), as the head captures
         self.first_slow, self.seen, self.padded = first_slow, set(), padded
+        self.steps: list[tuple[int, int]] = []  # (K, requests) of each step timed
+
+    def expected_rate(self, k: int, num_reqs: int) -> float:
+        """Tokens per second of a step at `k` with `num_reqs` requests by
+        the cost model's means (no noise, the stalls' mean slowdown, the
+        host at speed 1, not settling, no first-step capture)."""
+        found = self.found
+        if isinstance(found, tuple):
+            burst, inside, outside = found
+            found = burst * inside + (1 - burst) * outside
+        accepted, reached = 0.0, 1.0
+        for rate in self.rates[:k]:
+            reached *= rate
+            accepted += reached
+        stall, low, high = self.stalls
+        seconds = ((self.fixed + max(self.floor, self.per_token * num_reqs * (1 + k * found))
+                    + self.per_draft * k + self.per_request * num_reqs)
+                   * (1 - stall + stall * (low + high) / 2))
+        return num_reqs * (1 + found * accepted) / seconds
 
     def accepted(self, k: int, num_reqs: int) -> list[int]:
         counts, found = [], self._found()
@@ -65,6 +84,7 @@ class ChainEngine:
         return inside if self.rng.random() < burst else outside
 
     def seconds(self, k: int, num_reqs: int, settling: bool = False) -> float:
+        self.steps.append((k, num_reqs))
         found = self._found()
         num_drafted = num_reqs if found == 1.0 else self.rng.binomial(num_reqs, found)
         mean = (self.fixed + max(self.floor, self.per_token * (num_reqs + k * num_drafted))
@@ -127,14 +147,18 @@ def stalling_suffix(num_reqs: int) -> dict:
                 per_token=3.5e-3, per_draft=0.0, noise=0.1, found=0.5, stalls=(0.2, 1.5, 4.0))
 
 
-def run_phases(engine: ChainEngine, phases, choose, seed: int) -> list[float]:
+def run_phases(engine: ChainEngine, phases, choose, seed: int,
+               starts: list[int] | None = None) -> list[float]:
     """Tokens per second of each phase, as `bench offline` runs them: a phase
     of b > 1 starts b requests of 24-96 tokens and drains as they finish (so
     the batch-80 phase passes through every smaller batch size); batch 1
-    runs 3 requests one after another."""
+    runs 3 requests one after another. `starts`, if given, gets the index
+    in `engine.steps` where each phase starts."""
     rng = np.random.default_rng(seed)
     rates, history = [], [0, 0]
     for batch_size in phases:
+        if starts is not None:
+            starts.append(len(engine.steps))
         needs = rng.integers(24, 97, size=3 if batch_size == 1 else batch_size)
         groups = [[n] for n in needs] if batch_size == 1 else [list(needs)]
         tokens, elapsed = 0, 0.0
@@ -143,6 +167,20 @@ def run_phases(engine: ChainEngine, phases, choose, seed: int) -> list[float]:
             tokens, elapsed = tokens + more_tokens, elapsed + seconds
         rates.append(tokens / elapsed)
     return rates
+
+
+def expected_over_best(engine: ChainEngine, steps, candidates) -> float:
+    """How close `steps` [(K, requests)] of `engine` came to the best
+    length for each step's batch size, by the cost model's means
+    (`expected_rate`): the seconds that length would take for the steps'
+    tokens over the seconds theirs took, each step a request's tokens. A
+    ratio without the run's noise: the best static length of one noisy run
+    is the best of several draws, biased upwards (`cpu_phases`' best length
+    by its mean over 40 seeds read 0.965 / 0.978 / 0.990 of that at batch
+    1 / 16 / 80; benchmarks/policy_noise.py)."""
+    best = {b: max(engine.expected_rate(k, b) for k in candidates) for _, b in steps}
+    taken = sum(b / engine.expected_rate(k, b) for k, b in steps)
+    return sum(b / best[b] for _, b in steps) / taken
 
 
 def drain(engine: ChainEngine, left: list, choose, history: list[int]):

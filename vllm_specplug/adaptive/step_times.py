@@ -90,16 +90,20 @@ def _clipped_mean(times: list[float]) -> float:
 
 def _weighted_line(points: list[tuple[int, float, int]]) -> tuple[float, float] | None:
     """(intercept, slope >= 0) of the least-squares line through (x, y)
-    with weights w, `points` [(x, y, w)]; None under two distinct x."""
-    if len({x for x, _, _ in points}) < 2:
+    with weights w, `points` [(x, y, w)]; None under two distinct x. One
+    pass over the sums (the policy asks for it on most measured steps)."""
+    total = sum_x = sum_y = sum_xx = sum_xy = 0.0
+    for x, y, w in points:
+        total += w
+        sum_x += w * x
+        sum_y += w * y
+        sum_xx += w * x * x
+        sum_xy += w * x * y
+    spread = total * sum_xx - sum_x * sum_x
+    if len({x for x, _, _ in points}) < 2 or spread <= 0:
         return None
-    total = sum(w for _, _, w in points)
-    x_mean = sum(w * x for x, _, w in points) / total
-    y_mean = sum(w * y for _, y, w in points) / total
-    slope = (sum(w * (x - x_mean) * (y - y_mean) for x, y, w in points)
-             / sum(w * (x - x_mean) ** 2 for x, _, w in points))
-    slope = max(slope, 0.0)
-    return y_mean - slope * x_mean, slope
+    slope = max((total * sum_xy - sum_x * sum_y) / spread, 0.0)
+    return (sum_y - slope * sum_x) / total, slope
 
 
 def _drop(cache: dict, stale) -> None:

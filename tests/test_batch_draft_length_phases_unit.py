@@ -237,10 +237,16 @@ def test_the_policy_noise_benchmark_writes_each_point(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import policy_noise
 
+    from vllm_specplug.adaptive import step_times
+
     monkeypatch.setattr(sys, "argv", ["policy_noise.py", "--seeds", "1", "--scenarios",
-                                      "gpu_noisy", "cpu_phases", "--out", str(tmp_path)])
+                                      "gpu_noisy", "cpu_phases", "--out", str(tmp_path),
+                                      "--set", "LINE_WEIGHT=4"])
     policy_noise.main()
-    row, *phases = json.loads((tmp_path / "policy_noise.json").read_text())["rows"]
+    written = json.loads((tmp_path / "policy_noise.json").read_text())
+    # the constant set for the run, recorded, and put back after it
+    assert written["set"] == ["LINE_WEIGHT=4"] and step_times.LINE_WEIGHT == 8.0
+    row, *phases = written["rows"]
     assert row["scenario"] == "gpu_noisy" and 0.9 < row["mean"] <= 1.05, row
     # draining phases: a point per phase's batch size, from one run each
     assert [(r["scenario"], r["batch_size"]) for r in phases] == [

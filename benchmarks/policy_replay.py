@@ -94,13 +94,18 @@ def replay(steps: list[TraceStep]) -> dict:
 
 
 def _beside(steps: list[TraceStep], i: int) -> float | None:
-    """The mean ms of the current length's steps within `BESIDE` steps of
-    step i at its batch size's bucket (None without any)."""
+    """The median ms of the current length's steps within `BESIDE` steps of
+    step i at its batch size's bucket (None without any): what one step
+    takes, as the try's one step is read. Their mean (before 2026-12-05)
+    put the CPU's stalls (one step in five or six, 1.5-4x) on the current
+    side only, so a try that cost the same read about 1.25x dear at the
+    median (runs 21 and 23 read 1.37-1.44x; the median makes it 1.0-1.4x,
+    docs/results/batch_draft_length_cpu_run23)."""
     step, bucket = steps[i], step_times.batch_bucket(steps[i].batch_size)
     near = [s.ms for s in steps[max(i - BESIDE, 0):i + BESIDE + 1]
             if s.k == step.current == s.current
             and step_times.batch_bucket(s.batch_size) == bucket]
-    return sum(near) / len(near) if near else None
+    return float(np.median(near)) if near else None
 
 
 def pricing(priced: list[tuple]) -> dict | None:

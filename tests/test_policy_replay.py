@@ -59,6 +59,18 @@ def test_a_replay_gives_the_traces_own_prices_and_host_speeds(trace, tmp_path, c
     assert (tmp_path / "replay.json").stat().st_size > 0
 
 
+def test_a_try_is_read_against_one_step_of_the_current_length_not_its_mean():
+    """A try is one step; the current length's steps beside it include the
+    CPU's stalls. Against their mean, a try that cost the same as them read
+    dear; against their median it reads as it is."""
+    from policy_replay import TraceStep, _beside
+
+    steps = [TraceStep(5, 1, ms, 50.0, 1.0, 5) for ms in [50.0] * 10 + [150.0] * 3]
+    steps.append(TraceStep(4, 1, 50.0, 50.0, 1.0, 5))  # the try, as dear as a quiet step
+    steps += [TraceStep(5, 1, 90.0, 50.0, 1.0, 16)]  # another length's steps: not beside it
+    assert _beside(steps, 13) == 50.0
+
+
 def test_a_changed_constant_is_replayed_and_said_unfaithful(trace):
     path, _ = trace
     summary = policy_replay.main([str(path), "--set", "HOST_WEIGHT=0.0"])

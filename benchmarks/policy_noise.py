@@ -28,8 +28,10 @@ it):
   and noise and a suffix-like method: by the cost model's means K=2 is best
   at 1 (K=4 within 1%), K=1 at 16 and 80 (none 9% and 3% behind). The
   engine's own losses show here (0.93 / 0.91 / 0.92 of the best static
-  length over 40 seeds, tenth percentiles 0.78-0.82), where the steady
-  `cpu` scenario keeps 0.94-0.96 (docs/results/batch_policy_host_follow_replay).
+  length over 40 seeds, tenth percentiles 0.78-0.82, where the steady
+  `cpu` scenario keeps 0.94-0.96: docs/results/batch_policy_host_follow_replay;
+  0.95 / 0.92 / 0.94 since each bucket's cost line,
+  docs/results/batch_policy_cost_line_sim).
 
     .venv/bin/python benchmarks/policy_noise.py --seeds 40 --out docs/results/batch_policy_noise_sim
 

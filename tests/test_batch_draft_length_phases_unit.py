@@ -90,8 +90,8 @@ def test_a_lengths_time_is_the_mean_of_its_steps_without_strays():
 
 
 def test_a_length_timed_on_a_few_quiet_steps_is_drawn_to_its_buckets_cost_line():
-    """Under the 2-core CPU's stalls three quiet steps priced K=5 at half
-    its cost at batch 80, and the policy ran it for a sixth of the phase
+    """Under the 2-core CPU's stalls a few quiet steps priced K=5 at about half
+    its cost at batch 80, and the policy ran it on 9% of the phase's steps
     (benchmarks/policy_noise.py, `cpu_phases`). Every drafting length's
     times in the bucket fit a line in K (`StepTimes.line`), and a length's
     own mean is drawn towards it by `LINE_WEIGHT` samples' worth: K=5's three

@@ -70,8 +70,8 @@ HOST_RANGE = (0.25, 4.0)
 # (`line`: seconds = a + b * K, fitted on every drafting length's times there)
 # as if the line were this many samples of its own. A length measured on a
 # few steps kept whatever those few steps took: under the 2-core CPU's stalls
-# (one step in five 1.5-4x slow) three quiet steps priced K=5 at half its
-# cost at batch 80, and the policy ran it there for a sixth of bench
+# (one step in five 1.5-4x slow) a few quiet steps priced K=5 at about half its
+# cost at batch 80, and the policy ran it on 9% of the steps of bench
 # offline's batch-80 phase (benchmarks/policy_noise.py, `cpu_phases`: 6% of
 # the phase's time lost, 0.8% with the line). A length measured on its full
 # window (32) keeps 80% of its own mean, so a cost that is not linear in K

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-import numpy as np
+from vllm_specplug.adaptive.step_fits import clipped_mean, theil_sen_exponent, weighted_line
 
 # samples of a (length, bucket) before its typical time counts, and how many
 # it keeps: at batch 1 on the H100 one step's time moved 20%, and the lower
@@ -79,33 +79,6 @@ HOST_RANGE = (0.25, 4.0)
 LINE_WEIGHT = 8.0
 
 
-def _clipped_mean(times: list[float]) -> float:
-    """The mean of sorted `times` without those over `STALL_RATIO` x their
-    median or under 1 / `STALL_RATIO` of it (an interval that ended early:
-    outputs queued behind a host stall come back close together)."""
-    middle = times[len(times) // 2]
-    kept = [t for t in times if middle / STALL_RATIO <= t <= middle * STALL_RATIO]
-    return sum(kept) / len(kept)
-
-
-def _weighted_line(points: list[tuple[int, float, int]]) -> tuple[float, float] | None:
-    """(intercept, slope >= 0) of the least-squares line through (x, y)
-    with weights w, `points` [(x, y, w)]; None under two distinct x. One
-    pass over the sums (the policy asks for it on most measured steps)."""
-    total = sum_x = sum_y = sum_xx = sum_xy = 0.0
-    for x, y, w in points:
-        total += w
-        sum_x += w * x
-        sum_y += w * y
-        sum_xx += w * x * x
-        sum_xy += w * x * y
-    spread = total * sum_xx - sum_x * sum_x
-    if len({x for x, _, _ in points}) < 2 or spread <= 0:
-        return None
-    slope = max((total * sum_xy - sum_x * sum_y) / spread, 0.0)
-    return (sum_y - slope * sum_x) / total, slope
-
-
 def _drop(cache: dict, stale) -> None:
     """Forget the entries of `cache` whose key is `stale`."""
     for key in [key for key in cache if stale(key)]:
@@ -120,12 +93,6 @@ def batch_bucket(batch_size: int) -> int:
 def bucket_batch(bucket: int) -> int:
     """The smallest batch size of `bucket`: where `step_ms` reads times."""
     return 2 ** (bucket - 1)
-
-
-def _batches_apart(window) -> bool:
-    """Whether two of the window's batch sizes differ by `MIN_BATCH_RATIO`."""
-    sizes = [b for b, _ in window]
-    return max(sizes) >= MIN_BATCH_RATIO * min(sizes)
 
 
 class StepTimes:
@@ -202,7 +169,7 @@ class StepTimes:
         samples: each weighs every sample of the bucket, and one more sample
         moves neither much). The times scaled by the exponent are taken
         again only if it moved (a bucket of one batch size has none)."""
-        fit = self._theil_sen(bucket)
+        fit = theil_sen_exponent(self.samples, bucket, MIN_BATCH_RATIO, MIN_PAIRS, MAX_EXPONENT)
         if bucket not in self.fits or fit != self.fits[bucket]:
             self.exponents.clear()
             self.typicals.clear()
@@ -251,7 +218,7 @@ class StepTimes:
         cache = self.typicals.setdefault(bucket, {})
         if key not in cache:
             times = self.scaled(k, bucket, key[1])
-            cache[key] = _clipped_mean(times) if len(times) >= MIN_SAMPLES else None
+            cache[key] = clipped_mean(times, STALL_RATIO) if len(times) >= MIN_SAMPLES else None
         return cache[key]
 
     def exponent(self, bucket: int) -> float:
@@ -263,26 +230,6 @@ class StepTimes:
                     else self.fits.get(bucket + d) for d in range(MAX_TRANSFER_BUCKETS + 1)]
             self.exponents[bucket] = next((f for f in fits if f is not None), 0.0)
         return self.exponents[bucket]
-
-    def _theil_sen(self, bucket: int) -> float | None:
-        """The median of d log(time) / d log(batch) over pairs of one
-        length's samples in `bucket` whose batches differ by
-        `MIN_BATCH_RATIO` or more; None under `MIN_PAIRS` such pairs."""
-        slopes = []
-        for (_, b), window in self.samples.items():
-            # a window of one batch size has no pair (bucket 1 holds batch 1
-            # only; a full batch stays at one size): the fit cost 0.5 ms a
-            # refit on CPU, every `REFIT_EVERY` steps, for nothing
-            if b != bucket or len(window) < 2 or not _batches_apart(window):
-                continue
-            x, y = np.log(np.array(window, dtype=np.float64).clip(1e-12)).T
-            dx, dy = np.subtract.outer(x, x), np.subtract.outer(y, y)
-            apart = np.triu(np.abs(dx) >= math.log(MIN_BATCH_RATIO), 1)
-            slopes.append(dy[apart] / dx[apart])
-        slopes = np.concatenate(slopes) if slopes else np.empty(0)
-        if len(slopes) < MIN_PAIRS:
-            return None
-        return float(np.clip(np.median(slopes), 0.0, MAX_EXPONENT))
 
     def noise(self, k: int, bucket: int) -> float:
         """The relative standard error of `typical(k, bucket)`: the bucket's
@@ -355,7 +302,7 @@ class StepTimes:
                 time = self.typical(k, b, batch_size) if b == bucket and k > 0 else None
                 if time is not None:
                     points.append((k, time, len(window)))
-            self.lines[batch_size] = _weighted_line(points)
+            self.lines[batch_size] = weighted_line(points)
         return self.lines[batch_size]
 
     def ceiling(self, k: int, bucket: int) -> tuple[float, float] | None:

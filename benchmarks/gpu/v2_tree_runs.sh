@@ -128,6 +128,13 @@ wide_tree() {  # HEAD_DIR DEFAULT_SHAPE: a wide tree from WIDE="topk num_steps n
   wide="\"method\": \"specplug_eagle3\", \"model\": \"$1\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25"
 }
 
+vllm_k3_k7() {  # HEAD_DIR: vLLM's eagle3 at K 3 and 7, beside its K=5 row (issue 26's best K)
+  local k
+  for k in 3 7; do
+    printf '%s\n' --spec "vllm-eagle3-K$k={\"method\": \"eagle3\", \"model\": \"$1\", \"num_speculative_tokens\": $k}"
+  done
+}
+
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
@@ -160,9 +167,8 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
     bestk)
       # issue 26's goals are over vLLM's best K and, for our chain, vLLM's at the same K:
       # its eagle3 at K 3 and 7 beside K 5 (above), our chain K=5 and our tree 16
-      printf '%s\n' --spec "vllm-eagle3-K3={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 3}" \
-        --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
-        --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
+      vllm_k3_k7 "$h"
+      printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
         --spec "ours-tree16={$tree}" ;;
     bestk-wide)
       # issue 26's batch-1 goal (our best tree 1.2x vLLM's best K): vLLM's eagle3 at K 3
@@ -170,9 +176,8 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # 1.25x vLLM K=5's decode speed on MT-Bench at batch 1, two repeats,
       # docs/results/smollm2_wide_h200_s60)
       wide_tree "$h" "8 4 32"
-      printf '%s\n' --spec "vllm-eagle3-K3={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 3}" \
-        --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
-        --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}" ;;
+      vllm_k3_k7 "$h"
+      printf '%s\n' --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}" ;;
     tau-ab)
       # our chain's τ fell to 0.95x vLLM's on SmolLM2 (bf16, H200, 2026-12-04) and not on
       # CPU: the drafting's GPU paths since it was equal, each turned off in turn

@@ -32,6 +32,8 @@ RUNS = [
     ("smollm2-sets", {"ROWS": "bestk-wide", "SIZES": "1", "PHASES": "--phases"}),
     ("smollm2-sets", {"ROWS": "wide", "SIZES": "64", "CAPTURE": "2112"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide-choices", "WIDE": "8 4 32", "SIZES": "16"}),
+    ("smollm2-schema", {"SCHEMA_ROWS": "wide-auto", "WIDE": "8 4 32", "SIZES": "1 16",
+                        "SCHEMA_SETS": "mt-bench-json"}),
     ("smollm2-batchk", {}), ("smollm2-tp", {}),
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "first"}), ("smollm2-schema", {"SCHEMA_ROWS": "worker"}),
@@ -91,6 +93,16 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
     config = named_specs(_specs(arguments))[2].config
     assert (config["topk"], config["num_steps"], config["num_draft_tokens"]) == (8, 1, 9)
     assert config["grammar_drafts"] == "first"
+
+
+def test_the_wide_auto_run_holds_the_wide_tree_three_ways(tmp_path):
+    arguments = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide-auto", "WIDE": "8 4 32"},
+                         tmp_path)
+    rows = named_specs(_specs(arguments))
+    assert [row.name for row in rows] == [
+        "none", "ours-chain-K5-first", "ours-tree-8-4-32-first", "ours-tree-8-4-32-choices",
+        "ours-tree-8-4-32-auto"]
+    assert [row.config.get("grammar_verify") for row in rows[2:]] == [None, "choices", "auto"]
 
 
 @pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2", "smollm2-sets",

@@ -1,4 +1,4 @@
-"""`grammar_verify: "choices"` on Model Runner V2's worker, on CPU
+"""`grammar_verify: "choices"` (and "auto") on Model Runner V2's worker, on CPU
 (integration/grammar_choices.py): a greedy batch's constrained tree goes
 unmasked and is planned instead of filled (the worker-rows stand-in of
 tests/test_worker_rows.py), any other batch keeps its rows; then the
@@ -41,9 +41,9 @@ def _sampler(temperatures: list[float]):
                            return_sampling_mask=False, trace_replay_state=None)
 
 
-def _choosing(tiny_model_dir, tokens, temperatures):
+def _choosing(tiny_model_dir, tokens, temperatures, min_trees: int = 1):
     speculator, runner = _speculator(tiny_model_dir, tokens)
-    speculator.grammar_choices = GrammarChoices()
+    speculator.grammar_choices, speculator.choices_min_trees = GrammarChoices(), min_trees
     speculator._plan_choices = MethodType(SpecplugV2HeadSpeculator._plan_choices, speculator)
     runner.sampler, runner.batch_sharder = _sampler(temperatures), None
     runner.execute_model_state.input_batch.num_draft_tokens = 2 * K
@@ -57,6 +57,20 @@ def test_a_greedy_batchs_tree_is_planned_not_filled(tiny_model_dir, tokens):
     assert planned.token_ids == [0] + [tokens[c] for c in WORKER_DRAFT_CHARS][:K]
     assert planned.parents == WORKER_PARENTS[:K + 1]
     assert planned.grammar.num_processed_tokens == 1  # advanced to the output, "b"
+
+
+@pytest.mark.parametrize("min_trees, planned", [(1, True), (2, False)])
+def test_auto_plans_a_step_from_its_fewest_trees_on(tiny_model_dir, tokens, min_trees,
+                                                    planned):
+    """`grammar_verify: "auto"`: the step's one constrained tree is planned
+    from `grammar_choices_min_trees` 1, and keeps its rows from 2."""
+    speculator, runner = _choosing(tiny_model_dir, tokens, [0.0, 0.0], min_trees)
+    grammar_output = speculator.verification_rows(runner, None)
+    assert bool(speculator.grammar_choices.planned) == planned
+    assert speculator.grammar_choices.num_steps_with_rows == (not planned)
+    assert (grammar_output is None) == planned
+    if not planned:
+        assert grammar_output.structured_output_request_ids == ["tree"]
 
 
 @pytest.mark.parametrize("temperatures", [[0.0, 0.7], [0.7, 0.0]])

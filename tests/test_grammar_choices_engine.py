@@ -1,4 +1,4 @@
-"""`grammar_verify: "choices"` in a real engine (the V1 runner on CPU):
+"""`grammar_verify: "choices"` (and "auto") in a real engine (the V1 runner on CPU):
 greedy trees under a JSON schema, a regex, a choice and an EBNF grammar
 left unmasked by the scheduler and decided from the target's choices in
 the worker (integration/v1/tree_choices.py) give no speculation's tokens,
@@ -75,20 +75,27 @@ def test_roots_sampled_alone_keep_their_rows(choices_llm, baseline_llm, eval_pro
     assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
 
 
-def test_without_masked_drafts_the_worker_keeps_grammars_of_its_own(
+def test_auto_takes_the_choices_from_its_fewest_trees_on_and_keeps_its_own_grammars(
         tiny_model_dir, tiny_eagle3_dir, baseline_llm, eval_prompts):
-    """`grammar_drafts: false`: no drafter grammars to share, the choices
-    compile and advance their own; still no speculation's tokens."""
+    """`grammar_verify: "auto"` with `grammar_choices_min_trees` 4 and
+    `grammar_drafts: false` (no drafter grammars to share: the choices
+    compile and advance their own): a request alone keeps the scheduler's
+    rows (no tree decided from the choices), a batch of 6 takes the choices
+    while 4 of its trees are left; both give no speculation's tokens."""
     prompts = eval_prompts[:6]
     params = greedy_params(MAX_NEW_TOKENS, structured_outputs=constraint("json"))
     expected = generate(baseline_llm, prompts, params)
-    spec = {**tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"]), "grammar_verify": "choices",
-            "grammar_drafts": False}
+    spec = {**tree_config(tiny_eagle3_dir, *TREES["tree16_topk4"]), "grammar_verify": "auto",
+            "grammar_choices_min_trees": 4, "grammar_drafts": False}
     llm = make_llm(tiny_model_dir, spec, worker_extension_cls=PROBE_QUALNAME)
     try:
+        alone = generate(llm, prompts[:1], params)
+        decided_alone = _choice_counts(llm)
         ours = generate(llm, prompts, params)
         decided = _choice_counts(llm)
     finally:
         shutdown_llm(llm)
+    assert_same_tokens(expected.token_ids[:1], alone.token_ids, prompts[:1])
     assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
+    assert decided_alone[0] == 0, decided_alone  # one tree a step: every node's row
     assert decided[0] > 0, decided

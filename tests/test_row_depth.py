@@ -173,3 +173,18 @@ def test_tree_rows_default_to_every_nodes_row(tiny_eagle3_dir, given, kept):
     options = {} if given is None else {"grammar_tree_rows": given}
     assert Eagle3TreeOptions.from_dict("specplug_eagle3", {
         "model": str(tiny_eagle3_dir), **options}).grammar_tree_rows == kept
+
+
+@pytest.mark.parametrize("value", [0, "some", True, 2.5])
+def test_a_bad_choices_min_trees_value_names_the_field(tiny_eagle3_dir, value):
+    with pytest.raises(ProposerConfigError,
+                       match=f"grammar_choices_min_trees={value!r} must be"):
+        Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),
+                                                        "grammar_choices_min_trees": value})
+
+
+@pytest.mark.parametrize("verify, min_trees", [("rows", None), ("choices", 1), ("auto", 8)])
+def test_grammar_verify_gives_the_fewest_trees_a_step_for_the_choices(tiny_eagle3_dir, verify,
+                                                                       min_trees):
+    assert Eagle3TreeOptions.from_dict("specplug_eagle3", {
+        "model": str(tiny_eagle3_dir), "grammar_verify": verify}).choices_min_trees() == min_trees

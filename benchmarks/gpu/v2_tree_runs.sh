@@ -44,7 +44,7 @@
 #            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked;
 #            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
 #            nodes), both "first" (wide-choices: plus the wide tree with grammar_verify
-#            "choices"); SCHEMA_ROWS=ab: our chain K=5 with its constrained
+#            "choices"; wide-auto: and with "auto"); SCHEMA_ROWS=ab: our chain K=5 with its constrained
 #            rows filled by the scheduler and in the worker (grammar_rows "worker", the
 #            default); SCHEMA_ROWS=worker: the same plus vLLM eagle3 K=5 and the wide tree
 #            (rows in the worker); SCHEMA_ROWS=queued: vLLM eagle3 K=5, our chain K=5
@@ -381,17 +381,21 @@ run() {
         mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "$chain_first" \
           --spec "ours-tree16={$tree}" --spec "ours-tree16-first={$tree, \"grammar_drafts\": \"first\"}")
-      elif [ "${SCHEMA_ROWS:-all}" = wide ] || [ "${SCHEMA_ROWS:-all}" = wide-choices ]; then
+      elif [ "${SCHEMA_ROWS:-all}" = wide ] || [ "${SCHEMA_ROWS:-all}" = wide-choices ] \
+           || [ "${SCHEMA_ROWS:-all}" = wide-auto ]; then
         # a wide tree (WIDE="topk num_steps num_draft_tokens", default 8 2 16) against our
         # chain, both with the first drafting step masked; wide-choices: plus the wide tree
         # decided from the target's choices (grammar_verify "choices": no row a node; under
-        # the schema on the H200 the rows took the 8-4-32 tree's decode to 2.5x, 2026-12-04)
+        # the schema on the H200 the rows took the 8-4-32 tree's decode to 2.5x, 2026-12-04);
+        # wide-auto: plus the wide tree with grammar_verify "auto" (choices from 8 trees a step)
         wide_tree "$h" "8 2 16"
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
           --spec "$wide_name-first={$wide, \"grammar_drafts\": \"first\"}"
-          [ "$SCHEMA_ROWS" = wide-choices ] && printf '%s\n' \
-            --spec "$wide_name-choices={$wide, \"grammar_verify\": \"choices\"}")
+          [ "$SCHEMA_ROWS" != wide ] && printf '%s\n' \
+            --spec "$wide_name-choices={$wide, \"grammar_verify\": \"choices\"}"
+          [ "$SCHEMA_ROWS" = wide-auto ] && printf '%s\n' \
+            --spec "$wide_name-auto={$wide, \"grammar_verify\": \"auto\"}")
       elif [ "${SCHEMA_ROWS:-all}" = queued ]; then
         # rows in the worker from the outputs the drafting pass queued (drafts unmasked,
         # no read of the device in the step) against rows in the worker after the first

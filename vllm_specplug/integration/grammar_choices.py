@@ -50,6 +50,8 @@ class GrammarChoices:
         self.emitted: dict[str, list[int]] = {}
         # requests decided so, nodes decided from their top-k, from their full row
         self.counts = np.zeros(3, dtype=np.int64)
+        # greedy steps left to every node's row, too few trees (grammar_verify "auto")
+        self.num_steps_with_rows = 0
 
     def forget(self) -> None:
         self.planned, self.emitted = {}, {}

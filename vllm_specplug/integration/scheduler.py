@@ -45,7 +45,6 @@ trace = logging.getLogger("vllm_specplug.grammar_trace")
 DRAFT_LENGTHS_ATTR = "specplug_draft_lengths"
 # on a V1 step's GrammarOutput: the greedy trees left unmasked (grammar_verify "choices")
 CHOICE_TREES_ATTR = "specplug_choice_trees"
-CHOICES = "choices"
 # AsyncScheduler marks a speculative slot whose draft token is not known yet
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -189,10 +188,12 @@ class TreeGrammarScheduler:
         On Model Runner V2 the worker chooses them itself (worker_rows.py)."""
         if not hasattr(self, "_specplug_choices"):
             self._specplug_choices = choices_in_scheduler(self.vllm_config)
-        if not self._specplug_choices:
+        if self._specplug_choices is None:
             return set()
-        return {req_id for req_id in trees
-                if self.requests[req_id].sampling_params.sampling_type == SamplingType.GREEDY}
+        greedy = {req_id for req_id in trees
+                  if self.requests[req_id].sampling_params.sampling_type == SamplingType.GREEDY}
+        # "auto": too few trees this step, and the rows are cheaper
+        return greedy if len(greedy) >= self._specplug_choices else set()
 
     def _constrained_req_ids(self, scheduler_output, leave_out=frozenset()) -> list[str]:
         """The step's requests that sample under a grammar (vLLM's
@@ -390,18 +391,20 @@ def rows_in_worker(vllm_config) -> bool:
             and issubclass(scheduler.get_scheduler_cls(), SpecplugTreeAsyncScheduler))
 
 
-def choices_in_scheduler(vllm_config) -> bool:
-    """Whether the scheduler leaves greedy trees unmasked for the worker's
-    choices (`grammar_verify: "choices"`) on the V1 runner."""
+def choices_in_scheduler(vllm_config) -> int | None:
+    """The fewest greedy trees a step that the scheduler leaves unmasked for
+    the worker's choices on the V1 runner (`TreeOptions.choices_min_trees`:
+    1 with `grammar_verify: "choices"`, more with "auto"); None: never."""
     from vllm_specplug.integration.config import selection_of
     from vllm_specplug.registry import get_proposer_class
 
     spec = getattr(vllm_config, "speculative_config", None)
     selection = selection_of(spec) if spec is not None else None
     if selection is None or getattr(vllm_config, "use_v2_model_runner", False):
-        return False
+        return None
     options = get_proposer_class(selection.method).options_cls(**selection.options)
-    return getattr(options, "grammar_verify", None) == CHOICES
+    min_trees = getattr(options, "choices_min_trees", None)
+    return min_trees() if min_trees is not None else None
 
 
 def merged_grammar_output(scheduler_rows, req_ids: list[str], bitmask: np.ndarray,

@@ -39,7 +39,9 @@ AUTO_ROW_DEPTH = "auto"
 ROW_DEPTHS = (AUTO_ROW_DEPTH, "full")  # grammar_row_depth
 AUTO_ROW_THREADS = "auto"  # grammar_row_threads (integration/row_threads.py)
 FULL_TREE_ROWS = "full"  # grammar_tree_rows: every node's row
-GRAMMAR_VERIFY_WAYS = ("rows", "choices")  # grammar_verify (integration/grammar_choices.py)
+CHOICES_VERIFY = "choices"  # grammar_verify: every greedy batch's trees from the target's choices
+AUTO_VERIFY = "auto"  # grammar_verify: choices from grammar_choices_min_trees trees a step on
+GRAMMAR_VERIFY_WAYS = ("rows", CHOICES_VERIFY, AUTO_VERIFY)  # (integration/grammar_choices.py)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,18 @@ class TreeOptions(ProposerOptions):
     # 5.18 ms (docs/results/grammar_greedy_cpu); on the H200 exact, the host
     # step 0.6-0.8 ms lower, speed within the spread of every row's
     # (docs/results/v2_schema_choices_h200): opt-in until a run shows more.
+    # There the choices ran 0.90x / 1.12x / 1.27x every row's speed at batch
+    # 1 / 16 / 64, and a wide tree's 1.21x [1.07-1.34] at batch 16
+    # (docs/results/smollm2_schema_wide_choices_h200_s62): alone, one tree's
+    # walk is cheap and the choices' wait for the forward is not. "auto"
+    # takes the choices on a step with at least `grammar_choices_min_trees`
+    # constrained greedy trees and rows on the others, decided step by step;
+    # exact either way.
     grammar_verify: str = "rows"
+    # The fewest constrained greedy trees a step for "auto" to take the
+    # choices. Measured: rows faster alone (1 tree), choices at 16 and 64;
+    # 8 lies between, not measured there.
+    grammar_choices_min_trees: int = 8
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
@@ -184,6 +197,12 @@ class TreeOptions(ProposerOptions):
         require(self.grammar_verify in GRAMMAR_VERIFY_WAYS, name,
                 f"grammar_verify={self.grammar_verify!r} must be one of "
                 f"{', '.join(GRAMMAR_VERIFY_WAYS)}")
+        require(isinstance(self.grammar_choices_min_trees, int)
+                and not isinstance(self.grammar_choices_min_trees, bool)
+                and self.grammar_choices_min_trees >= 1, name,
+                f"grammar_choices_min_trees={self.grammar_choices_min_trees!r} must be an "
+                "integer >= 1 (the fewest constrained greedy trees a step for "
+                "grammar_verify \"auto\" to take the choices)")
         require(self.grammar_rows in GRAMMAR_ROWS_WAYS, name,
                 f"grammar_rows={self.grammar_rows!r} must be one of "
                 f"{', '.join(GRAMMAR_ROWS_WAYS)}")
@@ -194,6 +213,14 @@ class TreeOptions(ProposerOptions):
             require(2 <= self.num_draft_tokens <= most, name,
                     f"num_draft_tokens={self.num_draft_tokens} must be in [2, 1 + topk * "
                     f"num_steps = {most}]: raise topk or num_steps, or lower it")
+
+    def choices_min_trees(self) -> int | None:
+        """The fewest constrained greedy trees a step verified from the
+        target's choices (`grammar_verify`): None never ("rows"), 1 every
+        such step ("choices"), else `grammar_choices_min_trees` ("auto")."""
+        if self.grammar_verify == CHOICES_VERIFY:
+            return 1
+        return self.grammar_choices_min_trees if self.grammar_verify == AUTO_VERIFY else None
 
     def masks_drafts(self) -> bool:
         """Whether drafts are ranked among grammar-valid tokens (on either

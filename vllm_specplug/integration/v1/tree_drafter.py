@@ -79,9 +79,9 @@ class TreeEagleDrafter(V1DrafterHooks):
                                        first_step_only=self.options.masks_first_step_only(
                                            model_runner_v2=False))
                          if self.options.masks_drafts() else None)
-        # grammar_verify "choices": greedy trees left unmasked, decided here
+        # grammar_verify "choices" or "auto": greedy trees left unmasked, decided here
         self.tree_choices = (TreeChoices(vllm_config, self.grammars)
-                             if choices_in_scheduler(vllm_config) else None)
+                             if choices_in_scheduler(vllm_config) is not None else None)
         # under our batch policy: each step's accepted paths, which teach it
         # every smaller tree size (`take_path_ranks`)
         self.report_paths = batch_draft_scheduled(vllm_config)

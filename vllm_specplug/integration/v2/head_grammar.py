@@ -132,7 +132,10 @@ class HeadGrammar:
         row_of = {req_id: b for b, req_id in enumerate(input_batch.req_ids[:input_batch.num_reqs])}
         num_rows = [num_grammar_rows(input_batch, row_of[req_id]) for req_id in ids]
         if self.grammar_choices is not None and greedy_tree_batch(runner, input_batch):
-            ids, num_rows = self._plan_choices(ids, grammars, drafts, parents, num_rows)
+            if len(ids) < self.choices_min_trees:  # "auto": the rows cost less this step
+                self.grammar_choices.num_steps_with_rows += 1
+            else:
+                ids, num_rows = self._plan_choices(ids, grammars, drafts, parents, num_rows)
             if not ids:  # every one decided from the target's choices after its draws
                 self.stats.worker_rows_seconds += time.perf_counter() - started
                 return grammar_output

@@ -137,10 +137,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                           and self.tree_slots is not None
                           and options.grammar_tree_rows != FULL_TREE_ROWS else None)
         # greedy batches' constrained trees decided from the target's
-        # choices, not every node's row (grammar_verify "choices")
+        # choices, not every node's row (grammar_verify "choices"; "auto":
+        # on steps with at least `choices_min_trees` such trees)
+        self.choices_min_trees = options.choices_min_trees()
         self.grammar_choices = (GrammarChoices() if self.rows_in_worker
                                 and self.tree_slots is not None
-                                and options.grammar_verify == "choices" else None)
+                                and self.choices_min_trees is not None else None)
         self.stats.grammar_choices = self.grammar_choices
         self.stats.draft_grammars = (self.structured.grammars if self.grammar_choices is not None
                                      else None)

@@ -408,7 +408,8 @@ class SpeculatorStats:
         if self.grammar_choices is not None:  # grammar_verify "choices" (grammar_choices.py)
             num_requests, num_top, num_full = self.grammar_choices.counts.tolist()
             stats.update(num_choice_requests=num_requests, num_choice_top_nodes=num_top,
-                         num_choice_full_rows=num_full)
+                         num_choice_full_rows=num_full,
+                         num_choice_steps_with_rows=self.grammar_choices.num_steps_with_rows)
         if self.draft_grammars is not None:  # the drafter's grammars advanced without a read
             stats.update(num_known_outputs=self.draft_grammars.num_known_advances,
                          num_known_output_repairs=self.draft_grammars.num_known_repairs)

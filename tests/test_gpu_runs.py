@@ -19,7 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "v2_tree_runs.sh"
 
 # (run name, environment): every bench run of the script and its row sets
 RUNS = [
-    ("tiny", {}), ("tiny3", {}), ("tiny3", {"ROWS": "compile"}), ("tiny3-schema", {}),
+    ("tiny", {}), ("tiny3", {}), ("tiny3", {"ROWS": "compile"}), ("tiny3-schema", {}), ("tiny3-schema", {"ROWS": "verify"}),
     ("tiny-mtp", {}), ("tiny-mtp", {"MTP_COMPILE": "1"}), ("tiny-mtp", {"MTP_SIZED": "1"}),
     *[("tiny-batchk", {"BATCHK": rows}) for rows in
       ("heads", "lean", "free", "tree", "zero", "floor", "pin", "shapes")],
@@ -93,6 +93,14 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
     config = named_specs(_specs(arguments))[2].config
     assert (config["topk"], config["num_steps"], config["num_draft_tokens"]) == (8, 1, 9)
     assert config["grammar_drafts"] == "first"
+
+
+def test_the_tiny_verify_run_holds_tree_16_three_ways_under_the_schema(tmp_path):
+    arguments = _dry_run("tiny3-schema", {"ROWS": "verify"}, tmp_path)
+    rows = named_specs(_specs(arguments))
+    assert [row.name for row in rows] == ["none", "vllm-eagle3-K5", "ours-tree16",
+                                          "ours-tree16-choices", "ours-tree16-auto"]
+    assert "--json-schema" in arguments
 
 
 def test_the_wide_auto_run_holds_the_wide_tree_three_ways(tmp_path):

@@ -9,7 +9,9 @@
 #            OUT=$OUT bash benchmarks/gpu/v2_tree_runs.sh run tiny3 (TP=2: the target
 #            sharded over a 2-GPU kind, detached: about 11 minutes; ROWS as smollm2's,
 #            e.g. ROWS=compile)
-#   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30)
+#   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30;
+#            ROWS=verify: vLLM eagle3 K=5 and our tree 16 with every row, with
+#            grammar_verify "choices" and with "auto")
 #   tiny-profile  tiny3's engines at batch 64, one repeat, with `--host-profile`
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
@@ -193,6 +195,13 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # on MT-Bench's first turns on CPU, tree 16's 1.18x: docs/results/smollm2_tree_shapes_cpu)
       wide_tree "$h" "8 4 32"
       printf '%s\n' --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}" ;;
+    verify)
+      # issue 30's ways of verifying a constrained greedy tree: tree 16 with every
+      # node's row (the default), decided from the target's choices, and "auto"
+      # (the choices on steps with at least 8 such trees, rows on the others)
+      printf '%s\n' --spec "ours-tree16={$tree}" \
+        --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}" \
+        --spec "ours-tree16-auto={$tree, \"grammar_verify\": \"auto\"}" ;;
     chains)
       # the two chains alone: issue 26's τ gap on SmolLM2, without the other rows' work
       # between repeats (the tiny model's two chains drafted the same: tiny_chain_ab_h200)
@@ -305,7 +314,7 @@ run() {
     # HOST_PROFILE=1: plus where each row's host time goes (`--host-profile`)
     tiny3) tiny_bench tiny3 "${ROWS:-three}" 12 64 192 96 1100 ${HOST_PROFILE:+--host-profile} ;;
     # the same under a JSON schema (issue 30; compare with tiny3)
-    tiny3-schema) tiny_bench tiny3-schema three 12 64 192 96 1100 \
+    tiny3-schema) tiny_bench tiny3-schema "${ROWS:-three}" 12 64 192 96 1100 \
       --json-schema benchmarks/json_schema.json ;;
     # where each row's host time goes at batch 64 (one repeat; bench offline --host-profile)
     tiny-profile) tiny_bench tiny-profile three 8 32 64 96 1100 \

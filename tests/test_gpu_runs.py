@@ -32,8 +32,6 @@ RUNS = [
     ("smollm2-sets", {"ROWS": "bestk-wide", "SIZES": "1", "PHASES": "--phases"}),
     ("smollm2-sets", {"ROWS": "wide", "SIZES": "64", "CAPTURE": "2112"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide-choices", "WIDE": "8 4 32", "SIZES": "16"}),
-    ("smollm2-schema", {"SCHEMA_ROWS": "wide-auto", "WIDE": "8 4 32", "SIZES": "1 16",
-                        "SCHEMA_SETS": "mt-bench-json"}),
     ("smollm2-batchk", {}), ("smollm2-tp", {}),
     ("smollm2-schema", {}), ("smollm2-schema", {"ADAPTIVE": "1"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "first"}), ("smollm2-schema", {"SCHEMA_ROWS": "worker"}),
@@ -95,22 +93,12 @@ def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_
     assert config["grammar_drafts"] == "first"
 
 
-def test_the_tiny_verify_run_holds_tree_16_three_ways_under_the_schema(tmp_path):
+def test_the_tiny_verify_run_holds_tree_16_two_ways_under_the_schema(tmp_path):
     arguments = _dry_run("tiny3-schema", {"ROWS": "verify"}, tmp_path)
     rows = named_specs(_specs(arguments))
     assert [row.name for row in rows] == ["none", "vllm-eagle3-K5", "ours-tree16",
-                                          "ours-tree16-choices", "ours-tree16-auto"]
+                                          "ours-tree16-choices"]
     assert "--json-schema" in arguments
-
-
-def test_the_wide_auto_run_holds_the_wide_tree_three_ways(tmp_path):
-    arguments = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide-auto", "WIDE": "8 4 32"},
-                         tmp_path)
-    rows = named_specs(_specs(arguments))
-    assert [row.name for row in rows] == [
-        "none", "ours-chain-K5-first", "ours-tree-8-4-32-first", "ours-tree-8-4-32-choices",
-        "ours-tree-8-4-32-auto"]
-    assert [row.config.get("grammar_verify") for row in rows[2:]] == [None, "choices", "auto"]
 
 
 @pytest.mark.parametrize("name", ["tiny3", "tiny-mtp", "smollm2", "smollm2-sets",

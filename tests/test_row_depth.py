@@ -188,3 +188,16 @@ def test_grammar_verify_gives_the_fewest_trees_a_step_for_the_choices(tiny_eagle
                                                                        min_trees):
     assert Eagle3TreeOptions.from_dict("specplug_eagle3", {
         "model": str(tiny_eagle3_dir), "grammar_verify": verify}).choices_min_trees() == min_trees
+
+
+def test_model_runner_v2_refuses_auto_with_the_fix(tiny_eagle3_dir):
+    """`grammar_verify: "auto"` differed from no speculation on an H100
+    (docs/results/v2_grammar_auto_h100): refused there, naming what to use."""
+    options = Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),
+                                                              "grammar_verify": "auto"})
+    with pytest.raises(ProposerConfigError, match="grammar_verify='auto' is not lossless"):
+        options.check_model_runner_v2()
+    for way in ("rows", "choices"):
+        Eagle3TreeOptions.from_dict("specplug_eagle3", {"model": str(tiny_eagle3_dir),
+                                                        "grammar_verify": way}
+                                    ).check_model_runner_v2()

@@ -10,8 +10,8 @@
 #            sharded over a 2-GPU kind, detached: about 11 minutes; ROWS as smollm2's,
 #            e.g. ROWS=compile)
 #   tiny3-schema  tiny3 with every output under benchmarks/json_schema.json (issue 30;
-#            ROWS=verify: vLLM eagle3 K=5 and our tree 16 with every row, with
-#            grammar_verify "choices" and with "auto")
+#            ROWS=verify: vLLM eagle3 K=5 and our tree 16 with every row and with
+#            grammar_verify "choices")
 #   tiny-profile  tiny3's engines at batch 64, one repeat, with `--host-profile`
 #   smollm2  the same on SmolLM2-135M-Instruct + its EAGLE-3 head, MT-Bench
 #            (HEAD=dir, default .gpu/heads/smollm2-eagle3; RUN_NAME names the
@@ -46,7 +46,7 @@
 #            eagle3 K=5, our chain K=5 and tree 16 with grammar_drafts "first", tree 16 unmasked;
 #            SCHEMA_ROWS=wide: our chain K=5 and a wide tree (WIDE="8 2 16": topk, steps,
 #            nodes), both "first" (wide-choices: plus the wide tree with grammar_verify
-#            "choices"; wide-auto: and with "auto"); SCHEMA_ROWS=ab: our chain K=5 with its constrained
+#            "choices"); SCHEMA_ROWS=ab: our chain K=5 with its constrained
 #            rows filled by the scheduler and in the worker (grammar_rows "worker", the
 #            default); SCHEMA_ROWS=worker: the same plus vLLM eagle3 K=5 and the wide tree
 #            (rows in the worker); SCHEMA_ROWS=queued: vLLM eagle3 K=5, our chain K=5
@@ -197,11 +197,10 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       printf '%s\n' --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}" ;;
     verify)
       # issue 30's ways of verifying a constrained greedy tree: tree 16 with every
-      # node's row (the default), decided from the target's choices, and "auto"
-      # (the choices on steps with at least 8 such trees, rows on the others)
+      # node's row (the default) and decided from the target's choices ("auto" is
+      # refused on Model Runner V2 for now: docs/results/v2_grammar_auto_h100)
       printf '%s\n' --spec "ours-tree16={$tree}" \
-        --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}" \
-        --spec "ours-tree16-auto={$tree, \"grammar_verify\": \"auto\"}" ;;
+        --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}" ;;
     chains)
       # the two chains alone: issue 26's τ gap on SmolLM2, without the other rows' work
       # between repeats (the tiny model's two chains drafted the same: tiny_chain_ab_h200)
@@ -390,21 +389,17 @@ run() {
         mapfile -t S < <(printf '%s\n' --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
           --spec "$chain_first" \
           --spec "ours-tree16={$tree}" --spec "ours-tree16-first={$tree, \"grammar_drafts\": \"first\"}")
-      elif [ "${SCHEMA_ROWS:-all}" = wide ] || [ "${SCHEMA_ROWS:-all}" = wide-choices ] \
-           || [ "${SCHEMA_ROWS:-all}" = wide-auto ]; then
+      elif [ "${SCHEMA_ROWS:-all}" = wide ] || [ "${SCHEMA_ROWS:-all}" = wide-choices ]; then
         # a wide tree (WIDE="topk num_steps num_draft_tokens", default 8 2 16) against our
         # chain, both with the first drafting step masked; wide-choices: plus the wide tree
         # decided from the target's choices (grammar_verify "choices": no row a node; under
-        # the schema on the H200 the rows took the 8-4-32 tree's decode to 2.5x, 2026-12-04);
-        # wide-auto: plus the wide tree with grammar_verify "auto" (choices from 8 trees a step)
+        # the schema on the H200 the rows took the 8-4-32 tree's decode to 2.5x, 2026-12-04)
         wide_tree "$h" "8 2 16"
         mapfile -t S < <(printf '%s\n' \
           --spec "$chain_first" \
           --spec "$wide_name-first={$wide, \"grammar_drafts\": \"first\"}"
-          [ "$SCHEMA_ROWS" != wide ] && printf '%s\n' \
-            --spec "$wide_name-choices={$wide, \"grammar_verify\": \"choices\"}"
-          [ "$SCHEMA_ROWS" = wide-auto ] && printf '%s\n' \
-            --spec "$wide_name-auto={$wide, \"grammar_verify\": \"auto\"}")
+          [ "$SCHEMA_ROWS" = wide-choices ] && printf '%s\n' \
+            --spec "$wide_name-choices={$wide, \"grammar_verify\": \"choices\"}")
       elif [ "${SCHEMA_ROWS:-all}" = queued ]; then
         # rows in the worker from the outputs the drafting pass queued (drafts unmasked,
         # no read of the device in the step) against rows in the worker after the first

@@ -139,6 +139,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # greedy batches' constrained trees decided from the target's
         # choices, not every node's row (grammar_verify "choices"; "auto":
         # on steps with at least `choices_min_trees` such trees)
+        options.check_model_runner_v2()  # "auto" is refused here for now
         self.choices_min_trees = options.choices_min_trees()
         self.grammar_choices = (GrammarChoices() if self.rows_in_worker
                                 and self.tree_slots is not None

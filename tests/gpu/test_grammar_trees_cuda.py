@@ -357,7 +357,7 @@ def test_trees_decided_from_the_targets_choices_equal_no_speculation(tree_choice
     for kind in ["json", *PATTERNS]:
         _assert_exact(plain[kind], runs[kind], kind)
     _assert_schema_holds(_texts(runs["json"]))
-    assert stats["num_choice_requests"] > 0 and stats["num_choice_steps_with_rows"] == 0, stats
+    assert stats["num_choice_requests"] > 0, stats
     assert stats["num_known_outputs"] > 0 and stats["num_known_output_repairs"] == 0, stats
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0, counts
 

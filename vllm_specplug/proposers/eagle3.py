@@ -227,7 +227,9 @@ class TreeOptions(ProposerOptions):
         """Options Model Runner V2 refuses: `grammar_verify: "auto"` gave a
         token no speculation does not on an H100 in float32, twice, where
         "choices" and "rows" alone were exact (a regex batch switching
-        between them; docs/results/v2_grammar_auto_h100). Not explained yet."""
+        between them; docs/results/v2_grammar_auto_h100), though exact six
+        times on another H100 and an H200 (v2_grammar_auto_h100_s64). Not
+        explained yet."""
         if self.grammar_verify == AUTO_VERIFY:
             raise ProposerConfigError(
                 f"speculative_config for method {self.method_name!r}: grammar_verify='auto' "

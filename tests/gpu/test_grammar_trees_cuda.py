@@ -262,10 +262,20 @@ class _Lines(logging.Handler):
 
 
 def _counted_runs(work, grammar_prompts, options: dict,  # noqa: F811
-                  traced: bool = False) -> dict:
+                  traced: bool = False, checked: bool = False) -> dict:
     """Our tree with `options` over TREE: its runs, spec-decode counts and
     speculator stats (and with `traced`, the scheduler's trace: the engine
-    core runs in this process)."""
+    core runs in this process; with `checked`, the worker's grammars checked
+    against their outputs at every use, `grammar_checks`)."""
+    from vllm_specplug.testing.grammar_checks import worker_grammar_checks
+
+    if not checked:
+        return _runs_counted(work, grammar_prompts, options, traced)
+    with worker_grammar_checks() as checks:
+        return {**_runs_counted(work, grammar_prompts, options, traced), "checks": checks}
+
+
+def _runs_counted(work, grammar_prompts, options: dict, traced: bool) -> dict:  # noqa: F811
     from vllm_specplug.engine import shutdown_llm
     from vllm_specplug.integration.scheduler import trace
     from vllm_specplug.metrics import read_spec_decode_counts
@@ -341,9 +351,12 @@ def tree_choices(work, grammar_prompts):  # noqa: F811
     (integration/grammar_choices.py). ("auto" from 6 trees a step, which
     switches between the choices and the rows step by step, differed from
     no speculation here on an H100, twice at the same token: Model Runner
-    V2 refuses it, docs/results/v2_grammar_auto_h100.)"""
+    V2 refuses it, docs/results/v2_grammar_auto_h100.) Every worker grammar
+    is checked against its output where it is used (`checked`: reads of the
+    device the product does not make; the `tree` fixture runs the worker's
+    rows without them)."""
     return _counted_runs(work, grammar_prompts, {**WORKER_ROWS, "grammar_drafts": "first",
-                                                 "grammar_verify": "choices"})
+                                                 "grammar_verify": "choices"}, checked=True)
 
 
 def test_trees_decided_from_the_targets_choices_equal_no_speculation(tree_choices, plain):
@@ -351,8 +364,12 @@ def test_trees_decided_from_the_targets_choices_equal_no_speculation(tree_choice
     flips aside) and valid; the trees were decided so (no row filled for
     them), the first step's masks took their emitted tokens from those
     decisions (no read of the outputs), every one of them confirmed by the
-    output later, and drafts were accepted."""
+    output later, every worker grammar was in its output's state wherever
+    it was used, and drafts were accepted."""
     runs, counts, stats = tree_choices["runs"], tree_choices["counts"], tree_choices["stats"]
+    checks = tree_choices["checks"]
+    assert checks.num_checks["verify"] > 0 and checks.num_checks["draft"] > 0, checks.num_checks
+    assert checks.mismatches == [], checks.mismatches[:4]
     assert _tokens(runs["json-alone"]) == _tokens(plain["json-alone"])
     for kind in ["json", *PATTERNS]:
         _assert_exact(plain[kind], runs[kind], kind)

@@ -29,27 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the hooks need t
 TREE = {"method": "specplug_eagle3", "topk": 4, "num_steps": 4, "num_draft_tokens": 16,
         "draft_temperature": 0.25, "grammar_drafts": "first", "grammar_rows": "worker",
         "grammar_row_threads": "auto"}
-NUM_PROMPTS, NUM_ALONE, MAX_TOKENS, MIXED_TOKENS = 12, 4, 64, 32
-
-
-def _runs(llm, prompts, logprobs=None) -> dict:
-    """The GPU test's `_runs`: {kind: token ids per request}."""
-    from vllm_specplug.engine import greedy_params
-    from vllm_specplug.testing.constraints import OUTPUT_PATTERNS, constraint
-
-    def params(kind, max_tokens):
-        extra = {"structured_outputs": constraint(kind)} if kind else {}
-        return greedy_params(max_tokens, logprobs=logprobs, **extra)
-
-    schema = params("json", MAX_TOKENS)
-    runs = {"json": llm.generate(prompts, schema, use_tqdm=False),
-            "json-alone": [llm.generate([p], schema, use_tqdm=False)[0]
-                           for p in prompts[:NUM_ALONE]]}
-    for kind in OUTPUT_PATTERNS:
-        runs[kind] = llm.generate(prompts, [params(kind, MIXED_TOKENS) if i % 2 else
-                                            params(None, MIXED_TOKENS)
-                                            for i in range(len(prompts))], use_tqdm=False)
-    return runs
+NUM_PROMPTS = 12
 
 
 def _engine(work: Path, spec):
@@ -62,6 +42,7 @@ def _engine(work: Path, spec):
 def main() -> None:
     from vllm_specplug.bench.compare import divergences, top2_gaps
     from vllm_specplug.engine import shutdown_llm
+    from vllm_specplug.testing.constraints import constrained_runs as _runs
     from vllm_specplug.testing.grammar_checks import worker_grammar_checks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -22,7 +22,7 @@ import re
 import pytest
 import torch
 
-from vllm_specplug.testing.constraints import JSON_SCHEMA, constraint
+from vllm_specplug.testing.constraints import JSON_SCHEMA, constrained_runs, constraint
 from vllm_specplug.testing.constraints import OUTPUT_PATTERNS as PATTERNS
 
 from tests.gpu.test_model_runner_v2 import _engine, prompts, work  # noqa: F401
@@ -59,21 +59,8 @@ MIXED_TOKENS = 32
 def _runs(llm, prompts, logprobs: int | None = None) -> dict:  # noqa: F811
     """Greedy outputs under the JSON schema (batched and alone) and, for each
     other constraint, a batch whose odd requests carry it: {kind: outputs}."""
-    from vllm_specplug.engine import greedy_params
-
-    def params(kind: str | None, max_tokens: int):
-        extra = {"structured_outputs": constraint(kind)} if kind else {}
-        return greedy_params(max_tokens, logprobs=logprobs, **extra)
-
-    schema = params("json", MAX_TOKENS)
-    runs = {"json": llm.generate(prompts, schema, use_tqdm=False),
-            "json-alone": [llm.generate([p], schema, use_tqdm=False)[0]
-                           for p in prompts[:NUM_ALONE]]}
-    for kind in PATTERNS:
-        runs[kind] = llm.generate(prompts, [params(kind, MIXED_TOKENS) if i % 2 else
-                                            params(None, MIXED_TOKENS)
-                                            for i in range(len(prompts))], use_tqdm=False)
-    return runs
+    return constrained_runs(llm, prompts, logprobs, max_tokens=MAX_TOKENS,
+                            mixed_tokens=MIXED_TOKENS, num_alone=NUM_ALONE)
 
 
 def _sampled(llm, prompts) -> list:

@@ -24,3 +24,26 @@ def constraint(kind: str):
     return StructuredOutputsParams(**{"json": {"json": JSON_SCHEMA}, "regex": {"regex": REGEX},
                                       "choice": {"choice": CHOICES},
                                       "grammar": {"grammar": EBNF}}[kind])
+
+
+def constrained_runs(llm, prompts: list, logprobs: int | None = None, *, max_tokens: int = 64,
+                     mixed_tokens: int = 32, num_alone: int = 4) -> dict:
+    """The grammar GPU tests' greedy runs (tests/gpu/test_grammar_trees_cuda.py):
+    every prompt under the JSON schema batched, the first `num_alone` alone,
+    then for each other constraint a batch whose odd requests carry it.
+    {kind: vLLM's RequestOutputs} (kinds: json, json-alone, OUTPUT_PATTERNS')."""
+    from vllm_specplug.engine import greedy_params
+
+    def params(kind: str | None, num_tokens: int):
+        extra = {"structured_outputs": constraint(kind)} if kind else {}
+        return greedy_params(num_tokens, logprobs=logprobs, **extra)
+
+    schema = params("json", max_tokens)
+    runs = {"json": llm.generate(prompts, schema, use_tqdm=False),
+            "json-alone": [llm.generate([p], schema, use_tqdm=False)[0]
+                           for p in prompts[:num_alone]]}
+    for kind in OUTPUT_PATTERNS:
+        runs[kind] = llm.generate(prompts, [params(kind, mixed_tokens) if i % 2 else
+                                            params(None, mixed_tokens)
+                                            for i in range(len(prompts))], use_tqdm=False)
+    return runs

@@ -11,6 +11,9 @@ the worker runs on the host:
   (`grammar_verify: "rows"`, the default);
 - `choices`: `verification_rows` plans the trees and `GrammarChoices.correct`
   decides each accepted path from the target's argmax (`"choices"`);
+- `auto` (`--ways auto`, for its checks more than its times): each step's
+  way drawn at random, as `"auto"` switches between them, with a request in
+  five left to the scheduler's rows;
 - then the drafting pass's first-step masks (`grammar_drafts: "first"`):
   `StructuredRequests.root_bitmask` (the grammars advanced by the step's
   tokens, known on the host under the choices, read from the outputs under
@@ -46,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 SCHEMA_FILE = Path(__file__).with_name("json_schema.json")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_grammar_walk, run or loaded
 TOPK, DEPTH = 4, 4
 NUM_DRAFTS = TOPK * DEPTH
 # node n's parent: level 1 under the root, each deeper level under the level
@@ -230,9 +234,10 @@ def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str
     (`node_choices`: the argmax and top-k copied to the host; `root_load`:
     the masks unpacked on the device), timed apart on this CPU."""
     batch = Batch(vllm_config, num_reqs, vocab_size, new_grammar, random.Random(seed))
-    speculator = _speculator(vllm_config, batch, way == "choices")
-    node_choices = (Timed(speculator.grammar_choices, "host_choices") if way == "choices"
+    speculator = _speculator(vllm_config, batch, way != "rows")
+    node_choices = (Timed(speculator.grammar_choices, "host_choices") if way != "rows"
                     else None)
+    ways = random.Random(seed + 1)  # "auto": each step's way drawn
     root_load = Timed(speculator.root_masks, "load")
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     for _ in range(num_steps):
@@ -247,17 +252,25 @@ def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str
                torch.tensor([tok for t in trees for tok in t[1]])] = 10.0
         target_tokens = logits.argmax(-1)  # the sampler's draws
         speculator.worker_rows_req_ids = list(batch.req_ids)
+        if way == "auto":  # the step's trees under or over `grammar_choices_min_trees`,
+            speculator.choices_min_trees = ways.choice([1, num_reqs + 1])
+            # and a request in five left to the scheduler's rows (its output then
+            # read by the next drafting pass, as a request without drafts is)
+            speculator.worker_rows_req_ids = [req_id for req_id in batch.req_ids
+                                              if ways.random() >= 0.2]
         if profiler is not None:
             profiler.enable()
         start = time.perf_counter()
         speculator.verification_rows(runner, None)
         times["verification_rows"].append(time.perf_counter() - start)
-        if way == "choices":
+        emitted = {}
+        if way != "rows":  # the tree sampler calls it on every step it has the choices
             start = time.perf_counter()
             speculator.grammar_choices.correct(logits, target_tokens, input_batch)
             copy = node_choices.take()
             times["walks"].append(time.perf_counter() - start - copy)
             times["node_choices"].append(copy)
+            emitted = dict(speculator.grammar_choices.emitted)
         for b, tree in enumerate(trees):  # what the device emits
             batch.emit(b, tree[2])
         speculator.structured.begin_step()
@@ -268,26 +281,33 @@ def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str
         times["root_load"].append(load)
         if profiler is not None:
             profiler.disable()
-        _check(speculator, batch, trees, way)
+        _check(speculator, batch, trees, emitted)
     return times
 
 
-def _check(speculator, batch: Batch, trees, way: str) -> None:
-    """The worker's grammars and the choices' emitted tokens are the
-    reference's: a benchmark of wrong work measures nothing."""
+def _check(speculator, batch: Batch, trees, emitted: dict[str, list[int]]) -> None:
+    """The worker's grammars are in their outputs' states (their counts and
+    their next rows: `same_row_as_output`) and the choices' emitted tokens
+    are the target's: a benchmark of wrong work measures nothing."""
+    from vllm_specplug.testing.grammar_checks import same_row_as_output
+
     tracked = speculator.structured.grammars.tracked
     for b, req_id in enumerate(batch.req_ids):
         grammar = tracked[req_id].holder.structured_output_request.grammar
-        ref = batch.refs[req_id]
-        if grammar.num_processed_tokens != ref.num_processed_tokens:
+        if grammar is None:  # still compiling: no rows or masks from it yet
+            continue
+        # as far as the worker advanced it: all of the output, unless it
+        # compiled after this step's drafting pass asked (then at the next read)
+        num_accepted = tracked[req_id].num_accepted
+        output = batch.all_token_ids[b, PROMPT_LEN:PROMPT_LEN + num_accepted].numpy()
+        behind = num_accepted == 0 and int(batch.total_len[b]) > PROMPT_LEN
+        if (not behind and grammar.num_processed_tokens != batch.refs[req_id].num_processed_tokens
+                or not same_row_as_output(grammar, output)):
             raise AssertionError(f"{req_id}: worker grammar at {grammar.num_processed_tokens} "
-                                 f"tokens, its output at {ref.num_processed_tokens}")
-    if way == "choices" and speculator.grammar_choices.counts[0]:
-        emitted = speculator.grammar_choices.emitted
-        for b, req_id in enumerate(batch.req_ids):
-            if req_id in emitted and list(emitted[req_id]) != trees[b][2]:
-                raise AssertionError(f"{req_id}: emitted {emitted[req_id]}, "
-                                     f"the target's path {trees[b][2]}")
+                                 f"tokens, its output at {batch.refs[req_id].num_processed_tokens}")
+        if req_id in emitted and list(emitted[req_id]) != trees[b][2]:
+            raise AssertionError(f"{req_id}: emitted {emitted[req_id]}, "
+                                 f"the target's path {trees[b][2]}")
 
 
 def main(argv=None) -> int:
@@ -296,11 +316,14 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ways", nargs="+", default=["rows", "choices"],
+                        choices=["rows", "choices", "auto"],
+                        help="auto: each step's way drawn at random (grammar_verify \"auto\" "
+                             "switching step by step), for its checks more than its times")
     parser.add_argument("--profile", action="store_true",
                         help="also the functions where each way's time goes (cProfile)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by tests
     from bench_grammar_walk import make_grammar_factory
 
     from vllm_specplug.integration.scheduler import SpecplugTreeAsyncScheduler
@@ -314,7 +337,7 @@ def main(argv=None) -> int:
                                  num_speculative_tokens=NUM_DRAFTS).vllm_config
     results, profiles = [], {}
     for num_reqs in tqdm(args.batch, desc="batch sizes"):
-        for way in ("rows", "choices"):
+        for way in args.ways:
             profiler = cProfile.Profile() if args.profile else None
             times = run_steps(vllm_config, new_grammar, vocab_size, num_reqs, way, args.steps,
                               args.seed, profiler)

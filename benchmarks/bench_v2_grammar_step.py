@@ -70,7 +70,7 @@ class Batch:
     """B requests' outputs on the "device" (`req_states`), their reference
     grammars, and each step's trees, drafts and logits."""
 
-    def __init__(self, vllm_config, num_reqs: int, vocab_size: int, new_grammar, rng):
+    def __init__(self, num_reqs: int, vocab_size: int, new_grammar, rng):
         self.vocab_size, self.new_grammar, self.rng = vocab_size, new_grammar, rng
         self.req_ids = [f"r{i}" for i in range(num_reqs)]
         self.generation = 0
@@ -184,7 +184,7 @@ def _schedule(structured, finished: set[str], new: list[str]) -> None:
         SimpleNamespace(req_id=req_id, sampling_params=params) for req_id in new]))
 
 
-def _runner(batch: Batch, drafts, input_batch, temperature_zero: int):
+def _runner(batch: Batch, drafts, input_batch):
     from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
@@ -233,7 +233,7 @@ def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str
     first-step masks' `root_bitmask`) and what is the GPU's there
     (`node_choices`: the argmax and top-k copied to the host; `root_load`:
     the masks unpacked on the device), timed apart on this CPU."""
-    batch = Batch(vllm_config, num_reqs, vocab_size, new_grammar, random.Random(seed))
+    batch = Batch(num_reqs, vocab_size, new_grammar, random.Random(seed))
     speculator = _speculator(vllm_config, batch, way != "rows")
     node_choices = (Timed(speculator.grammar_choices, "host_choices") if way != "rows"
                     else None)
@@ -246,7 +246,7 @@ def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str
             _schedule(speculator.structured, finished, new)
         trees = [batch.tree(b) for b in range(num_reqs)]
         input_batch = batch.input_batch()
-        runner = _runner(batch, [t[0] for t in trees], input_batch, num_reqs)
+        runner = _runner(batch, [t[0] for t in trees], input_batch)
         logits = torch.randn(num_reqs * (NUM_DRAFTS + 1), vocab_size)
         logits[torch.arange(logits.shape[0]),
                torch.tensor([tok for t in trees for tok in t[1]])] = 10.0

@@ -19,7 +19,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "v2_tree_runs.sh"
 
 # (run name, environment): every bench run of the script and its row sets
 RUNS = [
-    ("tiny", {}), ("tiny3", {}), ("tiny3", {"ROWS": "compile"}), ("tiny3-schema", {}), ("tiny3-schema", {"ROWS": "verify"}),
+    ("tiny", {}), ("tiny3", {}), ("tiny3", {"ROWS": "compile"}), ("tiny3-schema", {}),
+    ("tiny3-schema", {"ROWS": "verify"}),
     ("tiny-mtp", {}), ("tiny-mtp", {"MTP_COMPILE": "1"}), ("tiny-mtp", {"MTP_SIZED": "1"}),
     *[("tiny-batchk", {"BATCHK": rows}) for rows in
       ("heads", "lean", "free", "tree", "zero", "floor", "pin", "shapes")],

@@ -115,7 +115,7 @@ def worker_grammar_checks(allow_auto_on_v2: bool = False) -> Iterator[GrammarChe
         saved.append((TreeOptions, "check_model_runner_v2"))
     # (owner, name, its own attribute or None where it inherits it: a mixin's)
     originals = [(owner, name, owner.__dict__.get(name)) for owner, name in saved]
-    _install(checks, *(getattr(owner, name) for owner, name in saved[:4]), allow_auto_on_v2)
+    _install(checks, allow_auto_on_v2)
     try:
         yield checks
     finally:
@@ -126,12 +126,14 @@ def worker_grammar_checks(allow_auto_on_v2: bool = False) -> Iterator[GrammarChe
                 setattr(owner, name, own)
 
 
-def _install(checks: GrammarChecks, verifying, grammars, rows, correct,
-             allow_auto_on_v2: bool) -> None:
+def _install(checks: GrammarChecks, allow_auto_on_v2: bool) -> None:
     from vllm_specplug.integration.grammar_choices import GrammarChoices
     from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
     from vllm_specplug.integration.v2.structured import StructuredRequests
     from vllm_specplug.proposers.eagle3 import TreeOptions
+
+    verifying, grammars = StructuredRequests.verifying_grammars, StructuredRequests._grammars
+    rows, correct = SpecplugV2HeadSpeculator._verification_rows, GrammarChoices.correct
 
     def verifying_grammars(self, req_ids, input_batch, req_states):
         found = verifying(self, req_ids, input_batch, req_states)
@@ -149,10 +151,9 @@ def _install(checks: GrammarChecks, verifying, grammars, rows, correct,
         found = grammars(self, input_batch, req_states, known)
         if found is None:
             return found
-        ids = [req_id for req_id, grammar in zip(*found) if grammar is not None]
-        outputs = _device_outputs(self, req_states, input_batch, ids)
-        for req_id in ids:
-            grammar = found[1][found[0].index(req_id)]
+        used = {req_id: grammar for req_id, grammar in zip(*found) if grammar is not None}
+        outputs = _device_outputs(self, req_states, input_batch, list(used))
+        for req_id, grammar in used.items():
             if outputs[req_id] is not None:
                 checks.check("draft", self.step, req_id, grammar,
                              self.grammars.tracked.get(req_id),

@@ -322,6 +322,9 @@ def main(argv=None) -> int:
                              "switching step by step), for its checks more than its times")
     parser.add_argument("--profile", action="store_true",
                         help="also the functions where each way's time goes (cProfile)")
+    parser.add_argument("--profile-sort", default="cumulative", choices=["cumulative", "tottime"],
+                        help="the profile's order: tottime puts the C++ calls apart from "
+                             "the Python around them")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     from bench_grammar_walk import make_grammar_factory
@@ -348,7 +351,7 @@ def main(argv=None) -> int:
             results.append(row)
             if profiler is not None:
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+                pstats.Stats(profiler, stream=text).sort_stats(args.profile_sort).print_stats(25)
                 profiles[f"{way}-{num_reqs}"] = text.getvalue()
     lines = [f"model {args.model} (vocab {vocab_size}), JSON schema {SCHEMA_FILE.name}, "
              f"trees of {NUM_DRAFTS} drafts, host ms a step (median of {args.steps} steps)",

@@ -233,6 +233,7 @@ def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
     batch shape may make it with or without speculation) from a real
     difference, by the baseline's top-2 gap where a request first differs;
     only real differences fail the command."""
+    from vllm_specplug.bench.compare import format_divergences_table
     from vllm_specplug.bench.offline import OfflineRow, _compare_to_baseline
     from vllm_specplug.bench.report import _exact_text
     from vllm_specplug.cli.bench import _finish
@@ -248,6 +249,17 @@ def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
     assert (tie.num_mismatches, tie.num_near_ties) == (1, 1)
     assert (real.num_mismatches, real.num_near_ties) == (2, 1)
     assert (unknown.num_mismatches, unknown.num_near_ties) == (1, None)  # no gaps: not a tie
+    # where each request first differs, with the baseline's gap there, for the record
+    assert tie.divergences == [{"request": 0, "position": 1, "gap": 1e-5}]
+    assert real.divergences == [{"request": 0, "position": 1, "gap": 1e-5},
+                                {"request": 1, "position": 2, "gap": 0.1}]
+    assert unknown.divergences == [{"request": 0, "position": 1, "gap": None}]
+    assert format_divergences_table([base, tie, real, unknown]).splitlines()[1:] == [
+        "  tie (batch 4): request 0 at token 1, gap 1.00e-05",
+        "  real (batch 4): request 0 at token 1, gap 1.00e-05",
+        "  real (batch 4): request 1 at token 2, gap 1.00e-01",
+        "  unknown (batch 2): request 0 at token 1, gap -"]
+    assert format_divergences_table([base, other_base]) == ""
     assert [_exact_text(r.num_mismatches, r.num_near_ties) for r in rows] == [
         "yes", "tie(1)", "NO(1)+1t", "yes", "NO(1)"]
     assert _finish([base, tie], "", None, "offline", {}) == 0

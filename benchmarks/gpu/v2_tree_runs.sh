@@ -36,7 +36,8 @@
 #            issue's table (SIZES, default "1 16 64"; CAPTURE, the largest captured
 #            token count, default 1024; ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
 #            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; DTYPE=float32: the
-#            engines in float32, outputs compared token for token; HEAD as above, default
+#            engines in float32, outputs compared token for token (with F32=ieee: Triton's
+#            float32 dots in IEEE, not TF32, any run); HEAD as above, default
 #            .gpu/heads/smollm2-eagle3-demo)
 #   smollm2-schema  issue 30 on SmolLM2 + its head (HEAD as smollm2-sets): MT-Bench's
 #            first turns asking for an object, under its schema (--prompts mt-bench-json)
@@ -531,7 +532,12 @@ case "$1" in
       > "$HOME/$2.log" 2>&1 < /dev/null & disown)
     echo "started $2 in $HOME/repo-$2" ;;
   # extra arguments after the name reach the run (steps8b passes them to bench_v2_steps.py)
-  run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"; run "${@:2}"; echo "DONE $2 rc=$?" ;;
+  # F32=ieee: IEEE float32 in every Triton tl.dot, vLLM's attention's and ours (Triton's
+  # default on CUDA is TF32, 10-bit mantissas: float32 SmolLM2 differed from no speculation
+  # for vLLM's eagle3 too, docs/results/smollm2_fp32_h100_s65)
+  run-now) export OUT=$HOME/out-$2; mkdir -p "$OUT"
+    [ -n "${F32:-}" ] && export TRITON_F32_DEFAULT="$F32"
+    run "${@:2}"; echo "DONE $2 rc=$?" ;;
   run) mkdir -p "$RESULTS" "$OUT"; run "${@:2}"; cp -r "$RESULTS/$2" "$OUT/" ;;
   # the host.sh call a bench run would make, printed one argument a line, run
   # nowhere: its specs are checked on CPU before they cost device time

@@ -97,3 +97,18 @@ def sampled_divergences(expected: list[list[int]], actual: list[list[int]],
         found.append({"request": i, "position": at, "tokens": (exp[at:at + 1], act[at:at + 1]),
                       "gap": gap})
     return found
+
+
+def format_divergences_table(rows) -> str:
+    """Each greedy row's requests that differ from the baseline: where each
+    first differs and the baseline's top-2 gap there (`-`: unknown), so a
+    run tells a flip of a floating-point near-tie (gap under NEAR_TIE_GAP)
+    from a real difference by how far; "" when no row differs."""
+    lines = [f"  {row.name} (batch {row.batch_size}{', ' + row.prompt_set if row.prompt_set else ''})"
+             f": request {d['request']} at token {d['position']}, gap "
+             f"{'-' if d['gap'] is None else format(d['gap'], '.2e')}"
+             for row in rows if row.error is None for d in getattr(row, "divergences", [])]
+    if not lines:
+        return ""
+    return "\n".join([f"first differences from the baseline (a near-tie: gap < {NEAR_TIE_GAP:g})"]
+                     + lines)

@@ -40,6 +40,7 @@ ran (arguments, runner, speculator) is kept on its rows.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import Counter
 from contextlib import ExitStack
@@ -74,6 +75,9 @@ class OfflineRow:
     num_mismatches: int | None = None  # None: not compared (sampling, or failed)
     # of those, the ones whose first difference is a near-tie of the baseline
     num_near_ties: int | None = None   # None: the baseline's gaps are unknown
+    # each differing request's first difference: {"request", "position",
+    # "gap"}, the baseline's top-2 gap there (None: unknown)
+    divergences: list[dict] = field(default_factory=list)
     speedup: float = float("nan")      # median of `ratios`
     error: str | None = None
     engine: dict = field(default_factory=dict)  # arguments, runner, speculator
@@ -415,9 +419,15 @@ def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) ->
         row.speedup = statistics.median(row.ratios)
         if greedy:
             row.num_mismatches = len(token_mismatches(ref.token_ids, row.token_ids))
-            if ref.top2_gaps and len(ref.token_ids) == len(row.token_ids):
-                found = divergences(ref.token_ids, row.token_ids, ref.top2_gaps)
+            known = bool(ref.top2_gaps) and len(ref.top2_gaps) == len(ref.token_ids)
+            found = divergences(ref.token_ids, row.token_ids,
+                                ref.top2_gaps if known else [[] for _ in ref.token_ids])
+            if known and len(ref.token_ids) == len(row.token_ids):
                 row.num_near_ties = sum(d["gap"] < NEAR_TIE_GAP for d in found)
+            # where each request first differs, for the record (a gap of None:
+            # unknown; JSON has no infinity)
+            row.divergences = [{**d, "gap": d["gap"] if known and math.isfinite(d["gap"])
+                                else None} for d in found]
 
 
 def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],

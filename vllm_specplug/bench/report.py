@@ -10,6 +10,7 @@ from operator import add
 from pathlib import Path
 
 from vllm_specplug.adaptive.batch_draft_stats import STEP_KINDS
+from vllm_specplug.bench.compare import format_divergences_table
 from vllm_specplug.metrics import SpecDecodeCounts
 
 
@@ -97,7 +98,7 @@ def format_offline_table(rows) -> str:
                      f"{_engine_text(row):<{e}}{per_pos}")
     tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows),
                           format_captures_table(rows), format_waves_table(rows),
-                          format_repeats_table(rows)) if t]
+                          format_repeats_table(rows), format_divergences_table(rows)) if t]
     return "\n".join(lines + [line for t in tables for line in ("", t)])
 
 

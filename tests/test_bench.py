@@ -234,7 +234,8 @@ def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
     difference, by the baseline's top-2 gap where a request first differs;
     only real differences fail the command."""
     from vllm_specplug.bench.compare import format_divergences_table
-    from vllm_specplug.bench.offline import OfflineRow, _compare_to_baseline
+    from vllm_specplug.bench.compare import compare_to_baseline
+    from vllm_specplug.bench.offline import OfflineRow
     from vllm_specplug.bench.report import _exact_text
     from vllm_specplug.cli.bench import _finish
 
@@ -245,7 +246,7 @@ def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
     unknown = OfflineRow("unknown", 2, tokens_per_second=[5.0], token_ids=[[1, 9, 9]])
     other_base = OfflineRow("none", 2, tokens_per_second=[5.0], token_ids=[[1, 2, 3]])
     rows = [base, tie, real, other_base, unknown]
-    _compare_to_baseline(rows, "none", greedy=True)
+    compare_to_baseline(rows, "none", greedy=True)
     assert (tie.num_mismatches, tie.num_near_ties) == (1, 1)
     assert (real.num_mismatches, real.num_near_ties) == (2, 1)
     assert (unknown.num_mismatches, unknown.num_near_ties) == (1, None)  # no gaps: not a tie
@@ -265,6 +266,45 @@ def test_a_difference_at_a_near_tie_of_the_baseline_is_classed_as_one():
     assert _finish([base, tie], "", None, "offline", {}) == 0
     assert _finish([base, tie, real], "", None, "offline", {}) == 1
     assert _finish([other_base, unknown], "", None, "offline", {}) == 1
+
+
+def test_a_near_tie_of_ours_is_excused_only_where_vllms_own_row_differs_too():
+    """Issue 26's one exception: the baseline's top-2 gap under 1e-4 and
+    vLLM's own speculation (a row beside ours at the same batch) differing at
+    the same request and token. A near-tie of ours where vLLM's row is equal
+    to the baseline is a real difference; so is a gap of 2e-4, which the
+    bench excused before 2026-12-05 (1e-3)."""
+    from vllm_specplug.bench.compare import NEAR_TIE_GAP, format_divergences_table
+    from vllm_specplug.bench.compare import builtin_rows, compare_to_baseline
+    from vllm_specplug.bench.offline import OfflineRow
+    from vllm_specplug.bench.specs import NamedSpec
+
+    assert NEAR_TIE_GAP == 1e-4
+    specs = [NamedSpec("none", None), NamedSpec("vllm", {"method": "eagle3"}),
+             NamedSpec("ours", {"method": "specplug_eagle3"})]
+    assert builtin_rows(specs) == {"vllm"}
+    expected = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    base = OfflineRow("none", 3, tokens_per_second=[10.0], token_ids=expected,
+                      top2_gaps=[[0.5, 5e-5, 0.7], [0.3, 2e-5, 0.1], [0.9, 2e-4, 0.1]])
+    vllm = OfflineRow("vllm", 3, tokens_per_second=[20.0], token_ids=[[1, 0, 0], [4, 5, 6],
+                                                                      [7, 0, 0]])
+    ours = OfflineRow("ours", 3, tokens_per_second=[20.0], token_ids=[[1, 0, 0], [4, 0, 0],
+                                                                      [7, 0, 0]])
+    alone = OfflineRow("ours", 1, tokens_per_second=[9.0], token_ids=[[1, 0, 0]])
+    base1 = OfflineRow("none", 1, tokens_per_second=[5.0], token_ids=[[1, 2, 3]],
+                       top2_gaps=[[0.5, 5e-5, 0.7]])
+    compare_to_baseline([base, vllm, ours, base1, alone], "none", True, builtin_rows(specs))
+    # vLLM's own row: by the gap alone (its request 2 at 2e-4 is real)
+    assert (vllm.num_mismatches, vllm.num_near_ties) == (2, 1)
+    # ours: request 0 shared with vLLM (excused), request 1 a near-tie vLLM
+    # did not make (real), request 2 over the gap (real)
+    assert (ours.num_mismatches, ours.num_near_ties) == (3, 1)
+    assert [d["builtin_differs"] for d in ours.divergences] == [True, False, True]
+    # no row of vLLM's at that batch: the gap alone, and nothing recorded
+    assert (alone.num_near_ties, "builtin_differs" in alone.divergences[0]) == (1, False)
+    table = format_divergences_table([ours])
+    assert "request 0 at token 1, gap 5.00e-05, vLLM's own differs there too" in table
+    assert "request 1 at token 1, gap 2.00e-05, vLLM's own does not" in table
 
 
 def test_differences_on_a_bf16_engine_are_named_with_the_fix(capsys):

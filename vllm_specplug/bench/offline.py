@@ -40,7 +40,6 @@ ran (arguments, runner, speculator) is kept on its rows.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections import Counter
 from contextlib import ExitStack
@@ -48,7 +47,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences, token_mismatches, top2_gaps
+from vllm_specplug.bench.compare import builtin_rows, compare_to_baseline, top2_gaps
 from vllm_specplug.bench.prompts import (BenchPrompt, bench_prompt_of_input,
                                          sampling_params_for)
 from vllm_specplug.bench.repeats import read_repeat_state, repeat_record
@@ -344,6 +343,7 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
         engine_kwargs = with_kv_cache_size(engine_kwargs)
     rows = [[OfflineRow(s.name, b, set_name) for set_name in prompt_sets for b in batch_sizes]
             for s in specs]
+    builtin = builtin_rows(specs)
     # restart: each (repeat, spec) step starts its engine and stops it after
     last_use = {s: i for i, (_, s) in enumerate(schedule)} if order != "restart" else None
     engines: dict[int, object] = {}
@@ -385,10 +385,10 @@ def run_offline(model: str, prompts, specs: list[NamedSpec],
                 stacks[s].close()  # sequential order: free the engine now
             if on_step is not None:  # the rows so far, compared as far as they ran
                 flat = [row for spec_rows in rows for row in spec_rows]
-                _compare_to_baseline(flat, specs[0].name, greedy=params.temperature == 0)
+                compare_to_baseline(flat, specs[0].name, params.temperature == 0, builtin)
                 on_step(flat)
     flat = [row for spec_rows in rows for row in spec_rows]
-    _compare_to_baseline(flat, specs[0].name, greedy=params.temperature == 0)
+    compare_to_baseline(flat, specs[0].name, params.temperature == 0, builtin)
     return flat
 
 
@@ -402,32 +402,6 @@ def _run_row(llm, row: OfflineRow, prompt_sets, limits, params, collectors, firs
         _record_top2_gaps(llm, row, prompts, params)
     if probe:
         _probe_phases(llm, row, prompt_sets[row.prompt_set], params, host_profile)
-
-
-def _compare_to_baseline(rows: list[OfflineRow], baseline: str, greedy: bool) -> None:
-    """Each row's ratios over the baseline's repeats, and with greedy
-    sampling its outputs against the baseline's (first repeats); rows or
-    baselines not run yet (a run in progress) are left as they are."""
-    base = {(r.prompt_set, r.batch_size): r for r in rows
-            if r.name == baseline and r.error is None and r.tokens_per_second}
-    for row in rows:
-        ref = base.get((row.prompt_set, row.batch_size))
-        if row.error is not None or ref is None or not row.tokens_per_second:
-            continue
-        row.ratios = [ours / theirs for ours, theirs in
-                      zip(row.tokens_per_second, ref.tokens_per_second)]
-        row.speedup = statistics.median(row.ratios)
-        if greedy:
-            row.num_mismatches = len(token_mismatches(ref.token_ids, row.token_ids))
-            known = bool(ref.top2_gaps) and len(ref.top2_gaps) == len(ref.token_ids)
-            found = divergences(ref.token_ids, row.token_ids,
-                                ref.top2_gaps if known else [[] for _ in ref.token_ids])
-            if known and len(ref.token_ids) == len(row.token_ids):
-                row.num_near_ties = sum(d["gap"] < NEAR_TIE_GAP for d in found)
-            # where each request first differs, for the record (a gap of None:
-            # unknown; JSON has no infinity)
-            row.divergences = [{**d, "gap": d["gap"] if known and math.isfinite(d["gap"])
-                                else None} for d in found]
 
 
 def side_by_side(model: str, inputs: list, methods: dict[str, dict | None],

@@ -31,7 +31,9 @@ how many of them first differ at a **near-tie** of the baseline (its top-2
 log-probabilities there within `NEAR_TIE_GAP`, from one more unmeasured pass
 of the baseline with `logprobs=2`): another batch shape may flip such a
 token with or without speculation (fp32 on a GPU), anything else is a real
-difference.
+difference. A row of ours run beside vLLM's own speculation has a near-tie
+excused only where vLLM's row differs at the same place too (issue 26's
+rule, `bench/compare.py`).
 
 Engines use vLLM's serving defaults (CUDA graphs or compilation, the model's
 dtype) unless the caller passes other `vllm.LLM` arguments; what each engine
@@ -75,7 +77,8 @@ class OfflineRow:
     # of those, the ones whose first difference is a near-tie of the baseline
     num_near_ties: int | None = None   # None: the baseline's gaps are unknown
     # each differing request's first difference: {"request", "position",
-    # "gap"}, the baseline's top-2 gap there (None: unknown)
+    # "gap"}, the baseline's top-2 gap there (None: unknown), and for a row
+    # of ours beside vLLM's own speculation "builtin_differs" (bench/compare.py)
     divergences: list[dict] = field(default_factory=list)
     speedup: float = float("nan")      # median of `ratios`
     error: str | None = None

@@ -70,7 +70,7 @@ def test_the_perturbed_gap_says_which_token_vllms_sampler_draws(device, gumbel_s
 
 def test_sampled_divergences_place_each_first_difference():
     """The expected run drew token 5 over token 9 at output index 2 (row
-    position 10 - 1 + 2). With log-probabilities set so its lead is 4e-4
+    position 10 - 1 + 2). With log-probabilities set so its lead is 4e-5
     the flip is a near-tie; a token it did not list, or one it listed
     outside the top-p nucleus, has no gap (infinite)."""
     from vllm_specplug.bench.compare import NEAR_TIE_GAP, sampled_divergences
@@ -78,13 +78,13 @@ def test_sampled_divergences_place_each_first_difference():
     seed, temperature, pos = 123, 0.8, 11
     noise = gumbel_noise(seed, pos, np.array([5, 9]))
     lp_9 = -2.0
-    lp_5 = lp_9 + temperature * (4e-4 - (noise[0] - noise[1]))  # lead of 4e-4
+    lp_5 = lp_9 + temperature * (4e-5 - (noise[0] - noise[1]))  # lead of 4e-5
     listed = [{}, {}, {5: lp_5, 9: lp_9, 7: -0.1}]
     expected, actual = [[1, 2, 5, 3]], [[1, 2, 9, 4]]
     found = sampled_divergences(expected + expected, actual + expected, [listed, listed],
                                 [10, 10], seed, temperature)
     assert len(found) == 1 and found[0]["request"] == 0 and found[0]["position"] == 2
-    assert abs(found[0]["gap"] - 4e-4) < 1e-9 and found[0]["gap"] < NEAR_TIE_GAP
+    assert abs(found[0]["gap"] - 4e-5) < 1e-9 and found[0]["gap"] < NEAR_TIE_GAP
     unlisted = sampled_divergences(expected, [[1, 2, 8, 4]], [listed], [10], seed, temperature)
     assert unlisted[0]["gap"] == float("inf")
     # token 7 holds most of the mass above 5 and 9: a top-p of 0.5 leaves 9 out

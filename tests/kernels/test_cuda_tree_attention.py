@@ -162,6 +162,7 @@ def test_after_vllms_triton_backend_float32_tree_rows_use_its_dot_precision(devi
         pass
 
     backend = TritonAttentionImpl(**vars(impl()))
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)  # a run's own (F32=ieee) aside
     assert cta.backend_dot_precision(backend, torch.float32) == "tf32"
     assert cta.backend_dot_precision(backend, torch.bfloat16) is None
     assert cta.backend_dot_precision(impl(), torch.float32) is None

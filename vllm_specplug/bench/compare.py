@@ -147,7 +147,7 @@ def compare_to_baseline(rows: list, baseline: str, greedy: bool,
         if greedy:
             _record_divergences(row, ref)
     if greedy:
-        _count_near_ties(rows, baseline, builtin)
+        _count_near_ties(rows, builtin)
 
 
 def _record_divergences(row, ref) -> None:
@@ -164,7 +164,7 @@ def _record_divergences(row, ref) -> None:
     row.num_near_ties = None if not known else 0
 
 
-def _count_near_ties(rows: list, baseline: str, builtin: frozenset[str]) -> None:
+def _count_near_ties(rows: list, builtin: frozenset[str]) -> None:
     """A first difference is excused as a floating-point near-tie where the
     baseline's top-2 gap there is under NEAR_TIE_GAP and, for a row of ours
     beside rows of vLLM's own speculation at the same prompt set and batch
@@ -178,7 +178,7 @@ def _count_near_ties(rows: list, baseline: str, builtin: frozenset[str]) -> None
             places.setdefault((row.prompt_set, row.batch_size), set()).update(
                 (d["request"], d["position"]) for d in row.divergences)
     for row in rows:
-        if row.num_near_ties is None or row.name == baseline:
+        if row.num_near_ties is None:  # not compared, or the baseline's gaps unknown
             continue
         theirs = None if row.name in builtin else places.get((row.prompt_set, row.batch_size))
         for d in row.divergences:

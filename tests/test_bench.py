@@ -375,7 +375,7 @@ def test_partial_results_are_written_whole_after_each_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [PARTIAL_FILE]
 
 
-def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys):
+def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """Interleaved engines over two prompt sets (repeat-and-edit prompts; one
     more with a two-turn chat), each set with its own rows and table. The
     two engines start at once (`--parallel-starts`): each row still reads
@@ -385,6 +385,8 @@ def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys):
     below, on engines that start in seconds.)"""
     from vllm_specplug.models.corpus import repetitive_prompts
 
+    # --f32-dots sets TRITON_F32_DEFAULT for the engines; restored after the test
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
     out = tmp_path / "out"
     texts = repetitive_prompts(4)
     edits, chats = tmp_path / "edits.jsonl", tmp_path / "chats.jsonl"
@@ -400,7 +402,7 @@ def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys):
                  "--repeats", "2", "--max-tokens", "24", "--max-model-len", "1024",
                  "--engine-args", '{"enforce_eager": true}',  # CPU: no compile per engine
                  *[f"--spec={s}" for s in specs], "--warmup-runs", "1",
-                 "--parallel-starts", "--out", str(out)])
+                 "--parallel-starts", "--f32-dots", "ieee", "--out", str(out)])
     assert code == 0
     # the header says what ran: 5 prompts loaded, each set's first 2 at batch 4
     assert "5 prompts (6 turns; each set's first 2 at batch 4)" in capsys.readouterr().out
@@ -409,6 +411,7 @@ def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys):
     assert result["settings"]["prompts"] == [str(edits), str(chats)]
     assert result["settings"]["num_turns"] == 6
     assert result["settings"]["prompt_limits"] == {"4": 2}
+    assert result["settings"]["triton_f32_default"] == "ieee"  # what the dots ran in
     rows = {(r["name"], r["prompt_set"]): r for r in result["rows"]}
     names, sets = ("none", "specplug_ngram"), (str(edits), str(chats))
     assert sorted(rows) == sorted((n, p) for n in names for p in sets)

@@ -85,6 +85,13 @@ def add_parser(sub) -> None:
                          "grammar")
     offline.add_argument("--max-model-len", type=int, default=2048)
     offline.add_argument("--dtype", default="auto", help="default: the model's own")
+    offline.add_argument("--f32-dots", choices=("ieee", "tf32"), default=None,
+                         help="the input precision of every Triton tl.dot on float32 "
+                         "(TRITON_F32_DEFAULT, set before the engines start): vLLM's "
+                         "Triton attention and ours. Triton's default on CUDA is TF32, "
+                         "under which float32 is no token-for-token check (vLLM's own "
+                         "eagle3 differed from no speculation on SmolLM2); 'ieee' makes "
+                         "it one (docs/bench.md)")
     offline.add_argument("--engine-args", default="{}",
                          help="JSON of further vllm.LLM keyword arguments; vLLM's serving "
                          "defaults otherwise (graphs/compilation on: "
@@ -186,6 +193,8 @@ def run_offline_command(args) -> int:
                              "directory, a hub id, or a built-in name such as 'tiny')")
         if args.parallel_starts:
             check_parallel_starts(args.order)
+        if args.f32_dots is not None:  # before any engine (or its workers) starts
+            os.environ["TRITON_F32_DEFAULT"] = args.f32_dots
         schema = json_schema(args.json_schema)
         prompt_sets = load_prompt_sets(args)
         check_schemas(schema, prompt_sets)
@@ -213,7 +222,9 @@ def run_offline_command(args) -> int:
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "repeats": args.repeats, "warmup_runs": args.warmup_runs,
                 "order": args.order, "parallel_starts": args.parallel_starts,
-                "prompt_limits": limits, "json_schema": schema,
+                "prompt_limits": limits, "json_schema": schema, "dtype": args.dtype,
+                # what float32 dots ran in (None: Triton's default, TF32 on CUDA)
+                "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
                 "specs": {s.name: s.config for s in specs}}
     # --limit-prompts: a batch size runs each set's first N prompts
     limited = "".join(f"; each set's first {n} at batch {b}" for b, n in sorted(limits.items()))
@@ -235,7 +246,8 @@ def _warn_low_precision(rows) -> None:
         print(f"note: {', '.join(names)} differ from no speculation on an engine below "
               "float32 (the dtype column). bf16/fp16 round differently under a verify "
               "step's batch shape, for every method, vLLM's own included; to check token "
-              "for token pass --dtype float32 (docs/bench.md).", file=sys.stderr)
+              "for token pass --dtype float32 (on CUDA with --f32-dots ieee: Triton's "
+              "float32 dots default to TF32 there) (docs/bench.md).", file=sys.stderr)
 
 
 def _warn_replayed_cache(specs, num_passes: int) -> None:

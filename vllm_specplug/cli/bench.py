@@ -162,6 +162,20 @@ def _finish(rows, table: str, out: str | None, mode: str, settings: dict) -> int
     return 1 if failed else 0
 
 
+def _engine_kwargs(text: str) -> dict:
+    """--engine-args: a JSON object of vllm.LLM keywords, none that an
+    option of its own sets."""
+    engine_kwargs = json.loads(text)
+    if not isinstance(engine_kwargs, dict):
+        raise ValueError("--engine-args must be a JSON object")
+    for key in ("dtype", "max_model_len"):
+        if key in engine_kwargs:
+            option = "--" + key.replace("_", "-")
+            raise ValueError(f"--engine-args sets {key!r}, which {option} sets: "
+                             f"pass {option} {engine_kwargs[key]} instead")
+    return engine_kwargs
+
+
 def run_offline_command(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm_specplug.bench.offline import run_offline
@@ -179,14 +193,7 @@ def run_offline_command(args) -> int:
             raise ValueError("--warmup-runs must be >= 0 (0: no warm-up)")
         specs = named_specs(args.spec)
         limits = prompt_limits(args.limit_prompts)
-        engine_kwargs = json.loads(args.engine_args)
-        if not isinstance(engine_kwargs, dict):
-            raise ValueError("--engine-args must be a JSON object")
-        for key in ("dtype", "max_model_len"):
-            if key in engine_kwargs:
-                option = "--" + key.replace("_", "-")
-                raise ValueError(f"--engine-args sets {key!r}, which {option} sets: "
-                                 f"pass {option} {engine_kwargs[key]} instead")
+        engine_kwargs = _engine_kwargs(args.engine_args)
         model = resolve_model(args.model)
         if model.startswith(("/", ".", "~")) and not os.path.isdir(model):
             raise ValueError(f"--model {model}: no such directory (a local model "

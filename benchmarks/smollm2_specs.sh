@@ -2,6 +2,7 @@
 # (benchmarks/smollm2_tables.sh) and the GPU ones (gpu/v2_tree_runs.sh
 # smollm2-sets): `full_specs full|free HEAD_DIR` prints `--spec NAME=JSON`
 # arguments for `vllm-specplug bench offline`, all at K=5 unless named.
+# TREE_T: the trees' draft_temperature (default 0.25; the callers on SmolLM2 set 1.0)
 full_specs() {  # full|free|ngram HEAD_DIR
   local h=$2 k
   if [ "$1" = ngram ]; then  # vLLM's ngram loads numba: a run of its own on CPU
@@ -29,7 +30,7 @@ full_specs() {  # full|free|ngram HEAD_DIR
   local n steps topk
   for n in 8 16 32 64; do
     steps=$(( n == 8 ? 3 : (n == 16 ? 4 : 8) )); topk=$(( n == 64 ? 8 : 4 ))
-    printf '%s\n' --spec "ours-tree$n={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $topk, \"num_steps\": $steps, \"num_draft_tokens\": $n, \"draft_temperature\": 0.25}"
+    printf '%s\n' --spec "ours-tree$n={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": $topk, \"num_steps\": $steps, \"num_draft_tokens\": $n, \"draft_temperature\": ${TREE_T:-0.25}}"
   done
 }
 

@@ -16,6 +16,9 @@ set -euo pipefail
 OUT=${1:?usage: smollm2_tables.sh OUT [MAX_TOKENS]}
 MAX_TOKENS=${2:-32}
 source "$(dirname "$0")/smollm2_specs.sh"
+# the trees' draft_temperature (smollm2_specs.sh): SmolLM2's heads rank their
+# nodes better at 1.0 than at the tiny head's 0.25 (docs/results/smollm2_tree_shapes_cpu_head)
+: "${TREE_T:=1.0}"
 CLI=${CLI:-.venv/bin/vllm-specplug}
 MODEL=$($CLI build-model smollm2 --dtype float32 | tail -1)
 HEAD=${HEAD:-$($CLI build-model smollm2-eagle3-small | tail -1)}

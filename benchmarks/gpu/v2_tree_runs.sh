@@ -128,7 +128,7 @@ wide_tree() {  # HEAD_DIR DEFAULT_SHAPE: a wide tree from WIDE="topk num_steps n
   local wk ws wn
   read -r wk ws wn <<< "${WIDE:-$2}"
   wide_name="ours-tree-$wk-$ws-$wn"
-  wide="\"method\": \"specplug_eagle3\", \"model\": \"$1\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": 0.25"
+  wide="\"method\": \"specplug_eagle3\", \"model\": \"$1\", \"topk\": $wk, \"num_steps\": $ws, \"num_draft_tokens\": $wn, \"draft_temperature\": ${TREE_T:-0.25}"
 }
 
 vllm_k3_k7() {  # HEAD_DIR: vLLM's eagle3 at K 3 and 7, beside its K=5 row (issue 26's best K)
@@ -141,7 +141,7 @@ vllm_k3_k7() {  # HEAD_DIR: vLLM's eagle3 at K 3 and 7, beside its K=5 row (issu
 specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees and vLLM's
   # eagle3 sized by batch, no chain of ours; sized-only: the two sized rows alone)
   local h=$2
-  local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+  local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": ${TREE_T:-0.25}"
   if [ "$1" = full ]; then full_specs full "$h"; return 0; fi
   # free: every model-free row (engines in their own processes here, so vLLM's
   # numba-backed ngram runs beside the others)
@@ -224,14 +224,14 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       printf '%s\n' --spec "ours-tree16={$tree}" ;;
   esac
   if [ "$1" = all ]; then
-    printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": 0.25}"
+    printf '%s\n' --spec "ours-tree32={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 8, \"num_draft_tokens\": 32, \"draft_temperature\": ${TREE_T:-0.25}}"
   fi
   return 0
 }
 
 batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adaptive
   local h=$2
-  local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+  local tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": ${TREE_T:-0.25}"
   local chain="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5"
   local n='"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5'
   if [ "$1" = free ]; then
@@ -246,7 +246,7 @@ batchk_specs() {  # heads|free HEAD_DIR: issue 27's rows, each static and adapti
     --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}" && return 0
   # shapes: which tree shape is best at batch 1 (issue 26's 1.2x goal is for our best
   # tree over vLLM's best K): vLLM eagle3 K=5 and 7, our tree 16 and two of 32 nodes
-  local head="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"draft_temperature\": 0.25"
+  local head="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"draft_temperature\": ${TREE_T:-0.25}"
   [ "$1" = shapes ] && printf '%s\n' \
     --spec "vllm-eagle3-K5={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 5}" \
     --spec "vllm-eagle3-K7={\"method\": \"eagle3\", \"model\": \"$h\", \"num_speculative_tokens\": 7}" \
@@ -303,6 +303,11 @@ tiny_bench() {  # NAME SPECS PROMPTS_AT_1 AT_16 AT_64 MAX_TOKENS CAPTURE [ARGS]:
 }
 
 run() {
+  # TREE_T: our EAGLE trees' draft_temperature. 0.25 suits the tiny model's
+  # under-confident head; SmolLM2's heads rank their nodes better at 1.0 (CPU
+  # head: tree 16's τ 1.52 -> 1.62, 16-4-64's 1.72 -> 1.95;
+  # docs/results/smollm2_tree_shapes_cpu_head), so SmolLM2's runs default to it
+  case "$1" in smollm2*) : "${TREE_T:=1.0}" ;; esac
   case "$1" in
     tiny) tiny_bench tiny all 16 64 128 128 2048 ;;
     # the same minus tree 32, fewer prompts: fits one 10-minute call (ROWS picks other
@@ -380,7 +385,7 @@ run() {
         --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-schema)
       h=${HEAD:-.gpu/heads/smollm2-eagle3-demo}
-      tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": 0.25"
+      tree="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 4, \"num_steps\": 4, \"num_draft_tokens\": 16, \"draft_temperature\": ${TREE_T:-0.25}"
       chain_first="ours-chain-K5-first={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": \"first\"}"
       # our chain K=5 drafting unmasked, its rows in the worker from the queued outputs
       chain_queued="\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"grammar_drafts\": false, \"grammar_rows\": \"worker\""

@@ -3,8 +3,9 @@
 Wrapper and reference: `vllm_specplug/proposers/draft_topk.py`. One program
 per logits row reads the row once, in chunks of BLOCK_V: an online
 log-sum-exp of logits / temperature (the softmax's normaliser) and a running
-top-k (each chunk's k best by repeated argmax, each replacing the running
-list's smallest when larger). It writes the k best in descending order,
+top-k (each chunk's best entries by repeated argmax, each replacing the
+running list's smallest when larger; only as many passes as the chunk has
+entries above the list's smallest, at most k). It writes the k best in descending order,
 as log-probabilities (value - log-sum-exp) with their ids. What it replaces
 is a float copy, a division, a log-softmax and a sort-based top-k, several
 launches each (the drafting pass is launch-bound on the GPU).
@@ -34,7 +35,11 @@ def draft_topk_kernel(logits_ptr, logprobs_ptr, ids_ptr, row_stride, vocab_size,
         new_max = tl.maximum(run_max, tl.max(x, 0))
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
         run_max = new_max
-        for _ in tl.static_range(K):
+        # only entries above the running k-th best can enter the list: after the
+        # first chunks that is a handful, not K, so most chunks cost one pass
+        kth = tl.min(top_vals, 0)
+        num_better = tl.minimum(tl.sum((x > kth).to(tl.int32), 0), K)
+        for _ in range(num_better):
             best = tl.max(x, 0)
             at = tl.argmax(x, 0)
             # the running minimum's slot, if the chunk's best beats it

@@ -38,3 +38,22 @@ def test_a_strided_row_view_is_read_as_its_rows(device):
     want_values, want_ids = draft_topk_reference(view, 3)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(values, want_values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["rising", "falling", "shuffled"])
+@pytest.mark.parametrize("k", [20, 32])
+def test_wide_top_k_in_any_order_over_chunks(device, order, k):
+    """The kernel passes over a chunk only as often as it has entries above
+    the running k-th best: rising rows put k new entries in every chunk,
+    falling rows none after the first; each must give the reference's list."""
+    vocab_size = 9000  # three chunks of 4096
+    values = torch.randn(vocab_size, generator=torch.Generator().manual_seed(k)).sort().values
+    if order == "falling":
+        values = values.flip(0)
+    elif order == "shuffled":
+        values = values[torch.randperm(vocab_size, generator=torch.Generator().manual_seed(2))]
+    logits = torch.stack([values, values.roll(4096)]).to(device)  # the second: best in chunk 2
+    got_values, got_ids = draft_topk(logits, k, backend="triton")
+    want_values, want_ids = draft_topk_reference(logits, k)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_values, want_values, atol=1e-5, rtol=1e-5)

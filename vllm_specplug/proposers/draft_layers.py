@@ -207,8 +207,11 @@ class LoadedDrafter:
         sources = self.target_sources(hidden_states, aux_hidden_states)
         if sources is None:
             return None
-        if len(sources) == 1 and out is not None:
-            return torch.index_select(sources[0], 0, rows, out=out)
-        if len(sources) == 1:
-            return sources[0][rows]
-        return torch.cat([h[rows] for h in sources], dim=-1, out=out)
+        if isinstance(rows, slice):
+            if len(sources) == 1 and out is None:
+                return sources[0][rows]  # a view
+            return torch.cat([h[rows] for h in sources], dim=-1, out=out)
+        # joined first, then one gather: two launches, where a gather per
+        # source and a join took four and twice the host time (every step)
+        joined = sources[0] if len(sources) == 1 else torch.cat(sources, dim=-1)
+        return torch.index_select(joined, 0, rows, out=out)

@@ -33,7 +33,7 @@
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
 #   smollm2-sets  MT-Bench and HumanEval on the same engines, the real-target
-#            issue's table (SIZES, default "1 16 64"; CAPTURE, the largest captured
+#            issue's table (SETS, default "mt-bench humaneval"; SIZES, default "1 16 64"; CAPTURE, the largest captured
 #            token count, default 1024; ROWS=full: vLLM eagle3 K 3/5/7, our chain, trees 8/16/32/64;
 #            ROWS=free: vLLM ngram and suffix, ours ngram, suffix and hybrid; DTYPE=float32: the
 #            engines in float32, outputs compared token for token (with F32=ieee: Triton's
@@ -377,7 +377,9 @@ run() {
       # PHASES=--phases: where each step's time goes; engines start at once (PARALLEL);
       # SIZES: fewer batch sizes; CAPTURE: the graphs' largest token count (1024: a
       # 33-token tree at batch 64 is 2112 and ran without graphs, 2026-12-05)
-      host real-bench --prompts mt-bench --prompts humaneval "${S[@]}" \
+      # SETS: the sets run (default both; SETS=mt-bench for a lease with little left)
+      local sets=(); for set in ${SETS:-mt-bench humaneval}; do sets+=(--prompts "$set"); done
+      host real-bench "${sets[@]}" "${S[@]}" \
         --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${PHASES-} \
         ${DTYPE:+--dtype "$DTYPE"} \

@@ -35,10 +35,13 @@ def draft_topk_kernel(logits_ptr, logprobs_ptr, ids_ptr, row_stride, vocab_size,
         new_max = tl.maximum(run_max, tl.max(x, 0))
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
         run_max = new_max
-        # only entries above the running k-th best can enter the list: after the
-        # first chunks that is a handful, not K, so most chunks cost one pass
-        kth = tl.min(top_vals, 0)
-        num_better = tl.minimum(tl.sum((x > kth).to(tl.int32), 0), K)
+        if K > 1:
+            # only entries above the running k-th best can enter the list: after
+            # the first chunks a handful, not K, so most chunks cost few passes
+            kth = tl.min(top_vals, 0)
+            num_better = tl.minimum(tl.sum((x > kth).to(tl.int32), 0), K)
+        else:  # a chain's one pass needs no count
+            num_better = 1
         for _ in range(num_better):
             best = tl.max(x, 0)
             at = tl.argmax(x, 0)

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from bench_tree_attention import gpu_ms  # same folder: the script's own path
 
-from vllm_specplug.proposers.draft_topk import BLOCK_V, draft_topk, draft_topk_reference
-from vllm_specplug.verification.backend import next_power_of_2
+from vllm_specplug.proposers.draft_topk import (draft_topk, draft_topk_reference,
+                                                launch_draft_topk)
 
 TOPKS = (1, 4, 8, 16, 32)
 BATCH_SIZES = (1, 16, 64)
@@ -36,16 +36,6 @@ def load_baseline(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.draft_topk_kernel
-
-
-def launch(kernel, rows: torch.Tensor, k: int):
-    """One launch of `kernel` over rows [n, vocab] as `draft_topk` makes it."""
-    logprobs = torch.empty(rows.shape[0], k, dtype=torch.float32, device=rows.device)
-    ids = torch.empty(rows.shape[0], k, dtype=torch.int64, device=rows.device)
-    kernel[(rows.shape[0],)](rows, logprobs, ids, rows.stride(0), rows.shape[1], 1.0, K=k,
-                             K_PAD=next_power_of_2(k),
-                             BLOCK_V=min(BLOCK_V, next_power_of_2(rows.shape[1])))
-    return logprobs, ids
 
 
 def case_row(k: int, batch: int, vocab: int, baseline) -> dict:
@@ -60,9 +50,9 @@ def case_row(k: int, batch: int, vocab: int, baseline) -> dict:
            "ours_ms": gpu_ms(lambda: draft_topk(bf16, k, backend="triton"), 100),
            "torch_ms": gpu_ms(lambda: draft_topk_reference(bf16, k), 100)}
     if baseline is not None:
-        _, base_ids = launch(baseline, logits, k)
+        _, base_ids = launch_draft_topk(baseline, logits, k)
         row["baseline_ids_equal"] = bool(torch.equal(base_ids, want_ids))
-        row["baseline_ms"] = gpu_ms(lambda: launch(baseline, bf16, k), 100)
+        row["baseline_ms"] = gpu_ms(lambda: launch_draft_topk(baseline, bf16, k), 100)
     return row
 
 

@@ -378,7 +378,7 @@ run() {
       # SIZES: fewer batch sizes; CAPTURE: the graphs' largest token count (1024: a
       # 33-token tree at batch 64 is 2112 and ran without graphs, 2026-12-05)
       # SETS: the sets run (default both; SETS=mt-bench for a lease with little left)
-      local sets=(); for set in ${SETS:-mt-bench humaneval}; do sets+=(--prompts "$set"); done
+      local sets=() name; for name in ${SETS:-mt-bench humaneval}; do sets+=(--prompts "$name"); done
       host real-bench "${sets[@]}" "${S[@]}" \
         --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${PHASES-} \

@@ -30,15 +30,22 @@ def draft_topk(logits: torch.Tensor, k: int, temperature: float = 1.0,
         return draft_topk_reference(logits, k, temperature)
     from vllm_specplug.kernels.draft_topk import draft_topk_kernel
 
-    vocab_size = logits.shape[-1]
-    rows = logits.reshape(-1, vocab_size)
+    rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    logprobs = torch.empty(rows.shape[0], k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(rows.shape[0], k, dtype=torch.int64, device=logits.device)
-    if rows.shape[0]:
-        draft_topk_kernel[(rows.shape[0],)](
-            rows, logprobs, ids, rows.stride(0), vocab_size, float(temperature), K=k,
-            K_PAD=next_power_of_2(k), BLOCK_V=min(BLOCK_V, next_power_of_2(vocab_size)))
+    logprobs, ids = launch_draft_topk(draft_topk_kernel, rows, k, temperature)
     shape = (*logits.shape[:-1], k)
     return logprobs.view(shape), ids.view(shape)
+
+
+def launch_draft_topk(kernel, rows: torch.Tensor, k: int, temperature: float = 1.0):
+    """(logprobs [n, k] float32, ids [n, k] int64) of `kernel` (the
+    `draft_topk_kernel` signature) over rows [n, V], unit stride in V."""
+    vocab_size = rows.shape[-1]
+    logprobs = torch.empty(rows.shape[0], k, dtype=torch.float32, device=rows.device)
+    ids = torch.empty(rows.shape[0], k, dtype=torch.int64, device=rows.device)
+    if rows.shape[0]:
+        kernel[(rows.shape[0],)](
+            rows, logprobs, ids, rows.stride(0), vocab_size, float(temperature), K=k,
+            K_PAD=next_power_of_2(k), BLOCK_V=min(BLOCK_V, next_power_of_2(vocab_size)))
+    return logprobs, ids

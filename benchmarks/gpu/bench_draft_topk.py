@@ -9,9 +9,15 @@ nodes, each frontier node's children taken as its top-k (`topk` k and a
 frontier of k nodes after the first step: tree 16 is k=4, the wide trees
 8, 16 and 32). Logits are bf16 normal draws x 3 over the vocabulary
 (`--vocab`, SmolLM2's 49152 by default), the large entries anywhere in the row
-as in a head's output. Times are CUDA-event means over 100 launches (GPU time,
-no host work); `ids_equal` checks the kernel against the reference on each
-case (float32 logits, so no ties).
+as in a head's output. Times are CUDA-event means over 100 launches captured
+in one CUDA graph and replayed (`*_ms`: GPU time, as the drafting runs in
+service, inside the head's captured passes), and for ours also launched
+eagerly (`ours_eager_ms`: at small shapes the host's launch rate, not the
+GPU, sets it; the first H100 run of 2026-12-06 timed only that way and read
+the host). Ours and the baseline go through the same `launch_draft_topk`.
+`ids_equal` checks the kernel against the reference on each case (float32
+logits: ties are rare, but a row of the 2048-row cases can hold one, and
+then either order is right).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 from bench_tree_attention import gpu_ms  # same folder: the script's own path
 
+from vllm_specplug.kernels.draft_topk import draft_topk_kernel
 from vllm_specplug.proposers.draft_topk import (draft_topk, draft_topk_reference,
                                                 launch_draft_topk)
 
@@ -38,6 +45,25 @@ def load_baseline(path: Path):
     return module.draft_topk_kernel
 
 
+def graph_ms(fn, repeats: int = 100) -> float:
+    """GPU ms a call of `fn`: `repeats` calls captured in one CUDA graph,
+    the graph replayed between two events (no launch cost in the time)."""
+    fn()  # compiles and allocates outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def case_row(k: int, batch: int, vocab: int, baseline) -> dict:
     num_rows = batch * (1 if k == 1 else k)
     generator = torch.Generator(device="cuda").manual_seed(k * 1000 + batch)
@@ -47,12 +73,13 @@ def case_row(k: int, batch: int, vocab: int, baseline) -> dict:
     bf16 = logits.to(torch.bfloat16)
     row = {"topk": k, "batch_size": batch, "rows": num_rows, "vocab": vocab,
            "ids_equal": bool(torch.equal(ids, want_ids)),
-           "ours_ms": gpu_ms(lambda: draft_topk(bf16, k, backend="triton"), 100),
-           "torch_ms": gpu_ms(lambda: draft_topk_reference(bf16, k), 100)}
+           "ours_ms": graph_ms(lambda: launch_draft_topk(draft_topk_kernel, bf16, k)),
+           "ours_eager_ms": gpu_ms(lambda: draft_topk(bf16, k, backend="triton"), 100),
+           "torch_ms": graph_ms(lambda: draft_topk_reference(bf16, k))}
     if baseline is not None:
         _, base_ids = launch_draft_topk(baseline, logits, k)
         row["baseline_ids_equal"] = bool(torch.equal(base_ids, want_ids))
-        row["baseline_ms"] = gpu_ms(lambda: launch_draft_topk(baseline, bf16, k), 100)
+        row["baseline_ms"] = graph_ms(lambda: launch_draft_topk(baseline, bf16, k))
     return row
 
 

@@ -56,6 +56,7 @@
 #            SCHEMA_ROWS=depth: vLLM eagle3 K=5 and our chain K=5 unmasked with its rows in
 #            the worker as deep as drafts get accepted (grammar_row_depth "auto", the
 #            default) and every row ("full");
+#            DTYPE=float32 (with F32=ieee): outputs compared token for token, as smollm2-sets;
 #            SCHEMA_ROWS=lean: vLLM eagle3 K=5 and our tree 16 with our defaults;
 #            SCHEMA_ROWS=lean-rows: the same plus our tree 16 with grammar_tree_rows
 #            ${TREE_ROWS:-8}; SCHEMA_ROWS=choices: the same plus our tree 16 with
@@ -486,7 +487,7 @@ run() {
       mapfile -t P < <(for set in ${SCHEMA_SETS:-mt-bench-json mt-bench-json-free}; do printf '%s\n' --prompts "$set"; done)
       host real-bench "${P[@]}" \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
-        --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 \
+        --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${DTYPE:+--dtype "$DTYPE"} \
         --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
         ${PHASES-} --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-tp)

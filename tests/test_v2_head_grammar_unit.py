@@ -227,6 +227,56 @@ def test_first_step_masks_hold_a_chains_first_draft_to_the_grammar(tiny_model_di
     assert int(chain.token_ids[0, 1]) in _allowed_after_one(structured)
 
 
+def test_a_padded_pass_drafts_the_last_structured_requests_tree_again(tiny_model_dir):
+    """A pass padded to a capture size repeats its last request (`padded`,
+    kernels/tree_rows.py): under first-step masks the padded rows take that
+    request's row too and draft its tree again, so every tree written for
+    its slot is the same one (the fused step stores them all, the slot
+    repeated: `TreeSlots.store`; padded rows that allowed every token drafted
+    another tree there). Batch "free", "free", "digits" (pool slots 1, 1, 0),
+    padded to 4 rows."""
+    structured = _structured(tiny_model_dir)
+    speculator = _speculator(structured)
+    speculator.max_num_reqs = 4
+    SpecplugV2HeadSpeculator._attach_root_masks(speculator)
+
+    def draft(slots: list[int]):
+        return speculator.runtime.draft_slots(torch.tensor(slots), torch.tensor([ONE] * len(slots)),
+                                              torch.tensor([PROMPT_LEN] * len(slots)), 16, *TREE)
+
+    unmasked = draft([0])  # no rows loaded yet: every token allowed
+    allowed = _allowed_after_one(structured)
+    assert _children(unmasked, 0) - allowed, "unmasked children are digits already: no test"
+    rows = structured.root_bitmask(_batch(), speculator.req_states)  # "digits", "free"
+    speculator.root_masks.load(rows[[1, 1, 0]])
+    tree = draft([1, 1, 0, 0])
+    assert _children(tree, 2) <= allowed
+    for field in ("token_ids", "parent_ids", "depths", "packed_mask"):
+        assert torch.equal(getattr(tree, field)[3], getattr(tree, field)[2]), field
+    assert speculator.root_masks.num_masked_rows == 4
+
+
+def test_root_masks_repeat_the_last_row_in_a_padded_batchs_rows():
+    """`RootMasks.load`: rows past the batch up to its padded size
+    (`padded_batch`) copy the last request's row; past that, rows another
+    step masked are reset."""
+    from vllm_specplug.integration.v2.root_masks import RootMasks
+
+    masks = RootMasks(num_rows=8, vocab_size=64, draft_to_target=torch.tensor([0, 3, 33, 40]))
+    bitmask = torch.full((3, 2), -1, dtype=torch.int32)
+    bitmask[2] = 0
+    bitmask[2, 1] = 1 << 1          # the last row: target 33 only (draft id 2)
+    masks.load(bitmask)
+    assert masks.num_masked_rows == 4
+    assert masks.allowed[3].tolist() == masks.allowed[2].tolist() == [False, False, True, False]
+    assert bool(masks.allowed[:2].all()) and bool(masks.allowed[4:].all())
+    masks.load(bitmask[[2, 2, 2, 2, 2]])  # five rows: padded to 8
+    assert masks.num_masked_rows == 8
+    assert masks.allowed[7].tolist() == [False, False, True, False]
+    masks.load(bitmask[:1])
+    assert masks.num_masked_rows == 1 and bool(masks.allowed.all())
+
+
 def test_root_masks_keep_a_row_that_allows_no_draft_id_and_reset_rows_left_over():
     """`RootMasks` on its own: a row allowing only tokens outside the head's
     draft vocabulary keeps its logits (all -inf would make the log-softmax

@@ -228,8 +228,12 @@ class TreeOptions(ProposerOptions):
         token no speculation does not on an H100 in float32, twice, where
         "choices" and "rows" alone were exact (a regex batch switching
         between them; docs/results/v2_grammar_auto_h100), though exact six
-        times on another H100 and an H200 (v2_grammar_auto_h100_s64). Not
-        explained yet."""
+        times on another H100 and an H200 (v2_grammar_auto_h100_s64). A
+        candidate cause, a race, was fixed on 2026-12-06: padded rows of a
+        drafting pass allowed every token where the last request's grammar
+        masked its first step, drafting another tree into that request's
+        slot (integration/v2/root_masks.py). The refusal stays until a GPU
+        run shows "auto" exact again."""
         if self.grammar_verify == AUTO_VERIFY:
             raise ProposerConfigError(
                 f"speculative_config for method {self.method_name!r}: grammar_verify='auto' "

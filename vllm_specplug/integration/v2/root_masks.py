@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from vllm_specplug.integration.grammar_drafting import draft_bits
+from vllm_specplug.proposers.head_graphs import padded_batch
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 
@@ -45,7 +46,7 @@ class RootMasks:
         # cost about six kernels a pass to unpack in the graphs)
         self.allowed = torch.ones(num_rows, draft_to_target.shape[0], dtype=torch.bool,
                                   device=draft_to_target.device)
-        self.num_masked_rows = 0  # leading rows that hold a grammar's bits
+        self.num_masked_rows = 0  # leading rows that hold a grammar's bits (padding too)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V_draft] of the first drafting step -> the same, -inf
@@ -56,18 +57,28 @@ class RootMasks:
         """The step's rows ([num_reqs, words] int32 on the host, batch order,
         ALL_ALLOWED words for free requests; None: no grammar in the batch).
         A row whose grammar allows no draft id allows them all (all -inf
-        would make the log-softmax NaN). Rows a previous step masked past
-        these are reset: a padded pass would read them."""
+        would make the log-softmax NaN). The rows a pass padded to a capture
+        size adds repeat the last request (`padded_batch`): they copy its
+        row, so that they draft its tree again. Allowing everything there
+        had them draft another tree into the same slot: the fused step
+        stored both (`TreeSlots.store`, repeated slots), and on CUDA the
+        kept parents, depths and ancestor bits could come from different
+        trees (an output of the H100's wide tree under a JSON schema differed
+        from no speculation's at a 1.75-nat gap, 2026-12-06). Rows a
+        previous step masked past these are reset: a padded pass would read
+        them."""
         num_rows = 0 if bitmask is None else bitmask.shape[0]
-        if self.num_masked_rows > num_rows:
-            self.allowed[num_rows:self.num_masked_rows] = True
+        num_padded = min(padded_batch(num_rows), self.allowed.shape[0]) if num_rows else 0
+        if self.num_masked_rows > num_padded:
+            self.allowed[num_padded:self.num_masked_rows] = True
         if bitmask is not None:
             words = torch.full((num_rows, self.num_words), ALL_ALLOWED, dtype=torch.int32)
             num_words = min(bitmask.shape[1], self.num_words)
             words[:, :num_words] = bitmask[:, :num_words]
             allowed = draft_bits(words.to(self.allowed.device), self.draft_to_target)
             self.allowed[:num_rows] = allowed | ~allowed.any(-1, keepdim=True)
-        self.num_masked_rows = num_rows
+            self.allowed[num_rows:num_padded] = self.allowed[num_rows - 1]
+        self.num_masked_rows = num_padded
 
     def clear(self) -> None:
         """Every row allowed (a step whose fill failed)."""

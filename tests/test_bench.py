@@ -616,6 +616,8 @@ def _check_phases(rows) -> None:
             assert kinds["first"]["num_steps"] == 1 and "mixed" not in kinds, kinds
             assert kinds["decode"]["num_steps"] == measured["num_steps"] - 2, kinds
             assert min(kind["wall_ms"] for kind in kinds.values()) > 0
+            # each kind's host time by phase: a first step runs the target's forward
+            assert kinds["first"]["phases"]["forward"] > 0, kinds
         assert "gpu_ms" in row["phases"]["profiled"]["phases"]["forward"]
 
 

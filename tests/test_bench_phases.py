@@ -78,7 +78,7 @@ def test_steps_are_timed_by_kind_from_one_to_the_next():
     a schedule of no tokens is not a step."""
     from types import SimpleNamespace
 
-    from vllm_specplug.bench.report import format_step_kinds_table
+    from vllm_specplug.bench.report import format_first_steps_table, format_step_kinds_table
     from vllm_specplug.bench.step_kinds import StepClock, step_kind
 
     def output(new=(), cached=(), counts=None, drafts=None):
@@ -101,7 +101,15 @@ def test_steps_are_timed_by_kind_from_one_to_the_next():
     for kind, ms in [("first", 0), ("mixed", 10), (None, 12), ("mixed", 14), ("decode", 17),
                      ("decode", 20), ("first", 100), ("decode", 108)]:
         clock.step(kind, ms / 1e3)
+        # each step's phases, in the step that is open: 2 ms of ingest in a first step
+        clock.add("forward", 1e-3)
+        clock.add("ingest_prefills", 2e-3 if kind == "first" else 0.0)
     summary = clock.summary()
+    assert summary["first"]["phases"] == {"forward": 1.0, "ingest_prefills": 2.0}
+    # a decode step: its own calls and the call after the schedule of no tokens
+    # (the mixed step before it stays open); the pass's last counts too
+    assert summary["decode"]["phases"] == {"forward": 1.0, "ingest_prefills": 0.0}
+    assert summary["mixed"]["phases"]["forward"] == 1.5
     assert {k: v["num_steps"] for k, v in summary.items()} == {
         "first": 2, "mixed": 2, "decode": 1}
     assert [round(summary[k]["wall_ms"], 6) for k in ("first", "mixed", "decode")] == [
@@ -113,6 +121,10 @@ def test_steps_are_timed_by_kind_from_one_to_the_next():
     assert table.splitlines()[-1].split() == ["ours", "64", "2", "9.00", "2", "3.50", "1",
                                               "3.00"]
     assert len(table.splitlines()) == 3  # the row without a probe is left out
+    first = format_first_steps_table([row, SimpleNamespace(name="x", batch_size=1, error=None,
+                                                           phases={})]).splitlines()
+    assert first[0].split()[-3:] == ["ms", "forward", "ingest_prefills"]
+    assert first[-1].split() == ["ours", "64", "9.00", "1.000", "2.000"] and len(first) == 3
 
 
 def test_phase_probe_times_our_head_speculators_steps_with_prefills():

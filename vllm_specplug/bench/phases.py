@@ -164,6 +164,7 @@ class PhaseProbe:
                     for phase in phases:
                         probe.host_seconds[phase] += seconds
                         probe.num_calls[phase] += 1
+                        probe.clock.add(phase, seconds)
                     probe.num_calls[method] += 1
 
         own = vars(target).get(method, _NOT_OWN)

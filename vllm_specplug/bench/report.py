@@ -236,6 +236,22 @@ def format_step_kinds_table(rows) -> str:
         lambda row: step_kind_cells(row.phases["timed"]["step_kinds"]))
 
 
+def format_first_steps_table(rows) -> str:
+    """Host ms by phase in a wave's first steps (bench/step_kinds.py), per
+    row probed: where the first step's time goes beside a decode step's; ""
+    where no row has first steps with phases."""
+    firsts = {id(r): ((r.phases or {}).get("timed") or {}).get("step_kinds", {}).get("first")
+              for r in rows}
+    probed = [r for r in rows if (firsts[id(r)] or {}).get("phases")]
+    names = [p for p in PHASE_ORDER if any(p in firsts[id(r)]["phases"] for r in probed)]
+    return _decision_table(
+        probed, "phases", "first steps, host ms by phase",
+        f"{'ms':>7}" + "".join(f"{name:>{max(9, len(name) + 1)}}" for name in names),
+        lambda row: f"{firsts[id(row)]['wall_ms']:>7.2f}" + "".join(
+            f"{_ms(firsts[id(row)]['phases'].get(name)):>{max(9, len(name) + 1)}}"
+            for name in names))
+
+
 PHASE_ORDER = ("step", "forward", "verify", "compact_kv", "draft", "decode_step", "ingest",
                "draft_tree", "ingest_prefills", "ingest_decodes", "draft_apart",
                "adopt_prefixes", "save_prefixes", "grammar", "grammar_wait", "worker_rows",

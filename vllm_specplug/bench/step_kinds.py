@@ -20,6 +20,12 @@ async scheduling the host is held back by the GPU once the pipeline is full,
 so over a wave these intervals add up to its wall time. The step before a
 `first` one is not counted (its interval holds the idle time between two
 waves), nor is the pass's last.
+
+Each kind also gets its steps' host time by phase (bench/phases.py's
+phases, per step of the kind): where a first step goes. On the H100 our
+trees' first steps took 12.3-12.8 ms against vLLM `eagle3`'s 8.1 (SmolLM2,
+batch 1, docs/results/smollm2_bestk_w16_h100_s68), and the phases averaged
+over every step put about 2 ms of host time into each prefill ingest.
 """
 from __future__ import annotations
 
@@ -50,9 +56,13 @@ def step_kind(scheduler_output) -> str | None:
 
 @dataclass
 class StepClock:
-    """Seconds and steps per kind, from the start of one step to the next's."""
+    """Seconds and steps per kind, from the start of one step to the next's;
+    and the host seconds of each probed phase (bench/phases.py) in steps of
+    each kind, over every step of that kind seen (`num_seen`)."""
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     num_steps: dict = field(default_factory=lambda: defaultdict(int))
+    num_seen: dict = field(default_factory=lambda: defaultdict(int))
+    phase_seconds: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     open_kind: str | None = None  # the step whose interval is running
     opened: float = 0.0
 
@@ -64,11 +74,20 @@ class StepClock:
             self.seconds[self.open_kind] += now - self.opened
             self.num_steps[self.open_kind] += 1
         self.open_kind, self.opened = kind, now
+        self.num_seen[kind] += 1
+
+    def add(self, phase: str, seconds: float) -> None:
+        """A call of `phase` took `seconds` of host time in the open step."""
+        if self.open_kind is not None:
+            self.phase_seconds[self.open_kind][phase] += seconds
 
     def summary(self) -> dict:
-        """{kind: {"num_steps", "wall_ms" (per step)}} for the kinds seen."""
+        """{kind: {"num_steps", "wall_ms" (per step), "phases": {phase: host
+        ms per step of that kind}}} for the kinds seen."""
         return {kind: {"num_steps": self.num_steps[kind],
-                       "wall_ms": 1e3 * self.seconds[kind] / self.num_steps[kind]}
+                       "wall_ms": 1e3 * self.seconds[kind] / self.num_steps[kind],
+                       "phases": {phase: 1e3 * seconds / self.num_seen[kind]
+                                  for phase, seconds in self.phase_seconds[kind].items()}}
                 for kind in STEP_KINDS if self.num_steps[kind]}
 
 

@@ -294,16 +294,17 @@ def _partial_writer(out: str | None):
 
 def _offline_tables(rows, phases: bool, host_profile: bool) -> str:
     """The tables of each prompt set, one set after the other."""
-    from vllm_specplug.bench.report import (format_host_profiles, format_offline_table,
-                                            format_phases_table, format_step_kinds_table,
-                                            rows_by_set)
+    from vllm_specplug.bench.report import (format_first_steps_table, format_host_profiles,
+                                            format_offline_table, format_phases_table,
+                                            format_step_kinds_table, rows_by_set)
 
     sections = []
     for prompt_set, set_rows in rows_by_set(rows).items():
         tables = [format_offline_table(set_rows)]
         if phases or host_profile:
             tables += [t for t in (format_phases_table(set_rows),
-                                   format_step_kinds_table(set_rows)) if t]
+                                   format_step_kinds_table(set_rows),
+                                   format_first_steps_table(set_rows)) if t]
         if host_profile:
             tables.append(format_host_profiles(set_rows))
         title = [f"== prompts: {prompt_set} =="] if prompt_set else []

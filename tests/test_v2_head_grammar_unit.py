@@ -256,6 +256,34 @@ def test_a_padded_pass_drafts_the_last_structured_requests_tree_again(tiny_model
     assert speculator.root_masks.num_masked_rows == 4
 
 
+def test_the_fused_steps_padding_stores_its_trees_in_the_spare_slot(tiny_model_dir):
+    """`_emit` (the fused decode step's store): rows past the step's requests
+    repeat the last one's slot, and whatever they drafted goes to the spare
+    slot past the requests', so the last request's slot keeps its own tree
+    even where a padded row drafted another (here: another root token).
+    Batch: slots 1, 0, 0 (three requests), padded to 4 rows."""
+    from vllm_specplug.integration.v2.step_inputs import StepInputs
+    from vllm_specplug.integration.v2.tree_slots import TreeSlots
+
+    speculator = _speculator(_structured(tiny_model_dir))
+    speculator.tree_slots = TreeSlots(speculator.max_num_reqs + 1, TREE[2], "cpu")
+    speculator.step_inputs = StepInputs(4, 2, torch.device("cpu"))
+    speculator.drafts = torch.zeros(4, TREE[2] - 1, dtype=torch.int64)
+    slots = torch.tensor([1, 0, 0, 0])
+    tree = speculator.runtime.draft_slots(slots, torch.tensor([ONE, ONE, ONE, ONE + 1]),
+                                          torch.tensor([PROMPT_LEN] * 4), 16, *TREE)
+    assert not torch.equal(tree.parent_ids[3], tree.parent_ids[2]) or not torch.equal(
+        tree.token_ids[3], tree.token_ids[2]), "the padded row drafted the same tree: no test"
+    speculator.step_inputs.num_requests.fill_(3)
+    SpecplugV2HeadSpeculator._emit(speculator, slots, tree)
+    stored = speculator.tree_slots
+    assert torch.equal(stored.parents[0], tree.parent_ids[2])
+    assert torch.equal(stored.depths[0], tree.depths[2].to(torch.int32))
+    assert torch.equal(stored.bits[0], tree.packed_mask[2])
+    assert torch.equal(stored.parents[2], tree.parent_ids[3])  # the spare slot
+    assert torch.equal(speculator.drafts[2], tree.token_ids[2, 1:])
+
+
 def test_root_masks_repeat_the_last_row_in_a_padded_batchs_rows():
     """`RootMasks.load`: rows past the batch up to its padded size
     (`padded_batch`) copy the last request's row; past that, rows another

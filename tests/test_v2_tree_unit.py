@@ -616,10 +616,10 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     runtimes = [HeadRuntime(head, embed) for _ in range(2)]
     for runtime in runtimes:
         runtime.make_pool(4, torch.float32, "cpu")
-    fresh_slots = TreeSlots(4, 16, "cpu")
+    fresh_slots = TreeSlots(5, 16, "cpu")  # 4 requests' slots and the padding's spare one
     warm = SimpleNamespace(runtime=runtimes[0], step_inputs=StepInputs(4, 8, torch.device("cpu")),
                            drafter=SimpleNamespace(tree_shape=(4, 4, 16)), max_num_reqs=4,
-                           device=torch.device("cpu"), tree_slots=TreeSlots(4, 16, "cpu"),
+                           device=torch.device("cpu"), tree_slots=TreeSlots(5, 16, "cpu"),
                            drafts=torch.zeros(4, 15, dtype=torch.int64))
     warm._emit = lambda slots, tree: SpecplugV2HeadSpeculator._emit(warm, slots, tree)
     emitted = []

@@ -53,6 +53,7 @@ class HeadRows:
         num_reqs = input_batch.num_reqs
         size = padded_batch(num_reqs)
         rows = self.step_inputs.rows(size, num_rows)
+        self.step_inputs.num_requests.fill_(num_reqs)  # the rows past it: padding
         self._verified(input_batch, self.step_inputs.batch_rows[:num_reqs], num_rejected,
                        last_sampled, num_rows, size, out=rows)
         target = self.step_inputs.hidden(size * num_rows,

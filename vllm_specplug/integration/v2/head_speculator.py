@@ -91,7 +91,9 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.max_positions = (vllm_config.model_config.max_model_len
                               + self.num_speculative_steps + 1)
         num_nodes = self.drafter.options.num_draft_tokens
-        self.tree_slots = (TreeSlots(self.max_num_reqs, num_nodes, device)
+        # one slot past the requests': the fused step's padded rows store
+        # their trees there (`_emit`), not in the slot of the request they repeat
+        self.tree_slots = (TreeSlots(self.max_num_reqs + 1, num_nodes, device)
                            if self.drafter.is_tree else None)
         self.grammar_parents = (GrammarParents(device) if self.tree_slots is not None
                                 and device.type == "cuda" else None)
@@ -401,10 +403,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
 
     def _emit(self, slots: torch.Tensor, tree) -> None:
         """Inside the fused step's pass: drafts of the padded batch (rows past
-        num_reqs are never read), and the trees for the next step's layout."""
+        num_reqs are never read), and the trees for the next step's layout
+        (the padding's in the spare slot: `StepInputs.stored_slots`)."""
         self.drafts[:slots.shape[0], :tree.num_nodes - 1].copy_(tree.token_ids[:, 1:])
         if self.tree_slots is not None:
-            self.tree_slots.store(slots, tree, True)
+            self.tree_slots.store(self.step_inputs.stored_slots(slots, self.max_num_reqs),
+                                  tree, True)
 
     def _draft(self, input_batch, last_sampled, num_keys: int, drafts,
                shape: tuple[int, int, int], masks=None) -> None:

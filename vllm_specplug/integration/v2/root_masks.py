@@ -58,15 +58,16 @@ class RootMasks:
         ALL_ALLOWED words for free requests; None: no grammar in the batch).
         A row whose grammar allows no draft id allows them all (all -inf
         would make the log-softmax NaN). The rows a pass padded to a capture
-        size adds repeat the last request (`padded_batch`): they copy its
-        row, so that they draft its tree again. Allowing everything there
-        had them draft another tree into the same slot: the fused step
-        stored both (`TreeSlots.store`, repeated slots), and on CUDA the
-        kept parents, depths and ancestor bits could come from different
-        trees (an output of the H100's wide tree under a JSON schema differed
-        from no speculation's at a 1.75-nat gap, 2026-12-06). Rows a
-        previous step masked past these are reset: a padded pass would read
-        them."""
+        size adds repeat the last request (`padded_batch`), slot included:
+        they copy its row, so that they draft its tree again and write its
+        head's cache rows as it does. Allowing everything there had them
+        draft another tree into the same slot, and the fused step stored
+        both (`TreeSlots.store`, repeated slots): on CUDA the kept parents,
+        depths and ancestor bits could come from different trees (an output
+        of the H100's wide tree under a JSON schema differed from no
+        speculation's at a 1.75-nat gap, 2026-12-06). The padding's trees
+        now go to a spare slot (`StepInputs.stored_slots`). Rows a previous
+        step masked past these are reset: a padded pass would read them."""
         num_rows = 0 if bitmask is None else bitmask.shape[0]
         num_padded = min(padded_batch(num_rows), self.allowed.shape[0]) if num_rows else 0
         if self.num_masked_rows > num_padded:

@@ -41,6 +41,19 @@ class StepInputs:
         self.buffers = VerifiedRows.empty(max_padded, max_rows, device)
         self.batch_rows = torch.arange(max_padded, dtype=torch.int64, device=device)  # [Bp]
         self.target: torch.Tensor | None = None  # [Bp * R, *] the target's hidden states
+        # [1] int64: the step's requests; the rows past them pad to a capture size
+        self.num_requests = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def stored_slots(self, slots: torch.Tensor, spare: int) -> torch.Tensor:
+        """slots [P] of a padded pass -> the same with the padding's rows
+        sent to slot `spare`, where nothing reads (graph-safe: `num_requests`
+        is read in place). Padding repeats the last request, slot included:
+        its rows draft that request's tree again only if every op computes
+        them bit for bit as the real row (a GEMM that tiles the padded rows
+        apart need not), and a repeated index keeps an undefined one of the
+        writes, each tree field apart (docs/results/smollm2_schema_t1_h100_s68)."""
+        rows = self.batch_rows[:slots.shape[0]]
+        return torch.where(rows < self.num_requests, slots, torch.full_like(slots, spare))
 
     def rows(self, size: int, num_rows: int) -> VerifiedRows:
         b, n = self.buffers, size * num_rows

@@ -249,6 +249,6 @@ def _forget_placeholders(speculator) -> None:
     to its slot drops them anyway), its tree and its drafts."""
     speculator.runtime.pool.valid.zero_()
     speculator.drafts.zero_()
-    if speculator.tree_slots is not None:
-        speculator.tree_slots.forget(torch.arange(speculator.max_num_reqs,
+    if speculator.tree_slots is not None:  # every slot, the padding's spare one too
+        speculator.tree_slots.forget(torch.arange(speculator.tree_slots.max_num_reqs,
                                                   device=speculator.device))

@@ -124,6 +124,11 @@ PAR_ARG=${PARALLEL:+--parallel-starts}
 # τ on SmolLM2 fell under vLLM's, 2026-12-04: our head's saved prefix rows on or off)
 NOPFX=${NO_PREFIX_CACHE:+"\"enable_prefix_caching\": false, "}
 
+prompt_args() {  # "SET SET ...": one `--prompts SET` pair a set, an argument a line
+  local name
+  for name in $1; do printf '%s\n' --prompts "$name"; done
+}
+
 wide_tree() {  # HEAD_DIR DEFAULT_SHAPE: a wide tree from WIDE="topk num_steps num_draft_tokens"
   # (else DEFAULT_SHAPE): sets wide_name (ours-tree-K-S-N) and wide (its JSON fields)
   local wk ws wn
@@ -379,8 +384,8 @@ run() {
       # SIZES: fewer batch sizes; CAPTURE: the graphs' largest token count (1024: a
       # 33-token tree at batch 64 is 2112 and ran without graphs, 2026-12-05)
       # SETS: the sets run (default both; SETS=mt-bench for a lease with little left)
-      local sets=() name; for name in ${SETS:-mt-bench humaneval}; do sets+=(--prompts "$name"); done
-      host real-bench "${sets[@]}" "${S[@]}" \
+      mapfile -t P < <(prompt_args "${SETS:-mt-bench humaneval}")
+      host real-bench "${P[@]}" "${S[@]}" \
         --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${PHASES-} \
         ${DTYPE:+--dtype "$DTYPE"} \
@@ -484,7 +489,7 @@ run() {
                        # measured step times (which hold the grammar's fill of its rows)
                        [ "${ADAPTIVE:-0}" = 1 ] && printf '%s\n' --spec "ours-tree16-adaptive={$tree, \"adaptive\": true}")
       fi
-      mapfile -t P < <(for set in ${SCHEMA_SETS:-mt-bench-json mt-bench-json-free}; do printf '%s\n' --prompts "$set"; done)
+      mapfile -t P < <(prompt_args "${SCHEMA_SETS:-mt-bench-json mt-bench-json-free}")
       host real-bench "${P[@]}" \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${DTYPE:+--dtype "$DTYPE"} \

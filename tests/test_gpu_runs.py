@@ -31,6 +31,8 @@ RUNS = [
     ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-sets", {"ROWS": "tau-ab"}),
     ("smollm2-sets", {"ROWS": "bestk-wide", "SIZES": "1", "PHASES": "--phases"}),
+    ("smollm2-sets", {"ROWS": "bestk-all", "WIDE": "16 4 64", "SIZES": "16 64",
+                      "CAPTURE": "4160", "TREE_T": "1.0"}),
     ("smollm2-sets", {"ROWS": "wide", "SIZES": "64", "CAPTURE": "2112"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide-choices", "WIDE": "8 4 32", "SIZES": "16"}),
     ("smollm2-schema", {"SCHEMA_ROWS": "wide-choices", "WIDE": "8 4 32", "TREE_T": "1.0",

@@ -21,7 +21,8 @@
 #            eagle3 K=5 fixed, sized and with its adaptive verification, our chain K=5 with
 #            the same adaptive verification and our tree sized (issue 27); ROWS=bestk: vLLM's
 #            eagle3 at K 3, 5 and 7, our chain K=5 and our tree 16 (issue 26); ROWS=bestk-wide:
-#            vLLM's eagle3 at K 3, 5 and 7, our tree 16 and the wide tree (WIDE); ROWS=compile:
+#            vLLM's eagle3 at K 3, 5 and 7, our tree 16 and the wide tree (WIDE); ROWS=bestk-all:
+#            the same plus our chain K=5 (one run for both of issue 26's goals); ROWS=compile:
 #            vLLM's eagle3 K=5, our chain K=5 and tree 16 each as by default (draft_compile
 #            on CUDA) and eager ("-eager"); ROWS=compile-aa: the same plus vLLM's eagle3 K=5
 #            in a second engine (how far two engines of one config part); ROWS=tau-ab: vLLM's
@@ -179,14 +180,17 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       vllm_k3_k7 "$h"
       printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" \
         --spec "ours-tree16={$tree}" ;;
-    bestk-wide)
+    bestk-wide|bestk-all)
       # issue 26's batch-1 goal (our best tree 1.2x vLLM's best K): vLLM's eagle3 at K 3
       # and 7 beside K 5 (above), our tree 16 and the wide tree (WIDE, default 8 4 32:
       # 1.25x vLLM K=5's decode speed on MT-Bench at batch 1, two repeats,
       # docs/results/smollm2_wide_h200_s60)
       wide_tree "$h" "8 4 32"
       vllm_k3_k7 "$h"
-      printf '%s\n' --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}" ;;
+      printf '%s\n' --spec "ours-tree16={$tree}" --spec "$wide_name={$wide}"
+      # bestk-all: plus our chain K=5 (issue 26: our chain >= vLLM's eagle3 at the same K)
+      [ "$1" = bestk-all ] && printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
+      true ;;
     tau-ab)
       # our chain's τ fell to 0.95x vLLM's on SmolLM2 (bf16, H200, 2026-12-04) and not on
       # CPU: the drafting's GPU paths since it was equal, each turned off in turn

@@ -148,7 +148,6 @@ class Batch:
 
 def _speculator(vllm_config, batch: Batch, choices: bool):
     """`SpecplugV2HeadSpeculator`'s fields its grammar functions read."""
-    from vllm_specplug.integration.grammar_choices import GrammarChoices
     from vllm_specplug.integration.guard import ProposerGuard
     from vllm_specplug.integration.row_threads import RowThreads
     from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
@@ -161,7 +160,8 @@ def _speculator(vllm_config, batch: Batch, choices: bool):
     speculator = SimpleNamespace(
         structured=structured, req_states=batch.req_states, tree_slots=object(),
         stats=SpeculatorStats("cpu"), worker_rows_req_ids=[], row_depth=None, tree_rows=None,
-        row_threads=RowThreads(1), grammar_choices=GrammarChoices() if choices else None,
+        row_threads=RowThreads(1),
+        grammar_choices=SpecplugV2HeadSpeculator.choices_for(structured) if choices else None,
         choices_min_trees=1 if choices else None, guard=ProposerGuard("bench", 10 ** 9),
         root_masks=RootMasks(len(batch.req_ids), batch.vocab_size,
                              torch.arange(batch.vocab_size)))

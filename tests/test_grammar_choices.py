@@ -43,7 +43,8 @@ def _sampler(temperatures: list[float]):
 
 def _choosing(tiny_model_dir, tokens, temperatures, min_trees: int = 1):
     speculator, runner = _speculator(tiny_model_dir, tokens)
-    speculator.grammar_choices, speculator.choices_min_trees = GrammarChoices(), min_trees
+    speculator.grammar_choices = SpecplugV2HeadSpeculator.choices_for(speculator.structured)
+    speculator.choices_min_trees = min_trees
     speculator._plan_choices = MethodType(SpecplugV2HeadSpeculator._plan_choices, speculator)
     runner.sampler, runner.batch_sharder = _sampler(temperatures), None
     runner.execute_model_state.input_batch.num_draft_tokens = 2 * K

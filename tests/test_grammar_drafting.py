@@ -143,3 +143,42 @@ def test_tokens_decided_on_the_host_advance_the_grammar_until_the_output_says_ot
 
 def grammar_of_r(grammars: DraftGrammars):
     return grammars.tracked["r"].holder.structured_output_request.grammar
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_walks_advances_are_kept_once_and_confirmed_by_the_output(vllm_config, tokenizer,
+                                                                     backend):
+    """`keep_known` takes a grammar the verification walk advanced already
+    (grammar_choices.py): the drafting pass's `advance_known` of the same
+    tokens then does no grammar work, and the output confirms them or
+    rolls them back as for `advance_known`'s own. Refused (the walk rolls
+    back): tokens still unconfirmed, or tokens past max_tokens."""
+    grammars = DraftGrammars(vllm_config)
+    params = _params(backend)
+    vocab_size = vllm_config.model_config.get_vocab_size()
+    a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
+    _compiled(grammars, params, [])
+    tracked, grammar = grammars.tracked["r"], grammar_of_r(grammars)
+    assert grammar.accept_tokens("r", [b])  # what the walk did
+    assert grammars.keep_known("r", params, [b], 1)
+    assert not grammars.keep_known("r", params, [c], 1)  # "b" still unconfirmed
+    calls = []
+    accept = grammar.accept_tokens
+    grammar.accept_tokens = lambda *args: calls.append(args) or accept(*args)
+    assert grammars.advance_known("r", params, [b]) and not calls
+    assert tracked.num_accepted == 1 and tracked.unconfirmed == [b] and not tracked.walked
+    assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(tokenizer, "b")
+    assert grammars.grammar_of("r", params, np.array([b])) is grammar  # confirmed
+    assert grammars.num_known_repairs == 0 and grammars.num_known_advances == 1
+    del grammar.accept_tokens
+    grammars.forget("r")
+    _compiled(grammars, params, [])
+    tracked, grammar = grammars.tracked["r"], grammar_of_r(grammars)
+    assert grammar.accept_tokens("r", [a])  # the walk's "a" where the output says "b"
+    assert grammars.keep_known("r", params, [a], 1)
+    grammar = grammars.grammar_of("r", params, np.array([b]))
+    assert grammars.num_known_repairs == 1 and tracked.num_accepted == 1
+    assert _first_step_allowed(grammars, grammar, vocab_size) == allowed_after(tokenizer, "b")
+    params.max_tokens = 2  # "c" then the stop token: one past it
+    assert not grammars.keep_known("r", params, [c, tokenizer.eos_token_id], 2)
+    assert tracked.num_accepted == 1 and tracked.unconfirmed is None

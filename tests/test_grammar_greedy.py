@@ -20,7 +20,7 @@ from vllm_specplug.verification.grammar_greedy import (GreedyGrammarWalk, masked
                                                        node_choices, unpack_row)
 from vllm_specplug.verification.tree_greedy import follow_choices
 
-from tests.test_tree_walks import TEXT, VOCAB, _grammar, compiled
+from tests.test_tree_walks import EOS, TEXT, VOCAB, _grammar, compiled
 
 __all__ = ["compiled"]  # a fixture
 
@@ -212,3 +212,66 @@ def test_a_token_the_grammar_allows_but_does_not_take_ends_the_path(compiled):
     assert path.accepted_node_ids == [0, 1] and path.output_token_ids == [a, w]
     assert path.cut_node_ids == [2]
     assert grammar.num_processed_tokens == len('{"topic": "H')
+
+
+def _advanced_by(compiled, prefix: str, output_token_ids: list[int]):
+    """A fresh grammar at `prefix`, advanced by a step's output as the
+    drafting pass advances it (`DraftGrammars.advance_known`: tokens after
+    the grammar's end ignored): (grammar, its advances)."""
+    grammar, num_advances = _grammar(compiled, prefix), 0
+    for token in output_token_ids:
+        if grammar.is_terminated():
+            break
+        assert grammar.accept_tokens("r", [token])
+        num_advances += 1
+    return grammar, num_advances
+
+
+def test_a_kept_walk_leaves_the_grammar_where_its_output_takes_it(compiled):
+    """`run(keep=True)` (grammar_verify "choices" on Model Runner V2): the
+    same path, and the grammar left advanced by every emitted token, the
+    bonus included, as the drafting pass would advance a grammar from the
+    walk's start: the same count of advances, the same next row. The last
+    case ends the grammar on its path (a stop token, then tokens the
+    grammar ignores)."""
+    rng = random.Random(7)
+    stop_logits = torch.zeros(3, len(VOCAB))
+    stop_logits[0, EOS], stop_logits[1, VOCAB.index("a")] = 5.0, 5.0
+    stop_case = (TEXT, [-1, 0, 1], [0, EOS, VOCAB.index("a")], stop_logits)
+    num_ended = 0
+    for case in range(61):
+        prefix, parents, tokens, logits = (stop_case if case == 60 else _random_case(
+            rng, compiled, rng.randrange(2, 14)))
+        grammar = _grammar(compiled, prefix)
+        start = grammar.num_processed_tokens
+        path = GreedyGrammarWalk(grammar, len(VOCAB), node_choices(logits, 3),
+                                 lambda node: logits[node].numpy()).run(tokens, parents,
+                                                                        keep=True)
+        assert (path.accepted_node_ids, path.output_token_ids) == _reference(
+            compiled, prefix, parents, tokens, logits)
+        expected, num_advances = _advanced_by(compiled, prefix, path.output_token_ids)
+        assert path.num_grammar_advances == num_advances
+        assert grammar.num_processed_tokens == start + num_advances
+        assert _row(grammar).tobytes() == _row(expected).tobytes()
+        assert grammar.is_terminated() == expected.is_terminated()
+        num_ended += grammar.is_terminated()
+    assert num_ended > 0
+
+
+@pytest.mark.parametrize("refused", ["draft", "bonus"])
+def test_a_kept_walk_whose_token_is_refused_ends_where_it_began(compiled, refused):
+    """A backend that allows a token and then refuses it (on the path: the
+    child is cut; as the bonus: nothing else changes) leaves nothing kept:
+    `num_grammar_advances` None, the grammar rolled back to its start."""
+    prefix = '{"topic": "H'
+    grammar = _grammar(compiled, prefix)
+    a, w = VOCAB.index("a"), VOCAB.index("w")
+    logits = torch.zeros(3, len(VOCAB))
+    logits[0, a], logits[1, w] = 5.0, 5.0  # the root chooses "a", node 1 "w"
+    tokens, parents = ([0, a, w], [-1, 0, 1]) if refused == "draft" else ([0, a], [-1, 0])
+    path = GreedyGrammarWalk(_Refusing(grammar, w), len(VOCAB), node_choices(logits, 2),
+                             lambda node: logits[node].numpy()).run(tokens, parents,
+                                                                    keep=True)
+    assert path.output_token_ids == [a, w] and path.num_grammar_advances is None
+    assert path.cut_node_ids == ([2] if refused == "draft" else [])
+    assert grammar.num_processed_tokens == len(prefix)

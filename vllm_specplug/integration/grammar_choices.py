@@ -42,8 +42,13 @@ class PlannedTree:
 class GrammarChoices:
     """The step's planned requests, then their draws corrected (`correct`)."""
 
-    def __init__(self, top_k: int = TOP_K) -> None:
+    def __init__(self, top_k: int = TOP_K, keep=None) -> None:
+        """`keep(req_id, tokens, num_advances) -> bool`: takes a request's
+        grammar as its walk left it, advanced by the `tokens` it emitted
+        (`DraftGrammars.keep_known`); False: the walk's advances are rolled
+        back. None: every walk ends where it began."""
         self.top_k = top_k
+        self.keep = keep
         self.planned: dict[str, PlannedTree] = {}
         # {req_id: the tokens the step emitted} of the last `correct`, for the
         # drafting pass that follows (`take_emitted`)
@@ -92,18 +97,34 @@ class GrammarChoices:
         cut: list[int] = []
         for start, tree in zip(starts, trees):
             num_nodes = len(tree.parents)
-            path = _walk(tree, logits, start, _slice(choices, start, num_nodes))
+            path = _walk(tree, logits, start, _slice(choices, start, num_nodes),
+                         self.keep is not None)
             argmax = choices.argmax_ids[start:start + num_nodes]
             fixes += [(start + node, token) for node, token in
                       zip(path.accepted_node_ids, path.output_token_ids) if token != argmax[node]]
             cut += [start + node for node in path.cut_node_ids]
             if not path.cut_node_ids:
                 self.emitted[tree.req_id] = path.output_token_ids
+                self._keep_or_roll_back(tree, path)
             self.counts += (1, path.num_top_choices, len(path.full_row_node_ids))
         if fixes:  # rows and tokens in one upload
             at, tokens = torch.tensor(fixes, dtype=torch.int64).to(logits.device).unbind(1)
             target_tokens[at] = tokens.to(target_tokens.dtype)
         return cut
+
+    def _keep_or_roll_back(self, tree: PlannedTree, path) -> None:
+        """A walk that kept its advances hands them on (`keep`), or undoes
+        them where they cannot be taken: the grammar must then be where it
+        began, for the output to advance it."""
+        advances = path.num_grammar_advances
+        if advances is None:
+            return
+        kept = False
+        try:
+            kept = self.keep(tree.req_id, path.output_token_ids, advances)
+        finally:
+            if not kept:
+                tree.grammar.rollback(advances)
 
     def host_choices(self, logits: torch.Tensor, target_tokens: torch.Tensor) -> NodeChoices:
         """The argmax and top-k of every logits row, on the host in one
@@ -128,9 +149,10 @@ def _slice(choices: NodeChoices, offset: int, num_nodes: int) -> NodeChoices:
     return NodeChoices(choices.argmax_ids[part], choices.top_ids[part], choices.top_logits[part])
 
 
-def _walk(tree: PlannedTree, logits: torch.Tensor, start: int, choices: NodeChoices):
+def _walk(tree: PlannedTree, logits: torch.Tensor, start: int, choices: NodeChoices,
+          keep: bool = False):
     def full_row(node: int) -> np.ndarray:  # rare: the argmax and its top-k all forbidden
         return logits[start + node].float().cpu().numpy()
 
     walk = GreedyGrammarWalk(tree.grammar, logits.shape[-1], choices, full_row, tree.req_id)
-    return walk.run(tree.token_ids, tree.parents)
+    return walk.run(tree.token_ids, tree.parents, keep)

@@ -32,6 +32,15 @@ import torch
 logger = logging.getLogger("vllm_specplug.grammar_drafting")
 
 
+def _within_max_tokens(token_ids: list[int], sampling_params, num_accepted: int) -> list[int]:
+    """`token_ids` cut where the request reaches max_tokens, `num_accepted`
+    output tokens taken already, as `DraftGrammars._advanced` cuts the output."""
+    max_tokens = getattr(sampling_params, "max_tokens", None)
+    if max_tokens is None:
+        return token_ids
+    return token_ids[:max(0, max_tokens - num_accepted)]
+
+
 def prefix_check(grammar):
     """`ProposeBatch.valid_prefix`'s check for one request: how many leading
     tokens of a candidate draft `grammar` (advanced to the request's output)
@@ -49,6 +58,9 @@ class _Tracked:
     # not yet seen in the request's output, and the grammar's advances for them
     unconfirmed: list[int] | None = None
     num_unconfirmed_advances: int = 0
+    # those tokens' advances were the verification walk's (`keep_known`):
+    # the drafting pass that follows finds the grammar advanced already
+    walked: bool = False
 
 
 @dataclass
@@ -132,14 +144,15 @@ class DraftGrammars:
         passed to this object shows them (`_confirm`). False, nothing done:
         no usable grammar, or tokens still unconfirmed (read the output)."""
         tracked = self.tracked.get(req_id)
+        if tracked is not None and tracked.walked:  # `keep_known` advanced it by them
+            tracked.walked = False
+            return tracked.unconfirmed == list(token_ids)
         if tracked is None or tracked.broken or tracked.unconfirmed is not None:
             return False
         grammar = tracked.holder.structured_output_request.grammar
         if grammar is None or isinstance(grammar, Exception):
             return False
-        max_tokens = getattr(sampling_params, "max_tokens", None)
-        if max_tokens is not None:  # as `_advanced` cuts the output
-            token_ids = token_ids[:max(0, max_tokens - tracked.num_accepted)]
+        token_ids = _within_max_tokens(token_ids, sampling_params, tracked.num_accepted)
         num_advances = 0
         for token in token_ids:
             if grammar.is_terminated():  # vLLM ignores tokens after the end
@@ -153,6 +166,27 @@ class DraftGrammars:
         self.num_known_advances += 1
         return True
 
+    def keep_known(self, req_id: str, sampling_params, token_ids: list[int],
+                   num_advances: int) -> bool:
+        """`advance_known` for a grammar the greedy walk of verification
+        (grammar_choices.py) has advanced by `token_ids` already, with
+        `num_advances` of its own: the same bookkeeping, none of the
+        grammar's work again (every token had been accepted twice, and
+        rolled back once, a step). False, nothing recorded (the caller rolls
+        the walk back): no usable grammar, tokens still unconfirmed, or
+        tokens past max_tokens (`advance_known` would feed fewer)."""
+        tracked = self.tracked.get(req_id)
+        if tracked is None or tracked.broken or tracked.unconfirmed is not None:
+            return False
+        if len(_within_max_tokens(token_ids, sampling_params,
+                                  tracked.num_accepted)) < len(token_ids):
+            return False
+        tracked.num_accepted += len(token_ids)
+        tracked.unconfirmed, tracked.num_unconfirmed_advances = list(token_ids), num_advances
+        tracked.walked = True
+        self.num_known_advances += 1
+        return True
+
     def _confirm(self, req_id: str, tracked: _Tracked, grammar,
                  output_token_ids: np.ndarray) -> None:
         """The tokens `advance_known` took, checked against the request's
@@ -160,7 +194,7 @@ class DraftGrammars:
         back to before them, and `_advanced` then feeds it the output."""
         known, end = tracked.unconfirmed, tracked.num_accepted
         start = end - len(known)
-        tracked.unconfirmed = None
+        tracked.unconfirmed, tracked.walked = None, False
         if len(output_token_ids) >= end and output_token_ids[start:end].tolist() == known:
             return
         logger.warning("vllm-specplug: request %s: its output %s differs from the tokens %s "

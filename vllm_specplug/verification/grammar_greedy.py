@@ -55,6 +55,9 @@ class GrammarPath:
     # backend's fault): the path ends at its parent, and the child must not
     # be accepted by whoever walks the draws
     cut_node_ids: list[int] = field(default_factory=list)
+    # `run(keep=True)`: the grammar's advances by the emitted tokens, kept
+    # (tokens after its end take none); None: it ended where it began
+    num_grammar_advances: int | None = None
 
 
 def children_by_token(token_ids: Sequence[int], parents: Sequence[int]) -> list[dict[int, int]]:
@@ -80,10 +83,14 @@ class GreedyGrammarWalk:
         self.full_row = full_row
         self.request_id = request_id
 
-    def run(self, token_ids: Sequence[int], parents: Sequence[int]) -> GrammarPath:
+    def run(self, token_ids: Sequence[int], parents: Sequence[int],
+            keep: bool = False) -> GrammarPath:
         """Follow the child drafted with the masked argmax from the root; the
         masked argmax where none was drafted is the bonus token. The grammar
-        is advanced along the path and rolled back: it ends where it began."""
+        is advanced along the path and rolled back: it ends where it began;
+        with `keep`, a path without cut nodes leaves it advanced by every
+        emitted token, the bonus included (`num_grammar_advances`): the
+        advances the request's next drafting pass would make again."""
         children = children_by_token(token_ids, parents)
         path = GrammarPath([0], [])
         num_accepted = 0
@@ -94,6 +101,8 @@ class GreedyGrammarWalk:
                 path.output_token_ids.append(token)
                 child = children[node].get(token)
                 if child is None:
+                    if keep:
+                        num_accepted = self._keep_bonus(token, num_accepted, path)
                     return path
                 if not self.grammar.is_terminated():  # vLLM ignores tokens after the end
                     if not self.grammar.accept_tokens(self.request_id, [token]):
@@ -105,7 +114,20 @@ class GreedyGrammarWalk:
                 path.accepted_node_ids.append(child)
                 node = child
         finally:
-            self.grammar.rollback(num_accepted)
+            if path.num_grammar_advances is None:
+                self.grammar.rollback(num_accepted)
+
+    def _keep_bonus(self, token: int, num_accepted: int, path: GrammarPath) -> int:
+        """The bonus token accepted too, where the grammar has not ended, and
+        the path's advances kept (`path.num_grammar_advances`); where the
+        grammar refuses it (a backend's fault: it was allowed) nothing is
+        kept. Returns the advances made."""
+        if not self.grammar.is_terminated():
+            if not self.grammar.accept_tokens(self.request_id, [token]):
+                return num_accepted
+            num_accepted += 1
+        path.num_grammar_advances = num_accepted
+        return num_accepted
 
     def _allowed(self, token: int) -> bool:
         if self.grammar.is_terminated():

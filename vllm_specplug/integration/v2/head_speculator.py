@@ -143,7 +143,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # on steps with at least `choices_min_trees` such trees)
         options.check_model_runner_v2()  # "auto" is refused here for now
         self.choices_min_trees = options.choices_min_trees()
-        self.grammar_choices = (GrammarChoices() if self.rows_in_worker
+        self.grammar_choices = (self.choices_for(self.structured) if self.rows_in_worker
                                 and self.tree_slots is not None
                                 and self.choices_min_trees is not None else None)
         self.stats.grammar_choices = self.grammar_choices
@@ -162,6 +162,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.deferred = (DeferredRows(self.max_num_reqs, device)
                          if 0 in self._scheduled_lengths() else None)
         self.stats.deferred = self.deferred
+
+    @staticmethod
+    def choices_for(structured) -> GrammarChoices:
+        """The greedy walks of `grammar_verify: "choices"` over `structured`'s
+        grammars, each walk's advances kept for the drafting pass."""
+        return GrammarChoices(keep=structured.keep_walked)
 
     def _scheduled_lengths(self) -> tuple[int, ...]:
         from vllm_specplug.integration.v2.step_warmup import scheduled_lengths

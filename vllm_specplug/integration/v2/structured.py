@@ -203,6 +203,13 @@ class StructuredRequests:
             self.queue_outputs(input_batch, req_states)
         return left
 
+    def keep_walked(self, req_id: str, token_ids: list[int], num_advances: int) -> bool:
+        """A greedy walk's advances of the request's grammar by the tokens
+        its step emits, kept for the drafting pass (`DraftGrammars.keep_known`)."""
+        params = self.params.get(req_id)
+        return params is not None and self.grammars.keep_known(req_id, params, token_ids,
+                                                               num_advances)
+
     def _advanced_to(self, req_id: str, num_tokens: int) -> bool:
         tracked = self.grammars.tracked.get(req_id)
         return (tracked is not None and not tracked.broken

@@ -17,7 +17,8 @@ import torch
 import xgrammar as xgr
 
 from vllm_specplug.verification.grammar_greedy import (GreedyGrammarWalk, masked_argmax,
-                                                       node_choices, unpack_row)
+                                                       node_choices, unpack_row,
+                                                       xgrammar_take)
 from vllm_specplug.verification.tree_greedy import follow_choices
 
 from tests.test_tree_walks import EOS, TEXT, VOCAB, _grammar, compiled
@@ -113,15 +114,35 @@ def _random_case(rng, compiled, num_nodes: int):
     return prefix, parents, tokens, torch.stack(logits)
 
 
+class _Proxy:
+    """vLLM's grammar behind a wrapper: the walk tries and takes a token
+    with vLLM's two calls (`validate_tokens`, `accept_tokens`), not
+    xgrammar's matcher in one (`xgrammar_take`)."""
+
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar
+
+    def __getattr__(self, name):
+        return getattr(self.grammar, name)
+
+
+def _walked(grammar, take: bool):
+    """`grammar` as the walk is to see it, and the walk's way checked."""
+    walked = grammar if take else _Proxy(grammar)
+    assert (xgrammar_take(walked) is not None) == take
+    return walked
+
+
+@pytest.mark.parametrize("take", [True, False], ids=["one-call", "two-calls"])
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_the_accepted_path_is_the_rows_way_on_random_trees(compiled, k):
+def test_the_accepted_path_is_the_rows_way_on_random_trees(compiled, k, take):
     rng = random.Random(k)
     ways = {"argmax": 0, "top": 0, "full": 0}
     for _ in range(60):
         prefix, parents, tokens, logits = _random_case(rng, compiled, rng.randrange(2, 14))
         grammar = _grammar(compiled, prefix)
         before = (grammar.num_processed_tokens, _row(grammar).tobytes())
-        walk = GreedyGrammarWalk(grammar, len(VOCAB), node_choices(logits, k),
+        walk = GreedyGrammarWalk(_walked(grammar, take), len(VOCAB), node_choices(logits, k),
                                  lambda node: logits[node].numpy())
         path = walk.run(tokens, parents)
         expected = _reference(compiled, prefix, parents, tokens, logits)
@@ -227,7 +248,8 @@ def _advanced_by(compiled, prefix: str, output_token_ids: list[int]):
     return grammar, num_advances
 
 
-def test_a_kept_walk_leaves_the_grammar_where_its_output_takes_it(compiled):
+@pytest.mark.parametrize("take", [True, False], ids=["one-call", "two-calls"])
+def test_a_kept_walk_leaves_the_grammar_where_its_output_takes_it(compiled, take):
     """`run(keep=True)` (grammar_verify "choices" on Model Runner V2): the
     same path, and the grammar left advanced by every emitted token, the
     bonus included, as the drafting pass would advance a grammar from the
@@ -244,7 +266,7 @@ def test_a_kept_walk_leaves_the_grammar_where_its_output_takes_it(compiled):
             rng, compiled, rng.randrange(2, 14)))
         grammar = _grammar(compiled, prefix)
         start = grammar.num_processed_tokens
-        path = GreedyGrammarWalk(grammar, len(VOCAB), node_choices(logits, 3),
+        path = GreedyGrammarWalk(_walked(grammar, take), len(VOCAB), node_choices(logits, 3),
                                  lambda node: logits[node].numpy()).run(tokens, parents,
                                                                         keep=True)
         assert (path.accepted_node_ids, path.output_token_ids) == _reference(

@@ -82,6 +82,8 @@ class GreedyGrammarWalk:
         self.choices = choices
         self.full_row = full_row
         self.request_id = request_id
+        self.take = xgrammar_take(grammar)  # None: tried, then taken, by two calls
+        self.taken = False  # the node's choice taken by `take` already (the argmax's)
 
     def run(self, token_ids: Sequence[int], parents: Sequence[int],
             keep: bool = False) -> GrammarPath:
@@ -100,11 +102,14 @@ class GreedyGrammarWalk:
                 token = self._choice(node, path)
                 path.output_token_ids.append(token)
                 child = children[node].get(token)
+                taken, self.taken = self.taken, False
+                num_accepted += taken
                 if child is None:
                     if keep:
-                        num_accepted = self._keep_bonus(token, num_accepted, path)
+                        num_accepted = self._keep_bonus(token, num_accepted, path, taken)
                     return path
-                if not self.grammar.is_terminated():  # vLLM ignores tokens after the end
+                # vLLM ignores tokens after the end
+                if not taken and not self.grammar.is_terminated():
                     if not self.grammar.accept_tokens(self.request_id, [token]):
                         # allowed, yet not taken (vLLM logs it): `token` is still the
                         # masked choice here, so the path ends with it, exact
@@ -117,12 +122,14 @@ class GreedyGrammarWalk:
             if path.num_grammar_advances is None:
                 self.grammar.rollback(num_accepted)
 
-    def _keep_bonus(self, token: int, num_accepted: int, path: GrammarPath) -> int:
-        """The bonus token accepted too, where the grammar has not ended, and
-        the path's advances kept (`path.num_grammar_advances`); where the
-        grammar refuses it (a backend's fault: it was allowed) nothing is
-        kept. Returns the advances made."""
-        if not self.grammar.is_terminated():
+    def _keep_bonus(self, token: int, num_accepted: int, path: GrammarPath,
+                    taken: bool) -> int:
+        """The bonus token accepted too (`taken`: already), where the grammar
+        has not ended, and the path's advances kept
+        (`path.num_grammar_advances`); where the grammar refuses it (a
+        backend's fault: it was allowed) nothing is kept. Returns the
+        advances made."""
+        if not taken and not self.grammar.is_terminated():
             if not self.grammar.accept_tokens(self.request_id, [token]):
                 return num_accepted
             num_accepted += 1
@@ -135,9 +142,14 @@ class GreedyGrammarWalk:
         return 0 <= token < self.vocab_size and bool(self.grammar.validate_tokens([token]))
 
     def _choice(self, node: int, path: GrammarPath) -> int:
-        """The masked argmax at `node`, the grammar in that node's state."""
+        """The masked argmax at `node`, the grammar in that node's state
+        (`self.taken`: the grammar took it already)."""
         argmax = int(self.choices.argmax_ids[node])
-        if self._allowed(argmax):
+        if self.take is not None and not self.grammar.is_terminated():
+            if 0 <= argmax < self.vocab_size and self.take(argmax):
+                self.taken = True
+                return argmax
+        elif self._allowed(argmax):
             return argmax
         token = self._top_choice(node)
         if token is not None:
@@ -172,6 +184,29 @@ class GreedyGrammarWalk:
 
     def grammar_row(self) -> np.ndarray:
         return grammar_row(self.grammar, self.vocab_size)
+
+
+def xgrammar_take(grammar) -> Callable[[int], bool] | None:
+    """For vLLM's xgrammar grammar, `take(token)`: the token tried and, where
+    allowed, taken in one matcher call (True), the grammar's own counts kept
+    as its `accept_tokens` keeps them; refused, nothing changes (False).
+    vLLM's way costs two calls and a rollback (`validate_tokens`, then
+    `accept_tokens`), and `accept_tokens` alone logs an error on a refusal.
+    None for any other grammar (llguidance, a wrapper): the walk then tries
+    and takes with those two."""
+    matcher = getattr(grammar, "matcher", None)
+    if type(grammar).__name__ != "XgrammarGrammar" or matcher is None \
+            or not hasattr(grammar, "_is_terminated") \
+            or not hasattr(grammar, "num_processed_tokens"):
+        return None
+
+    def take(token: int) -> bool:
+        if not matcher.accept_token(token):
+            return False
+        grammar.num_processed_tokens += 1
+        grammar._is_terminated = matcher.is_terminated()
+        return True
+    return take
 
 
 def grammar_row(grammar, vocab_size: int) -> np.ndarray:

@@ -297,3 +297,13 @@ def test_a_kept_walk_whose_token_is_refused_ends_where_it_began(compiled, refuse
     assert path.output_token_ids == [a, w] and path.num_grammar_advances is None
     assert path.cut_node_ids == ([2] if refused == "draft" else [])
     assert grammar.num_processed_tokens == len(prefix)
+
+
+def test_a_drafted_token_twice_among_siblings_leads_to_the_first():
+    """Siblings' tokens are distinct in our trees; where they are not, the
+    first such child is the one a walk follows, as the reference walk's."""
+    from vllm_specplug.verification.grammar_greedy import children_by_token
+
+    children = children_by_token([0, 5, 6, 5, 7], [-1, 0, 0, 0, 1])
+    assert children == {(0, 5): 1, (0, 6): 2, (1, 7): 4}
+    assert children_by_token([0], [-1]) == {}

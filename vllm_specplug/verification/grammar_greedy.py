@@ -60,14 +60,14 @@ class GrammarPath:
     num_grammar_advances: int | None = None
 
 
-def children_by_token(token_ids: Sequence[int], parents: Sequence[int]) -> list[dict[int, int]]:
-    """[num_nodes] {draft token: child node}; siblings' tokens are distinct
-    (the first such child wins otherwise, as `verify_tree_greedy_reference`'s
-    walk over siblings)."""
-    children: list[dict[int, int]] = [{} for _ in parents]
-    for node in range(1, len(parents)):
-        children[parents[node]].setdefault(int(token_ids[node]), node)
-    return children
+def children_by_token(token_ids: Sequence[int],
+                      parents: Sequence[int]) -> dict[tuple[int, int], int]:
+    """{(node, draft token): child node}; siblings' tokens are distinct (the
+    first such child wins otherwise, as `verify_tree_greedy_reference`'s
+    walk over siblings: the nodes go in last to first). One dict built in
+    C: a list of a dict a node cost 7 µs a tree of 16 in Python."""
+    last = len(parents) - 1
+    return dict(zip(zip(parents[last:0:-1], token_ids[last:0:-1]), range(last, 0, -1)))
 
 
 class GreedyGrammarWalk:
@@ -101,7 +101,7 @@ class GreedyGrammarWalk:
             while True:
                 token = self._choice(node, path)
                 path.output_token_ids.append(token)
-                child = children[node].get(token)
+                child = children.get((node, token))
                 taken, self.taken = self.taken, False
                 num_accepted += taken
                 if child is None:

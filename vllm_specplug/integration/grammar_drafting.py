@@ -161,9 +161,7 @@ class DraftGrammars:
                 grammar.rollback(num_advances)
                 return False
             num_advances += 1
-        tracked.num_accepted += len(token_ids)
-        tracked.unconfirmed, tracked.num_unconfirmed_advances = list(token_ids), num_advances
-        self.num_known_advances += 1
+        self._record_known(tracked, token_ids, num_advances)
         return True
 
     def keep_known(self, req_id: str, sampling_params, token_ids: list[int],
@@ -181,11 +179,16 @@ class DraftGrammars:
         if len(_within_max_tokens(token_ids, sampling_params,
                                   tracked.num_accepted)) < len(token_ids):
             return False
+        self._record_known(tracked, token_ids, num_advances)
+        tracked.walked = True
+        return True
+
+    def _record_known(self, tracked: _Tracked, token_ids: list[int], num_advances: int) -> None:
+        """The grammar advanced by `token_ids` (`num_advances` of its own),
+        unconfirmed until the output shows them (`_confirm`)."""
         tracked.num_accepted += len(token_ids)
         tracked.unconfirmed, tracked.num_unconfirmed_advances = list(token_ids), num_advances
-        tracked.walked = True
         self.num_known_advances += 1
-        return True
 
     def _confirm(self, req_id: str, tracked: _Tracked, grammar,
                  output_token_ids: np.ndarray) -> None:

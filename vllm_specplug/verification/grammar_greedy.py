@@ -141,15 +141,19 @@ class GreedyGrammarWalk:
             return True
         return 0 <= token < self.vocab_size and bool(self.grammar.validate_tokens([token]))
 
+    def _allowed_or_taken(self, token: int) -> bool:
+        """`_allowed`, where xgrammar's matcher can try a token: taken too
+        when allowed (`self.taken`), in one call."""
+        if self.take is None or self.grammar.is_terminated():
+            return self._allowed(token)
+        self.taken = 0 <= token < self.vocab_size and self.take(token)
+        return self.taken
+
     def _choice(self, node: int, path: GrammarPath) -> int:
         """The masked argmax at `node`, the grammar in that node's state
         (`self.taken`: the grammar took it already)."""
         argmax = int(self.choices.argmax_ids[node])
-        if self.take is not None and not self.grammar.is_terminated():
-            if 0 <= argmax < self.vocab_size and self.take(argmax):
-                self.taken = True
-                return argmax
-        elif self._allowed(argmax):
+        if self._allowed_or_taken(argmax):
             return argmax
         token = self._top_choice(node)
         if token is not None:

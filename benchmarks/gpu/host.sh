@@ -37,6 +37,23 @@ OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 mkdir -p "$OUT" "$RESULTS"
 quiet() { grep -v "^INFO\|^(EngineCore\|^(MainProcess\|^(Worker\|WARNING\|^\[" ; }
+# Every command imports vllm_specplug from $HOME/vsite, where `install` put it:
+# a later call's working tree is installed again when its package differs
+# (the seventieth session's fix ran as the old code until it was, 2026-12-06)
+package_stamp() { find vllm_specplug -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16; }
+fresh_package() {
+  [ -d "$HOME/vsite/vllm_specplug" ] || return 0
+  local stamp; stamp=$(package_stamp)
+  [ "$(cat "$HOME/vsite/.specplug-stamp" 2>/dev/null)" = "$stamp" ] && return 0
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade \
+    --target "$HOME/vsite" . 2>&1 | grep -v "already exists" | tail -3
+  echo "$stamp" > "$HOME/vsite/.specplug-stamp"
+  echo "host.sh: vllm_specplug installed again from this tree ($stamp)"
+}
+case "${1:-}" in
+  install|real-prepare|"") ;;
+  *) fresh_package ;;
+esac
 case "${1:-}" in
   install)
     [ -d "$HOME/vsite/vllm" ] || bash .gpu/unpack.sh || exit 1
@@ -48,6 +65,7 @@ case "${1:-}" in
     fi
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade \
       --target "$HOME/vsite" . 2>&1 | tail -3
+    package_stamp > "$HOME/vsite/.specplug-stamp"
     # pure-Python modules the staged site lacks (docs/gpu.md): interegular
     # (vLLM validates every structured-output request through
     # lm-format-enforcer, which imports it) and jmespath (`vllm serve`)

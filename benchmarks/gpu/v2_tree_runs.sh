@@ -497,7 +497,7 @@ run() {
       host real-bench "${P[@]}" \
         "${S[@]}" --batch-sizes ${SIZES:-1 16 64} --limit-prompts 1=8 --limit-prompts 16=32 \
         --limit-prompts 64=64 --repeats "${REPEATS:-3}" --max-tokens 128 ${DTYPE:+--dtype "$DTYPE"} \
-        --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}" \
+        --engine-args "{$PAR_KV\"compilation_config\": {\"max_cudagraph_capture_size\": ${CAPTURE:-1024}}}" \
         ${PHASES-} --out "$RESULTS/${RUN_NAME:-$1}" ${PAR_ARG} ;;
     smollm2-tp)
       # the head rows of `smollm2` and the n-gram rows of smollm2-sets, on a sharded target

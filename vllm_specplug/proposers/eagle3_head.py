@@ -206,9 +206,10 @@ class HeadRuntime:
             attn[rows] = self._attend(q[rows], slots[group], [
                 host_positions[starts[r]:starts[r + 1]] for r in group])
         out = self._finish(attn.reshape(attn.shape[0], -1), base)
-        last = starts[1:] - 1
-        pool.set_last(to_device(slots, pool.device), out[last],
-                      self._logits(out[last]))
+        # indexed on the device: a host index array would copy synchronously
+        # and hold the host behind the GPU every step with a prefill
+        last = out[to_device(starts[1:] - 1, out.device)]
+        pool.set_last(to_device(slots, pool.device), last, self._logits(last))
 
     @torch.inference_mode()
     def ingest_padded(self, slots: torch.Tensor, target_hidden: torch.Tensor,

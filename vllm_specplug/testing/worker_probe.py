@@ -31,6 +31,18 @@ class SpecplugProbe:
         return [{"num_tokens": t, "num_padded_tokens": p, "mode": m, "count": c}
                 for (t, p, m), c in counts.most_common()]
 
+    def specplug_watch_syncs(self) -> None:
+        """From now on, log where this worker's steps make the host wait for
+        the GPU (testing/host_syncs.py; CUDA only)."""
+        from vllm_specplug.testing.host_syncs import watch_syncs
+
+        watch_syncs(self.model_runner)
+
+    def specplug_syncs(self) -> dict:
+        """The log since `specplug_watch_syncs`: steps and syncs by kind, by
+        call site, and those of our package (`SyncLog.report`)."""
+        return self.model_runner._specplug_sync_log.report()
+
     def specplug_speculator_stats(self) -> dict | None:
         """Steps, host seconds in propose, draft tokens and slots of our Model
         Runner V2 speculator (None for any other)."""

@@ -1,0 +1,34 @@
+"""The host-sync log's bookkeeping (`vllm_specplug.testing.host_syncs`), on
+CPU: what the GPU test `tests/gpu/test_host_syncs_cuda.py` asserts on. The
+reports themselves come from PyTorch's CUDA sync debug mode, GPU only."""
+from __future__ import annotations
+
+from vllm_specplug.testing.host_syncs import SyncLog
+
+SYNC = "called a synchronizing CUDA operation"
+OURS = "/site/vllm_specplug/proposers/eagle3_head.py"
+VLLMS = "/site/vllm/v1/worker/gpu_worker.py"
+
+
+def test_the_log_counts_sync_reports_by_kind_and_site_and_drops_the_rest():
+    log = SyncLog()
+    log.kind = "first"
+    log.show(SYNC, UserWarning, OURS, 210)
+    log.show(SYNC, UserWarning, VLLMS, 1328)
+    log.show("some other warning", UserWarning, OURS, 99)
+    log.kind = "mixed"
+    log.show(SYNC, UserWarning, OURS, 210)
+    log.show(SYNC, UserWarning, OURS, 210)
+    report = log.report()
+    assert report["syncs"] == {"first": {f"{OURS}:210": 1, f"{VLLMS}:1328": 1},
+                               "mixed": {f"{OURS}:210": 2}}
+    assert report["ours"] == {f"{OURS}:210": 3}  # vLLM's own, not called from ours: left out
+    assert f"{OURS}:99" not in report["callers"]
+
+
+def test_a_site_of_vllm_called_from_our_package_counts_as_ours():
+    log = SyncLog()
+    log.kind = "decode"
+    log.show(SYNC, UserWarning, VLLMS, 7)
+    log.callers[f"{VLLMS}:7"] = [f"{OURS}:12 _step"]  # as traceback would give it
+    assert log.ours() == {f"{VLLMS}:7": 1}

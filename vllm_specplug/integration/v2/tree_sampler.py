@@ -65,6 +65,7 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
+from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.kv_compaction import compact_kv_cache, compact_kv_layers
 from vllm_specplug.verification.metadata import NO_NODE
 from vllm_specplug.verification.tree_greedy_rows import verify_tree_greedy_rows
@@ -224,7 +225,9 @@ def with_rows_invalid(invalid_drafts: torch.Tensor | None, rows: list[int],
         return invalid_drafts
     if invalid_drafts is None:
         invalid_drafts = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    invalid_drafts[torch.tensor(rows, device=logits.device)] = True
+    # queued through pinned memory: torch.tensor(rows, device=...) copies
+    # from pageable memory and waits for the GPU's whole queue
+    invalid_drafts[to_device(np.asarray(rows, dtype=np.int64), logits.device)] = True
     return invalid_drafts
 
 

@@ -139,6 +139,21 @@ def test_the_sets_run_takes_fewer_sizes_and_a_bigger_capture(tmp_path):
     assert names == ["none", "vllm-eagle3-K5", "ours-tree16", "ours-tree-8-4-32"]
 
 
+def test_the_schema_run_takes_a_bigger_capture_too(tmp_path):
+    """CAPTURE reaches the schema run's engines: the seventieth session's
+    8-4-32 tree at batch 64 (2048 tokens a step) ran without graphs there
+    under the script's fixed 1024, on both prompt sets."""
+    import json
+
+    arguments = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide-choices", "WIDE": "8 4 32",
+                                            "SIZES": "64", "CAPTURE": "2112"}, tmp_path)
+    engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+    assert engine_kwargs["compilation_config"]["max_cudagraph_capture_size"] == 2112
+    default = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide-choices"}, tmp_path)
+    engine_kwargs = json.loads(default[default.index("--engine-args") + 1])
+    assert engine_kwargs["compilation_config"]["max_cudagraph_capture_size"] == 1024
+
+
 @pytest.mark.parametrize("name", ["smollm2", "smollm2-sets"])
 def test_the_smollm2_runs_turn_prefix_caching_off_when_told(name, tmp_path):
     """NO_PREFIX_CACHE=1: every engine without prefix caching (whether our

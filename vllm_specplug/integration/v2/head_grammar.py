@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
+from vllm_specplug.integration.ranges import profiled_range
 from vllm_specplug.integration.scheduler import merged_grammar_output
 from vllm_specplug.integration.tree_walks import TreeWalks, plan_tree_walks
 from vllm_specplug.integration.worker_rows import num_grammar_rows, plan_request_rows
@@ -76,7 +76,7 @@ class HeadGrammar:
         # the tokens this step's greedy trees emitted, as `grammar_verify:
         # "choices"` decided them on the host: no read of those outputs
         known = self.grammar_choices.take_emitted() if self.grammar_choices is not None else None
-        with record_function("specplug::root_masks"):
+        with profiled_range("specplug::root_masks"):
             ok, bitmask = self.guard.call("grammar_masks", input_batch.req_ids,
                                           self.structured.root_bitmask, input_batch,
                                           self.req_states, known,
@@ -110,7 +110,7 @@ class HeadGrammar:
         state = runner.execute_model_state
         if not req_ids or state is None:
             return grammar_output
-        with record_function("specplug::worker_rows"):  # a range of `bench offline --phases`
+        with profiled_range("specplug::worker_rows"):  # a range of `bench offline --phases`
             return self._verification_rows(runner, state.input_batch, req_ids, grammar_output)
 
     def _verification_rows(self, runner, input_batch, req_ids: list[str], grammar_output):

@@ -42,10 +42,10 @@ import time
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
+from vllm_specplug.integration.ranges import profiled_range
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
 from vllm_specplug.integration.row_threads import RowThreads, num_row_threads
 from vllm_specplug.integration.scheduler import rows_in_worker
@@ -373,24 +373,24 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             self.deferred.drop(slots_np[prefill])  # a prefill ingests its own positions
             if num_drafts == 0:  # nothing to draft: keep the decodes' rows for later
                 self.queue_for_rows(input_batch)
-                with record_function("specplug::keep_rows"):
+                with profiled_range("specplug::keep_rows"):
                     return self._keep_step(input_batch, prefill, new, hidden, aux, num_rejected,
                                            last_sampled, next_prefill)
-            with record_function("specplug::ingest_kept"):  # before this step's own rows
+            with profiled_range("specplug::ingest_kept"):  # before this step's own rows
                 self.deferred.flush(self.runtime, slots_np[~prefill], max_position)
         masks = self._grammar_masks(input_batch)
         if not prefill.any() and masks is None:  # every request decodes: one pass
-            with record_function("specplug::decode_step"):  # ranges for `bench offline --phases`
+            with profiled_range("specplug::decode_step"):  # ranges for `bench offline --phases`
                 return self._decode_step(input_batch, hidden, aux, num_rejected, last_sampled,
                                          max_position, shape)
-        with record_function("specplug::ingest"):
+        with profiled_range("specplug::ingest"):
             if (~prefill).any():
                 self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
                                      num_rejected, last_sampled, max_position)
             if prefill.any():  # else: decodes drafted apart, under grammar masks
                 self._ingest_prefills(input_batch, np.flatnonzero(prefill), new, hidden, aux,
                                       last_sampled, next_prefill)
-        with record_function("specplug::draft_tree"):
+        with profiled_range("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts, shape, masks)
 
     def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,

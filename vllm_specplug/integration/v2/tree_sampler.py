@@ -65,6 +65,7 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
+from vllm_specplug.integration.ranges import profiled_range
 from vllm_specplug.verification.backend import to_device
 from vllm_specplug.verification.kv_compaction import compact_kv_cache, compact_kv_layers
 from vllm_specplug.verification.metadata import NO_NODE
@@ -144,7 +145,7 @@ class V2TreeRejectionSampler:
         target_tokens = self._target_tokens(logits, input_batch)
         choices = getattr(self.state, "grammar_choices", None)
         if choices is not None:  # greedy constrained trees left unmasked (grammar_choices.py)
-            with torch.profiler.record_function("specplug::grammar_choices"):
+            with profiled_range("specplug::grammar_choices"):
                 cut = choices.correct(logits, target_tokens, input_batch)
             invalid_drafts = with_rows_invalid(invalid_drafts, cut, logits)
         verified = verify_tree_greedy_rows(
@@ -153,7 +154,7 @@ class V2TreeRejectionSampler:
             input_batch.logits_indices, input_batch.cu_num_logits, slots.parents,
             input_batch.idx_mapping[:num_reqs], slots.accepted_nodes[:num_reqs],
             slot_num_nodes=slots.num_drafted, backend="triton")
-        with torch.profiler.record_function("specplug::compact_kv"):  # bench --phases
+        with profiled_range("specplug::compact_kv"):  # bench --phases
             compact_kv(slots, input_batch, verified.accepted_node_ids, verified.num_accepted)
         return self._output(input_batch, verified.output_token_ids,
                             (verified.num_accepted + 1).to(torch.int32), num_nans)

@@ -37,10 +37,11 @@ OUT=${OUT:-/tmp/out}
 RESULTS=$HOME/results
 mkdir -p "$OUT" "$RESULTS"
 quiet() { grep -v "^INFO\|^(EngineCore\|^(MainProcess\|^(Worker\|WARNING\|^\[" ; }
-# Every command imports vllm_specplug from $HOME/vsite, where `install` put it:
+# Every command imports vllm_specplug (with kernels/ as vllm_specplug.kernels)
+# from $HOME/vsite, where `install` put it:
 # a later call's working tree is installed again when its package differs
 # (the seventieth session's fix ran as the old code until it was, 2026-12-06)
-package_stamp() { find vllm_specplug -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16; }
+package_stamp() { find vllm_specplug kernels -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16; }
 fresh_package() {
   [ -d "$HOME/vsite/vllm_specplug" ] || return 0
   local stamp; stamp=$(package_stamp)

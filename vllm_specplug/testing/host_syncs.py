@@ -42,8 +42,9 @@ class SyncLog:
         self.callers: dict[str, list[str]] = {}  # site -> its first caller frames
 
     def show(self, message, category, filename, lineno, file=None, line=None) -> None:
-        """`warnings.showwarning` while a step runs: a sync report is counted,
-        anything else dropped (the step's own warnings went out before)."""
+        """`warnings.showwarning` while a step runs: a sync report is counted;
+        any other warning of a watched step is left out (the probe's filter
+        shows every warning every time, which would flood the log)."""
         if SYNC_MESSAGE not in str(message):
             return
         site = f"{filename}:{lineno}"

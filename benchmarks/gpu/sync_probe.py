@@ -15,9 +15,12 @@ that made it, with its caller frames in vLLM and vllm-specplug.
 
     python3 benchmarks/gpu/sync_probe.py --head DIR [--rows vllm-eagle3-K5,ours-chain-K5,ours-tree16]
         [--batch-size 16] [--num-prompts 32] [--max-tokens 64] [--model smollm2|DIR]
+        [--set mt-bench|mt-bench-json]
 
 One engine per row, one after the other. JSON to $OUT/sync_probe.json, a
-table on stdout.
+table on stdout. Under a schema (`--set mt-bench-json`) the grammar's
+reads of the drafts and outputs are waits by design (`bench offline
+--phases`' `grammar_wait`); the probe shows where they are and any other.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def row_specs(head: str) -> dict[str, dict]:
 
 
 def run_row(model_dir, spec: dict, prompts, args) -> dict:
+    from vllm_specplug.bench.prompts import sampling_params_for
     from vllm_specplug.engine import greedy_params, make_llm, shutdown_llm
     from vllm_specplug.testing.worker_probe import PROBE_QUALNAME
 
@@ -47,8 +51,10 @@ def run_row(model_dir, spec: dict, prompts, args) -> dict:
     try:
         tokenizer = llm.get_tokenizer()
         inputs = [p.input_for(tokenizer) for p in prompts]
-        params = greedy_params(args.max_tokens)
-        llm.generate(inputs[:args.batch_size], params, use_tqdm=False)  # warm-up
+        # under a set's JSON schemas (mt-bench-json) each prompt is held to its own
+        params = sampling_params_for(prompts, greedy_params(args.max_tokens))
+        warm_up = params[:args.batch_size] if isinstance(params, list) else params
+        llm.generate(inputs[:args.batch_size], warm_up, use_tqdm=False)  # capture syncs by design
         llm.collective_rpc("specplug_watch_syncs")
         llm.generate(inputs, params, use_tqdm=False)
         return llm.collective_rpc("specplug_syncs")[0]
@@ -64,6 +70,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--set", default="mt-bench",
+                        help="a public prompt set (mt-bench-json: under its JSON schemas)")
     args = parser.parse_args()
     from vllm_specplug.bench.sets import load_public_set
 
@@ -73,7 +81,7 @@ def main() -> None:
         model_dir = build_smollm2("bfloat16")
     else:
         model_dir = Path(args.model)
-    prompts = load_public_set("mt-bench", args.num_prompts)
+    prompts = load_public_set(args.set, args.num_prompts)
     specs = row_specs(args.head)
     results = {}
     for name in args.rows.split(","):

@@ -12,10 +12,10 @@ methods, wrapped on the instance) and counts the reports by step kind
 (`bench/step_kinds.py`) and by the Python line that made them, with each
 line's first caller frames in vLLM and vllm-specplug.
 
-On the H100 (SmolLM2, batch 16 and 64) vLLM's `eagle3` made one such wait,
-in its first step (vLLM's own); our head speculator made two more in every
-step with a prefill, where its eager ingest indexed the GPU's rows with a
-host array (docs/results/v2_host_syncs_h100_s70). The probe is
+On the H100 (SmolLM2, batch 16 and 64) vLLM's `eagle3` made none in its
+steps; our head speculator made two in every step with a prefill, where its
+eager ingest indexed the GPU's rows with a host array
+(docs/results/v2_host_syncs_h100_s70). The probe is
 `benchmarks/gpu/sync_probe.py`; `tests/gpu/test_host_syncs_cuda.py` fails
 on any wait of ours.
 """

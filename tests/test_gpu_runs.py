@@ -64,6 +64,13 @@ def _dry_run(name: str, env: dict, tmp_path: Path) -> list[str]:
     return done.stdout.splitlines()
 
 
+def _engine_args(arguments: list[str]) -> dict:
+    """The engine arguments the run passes (one JSON object)."""
+    import json
+
+    return json.loads(arguments[arguments.index("--engine-args") + 1])
+
+
 def _specs(arguments: list[str]) -> list[str]:
     return [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--spec"]
 
@@ -114,12 +121,10 @@ def test_the_runs_start_their_engines_at_once_unless_told_not_to(name, tmp_path)
     """By default the run starts its engines at once (bench/starts.py sizes
     each KV cache); PARALLEL_KV sets that size in engine arguments that are
     still one JSON object; with PARALLEL empty, one after the other."""
-    import json
-
     for env, parallel, size in (({}, True, None), ({"PARALLEL_KV": "4000000000"}, True, 4e9),
                                 ({"PARALLEL": ""}, False, None)):
         arguments = _dry_run(name, env, tmp_path)
-        engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+        engine_kwargs = _engine_args(arguments)
         assert ("--parallel-starts" in arguments) == parallel, env
         assert engine_kwargs.get("kv_cache_memory_bytes") == size, env
 
@@ -127,13 +132,11 @@ def test_the_runs_start_their_engines_at_once_unless_told_not_to(name, tmp_path)
 def test_the_sets_run_takes_fewer_sizes_and_a_bigger_capture(tmp_path):
     """SIZES and CAPTURE (a 33-token tree at batch 64 is 2112 tokens a step:
     over the default 1024 it ran without graphs on the H200)."""
-    import json
-
     arguments = _dry_run("smollm2-sets", {"ROWS": "wide", "SIZES": "64", "CAPTURE": "2112"},
                          tmp_path)
     sizes = arguments[arguments.index("--batch-sizes") + 1:arguments.index("--limit-prompts")]
     assert sizes == ["64"]
-    engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+    engine_kwargs = _engine_args(arguments)
     assert engine_kwargs["compilation_config"]["max_cudagraph_capture_size"] == 2112
     names = [row.name for row in named_specs(_specs(arguments))]
     assert names == ["none", "vllm-eagle3-K5", "ours-tree16", "ours-tree-8-4-32"]
@@ -143,14 +146,12 @@ def test_the_schema_run_takes_a_bigger_capture_too(tmp_path):
     """CAPTURE reaches the schema run's engines: the seventieth session's
     8-4-32 tree at batch 64 (2048 tokens a step) ran without graphs there
     under the script's fixed 1024, on both prompt sets."""
-    import json
-
     arguments = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide-choices", "WIDE": "8 4 32",
                                             "SIZES": "64", "CAPTURE": "2112"}, tmp_path)
-    engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+    engine_kwargs = _engine_args(arguments)
     assert engine_kwargs["compilation_config"]["max_cudagraph_capture_size"] == 2112
     default = _dry_run("smollm2-schema", {"SCHEMA_ROWS": "wide-choices"}, tmp_path)
-    engine_kwargs = json.loads(default[default.index("--engine-args") + 1])
+    engine_kwargs = _engine_args(default)
     assert engine_kwargs["compilation_config"]["max_cudagraph_capture_size"] == 1024
 
 
@@ -159,11 +160,9 @@ def test_the_smollm2_runs_turn_prefix_caching_off_when_told(name, tmp_path):
     """NO_PREFIX_CACHE=1: every engine without prefix caching (whether our
     head's saved prefix rows explain a τ gap to vLLM's `eagle3`), the
     engine arguments still one JSON object; unset, vLLM's default."""
-    import json
-
     for env, want in (({}, None), ({"NO_PREFIX_CACHE": "1"}, False)):
         arguments = _dry_run(name, env, tmp_path)
-        engine_kwargs = json.loads(arguments[arguments.index("--engine-args") + 1])
+        engine_kwargs = _engine_args(arguments)
         assert engine_kwargs.get("enable_prefix_caching") == want, env
 
 

@@ -94,7 +94,8 @@ def main() -> None:
 
 
 def _print(name: str, report: dict) -> None:
-    print(f"== {name}: steps {report['num_steps']}; of ours: {report['ours'] or 'none'}")
+    print(f"== {name}: steps {report['num_steps']}; of ours: {report['ours'] or 'none'}; "
+          f"the probe's own: {report.get('probe', 0)}")
     for kind, sites in report["syncs"].items():
         steps = report["num_steps"].get(kind, 0)
         print(f"  {kind}: {sum(sites.values())} syncs over {steps} steps")

@@ -266,7 +266,7 @@ def _speculator(tiny_model_dir, tokens):
                                  worker_rows_req_ids=["tree"], row_depth=None,
                                  tree_rows=None, row_threads=RowThreads(1),
                                  grammar_choices=None, choices_min_trees=None)
-    for name in ("verification_rows", "_verification_rows", "_fill_rows", "_fill_tree_rows"):
+    for name in ("verification_rows", "_verification_rows", "_fill_rows"):
         setattr(speculator, name, MethodType(getattr(SpecplugV2HeadSpeculator, name), speculator))
     return speculator, runner
 

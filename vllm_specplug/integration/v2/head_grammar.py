@@ -169,24 +169,6 @@ class HeadGrammar:
         (None for both: every row); its acceptable drafts per request."""
         depth = (self.row_depth.begin_step() if self.row_depth is not None
                  else self.tree_rows)
-        if self.tree_slots is None:  # chains: the step's rows depth by depth (chain_rows.py)
-            num_acceptable = self.chain_rows.fill(req_ids, grammars, drafts, num_rows, bitmask,
-                                                  depth)
-        else:
-            num_acceptable = self._fill_tree_rows(req_ids, grammars, drafts, parents, num_rows,
-                                                  bitmask, depth)
-        if self.row_depth is not None:  # what each one's last rows' drafts became, and these
-            tracked = self.structured.grammars.tracked
-            for req_id, acceptable in zip(req_ids, num_acceptable):
-                output_len = tracked[req_id].num_accepted
-                self.row_depth.observe(req_id, output_len)
-                self.row_depth.filled(req_id, output_len, acceptable)
-        return num_acceptable
-
-    def _fill_tree_rows(self, req_ids: list[str], grammars: dict, drafts: dict, parents: dict,
-                        num_rows: list[int], bitmask, depth: int | None) -> list[int]:
-        """Trees' rows: with every row, the step's walks laid out at once;
-        else (or where a tree's parents are missing) request by request."""
         if depth is None:  # trees with every row: the step's bookkeeping at once
             walks = _step_tree_walks(req_ids, grammars, drafts, parents, num_rows, bitmask)
             if walks is not None:
@@ -200,7 +182,14 @@ class HeadGrammar:
             return plan_request_rows(grammars[req_id], req_id, bitmask[offsets[i]:offsets[i + 1]],
                                      drafts.get(req_id), parents.get(req_id), depth)
 
-        return self.row_threads.fill(plan, num_rows)
+        num_acceptable = self.row_threads.fill(plan, num_rows)
+        if self.row_depth is not None:  # what each one's last rows' drafts became, and these
+            tracked = self.structured.grammars.tracked
+            for req_id, acceptable in zip(req_ids, num_acceptable):
+                output_len = tracked[req_id].num_accepted
+                self.row_depth.observe(req_id, output_len)
+                self.row_depth.filled(req_id, output_len, acceptable)
+        return num_acceptable
 
 
 def greedy_tree_batch(runner, input_batch) -> bool:

@@ -47,7 +47,6 @@ from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.ranges import profiled_range
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
-from vllm_specplug.integration.chain_rows import ChainRows
 from vllm_specplug.integration.row_threads import RowThreads, num_row_threads
 from vllm_specplug.integration.scheduler import rows_in_worker
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
@@ -131,8 +130,6 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # those rows' tree walks on host threads (grammar_row_threads)
         self.row_threads = RowThreads(num_row_threads(options.grammar_row_threads)
                                       if self.rows_in_worker else 1)
-        # a chain's rows, the step's requests depth by depth on xgrammar's threads
-        self.chain_rows = ChainRows(self.row_threads.num_threads)
         # a chain's worker rows only as deep as its drafts get accepted
         self.row_depth = (RowDepth(vllm_config.speculative_config.num_speculative_tokens)
                           if self.rows_in_worker and self.tree_slots is None

@@ -26,9 +26,11 @@ first at each node. Reported: host milliseconds a step for each part
 (median over steps; the parts a GPU would run, the choices' argmax and
 top-k and the masks' unpacking, apart), and with `--profile` the functions
 where they go. Every step checks the worker's grammars against the
-reference's and the choices' tokens against the target's path.
+reference's and the choices' tokens against the target's path. `--chain K`
+runs chains of K drafts instead (our chain's rows, `rows` only).
 
     .venv/bin/python benchmarks/bench_v2_grammar_step.py --batch 1 16 64 --out docs/results/v2_grammar_step_cpu
+    .venv/bin/python benchmarks/bench_v2_grammar_step.py --model DIR --chain 5 --ways rows --batch 16 64
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import MethodType, SimpleNamespace
 
@@ -50,12 +53,34 @@ from tqdm import tqdm
 
 SCHEMA_FILE = Path(__file__).with_name("json_schema.json")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_grammar_walk, run or loaded
-TOPK, DEPTH = 4, 4
-NUM_DRAFTS = TOPK * DEPTH
-# node n's parent: level 1 under the root, each deeper level under the level
-# above's first child (the chain)
-PARENTS = [-1] + [0 if n <= TOPK else 1 + TOPK * ((n - 1) // TOPK - 1)
-                  for n in range(1, NUM_DRAFTS + 1)]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Each request's drafts a step: `topk` children of the root and of each
+    first child, `depth` levels. `topk` 1 is a chain (`--chain K`), whose
+    rows the worker fills as our chain's: no parents handed over, and only
+    as deep as `RowDepth` says (every row here: the bench accepts each
+    depth alike)."""
+    topk: int = 4
+    depth: int = 4
+
+    @property
+    def num_drafts(self) -> int:
+        return self.topk * self.depth
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def parents(self) -> list[int]:
+        """Node n's parent: level 1 under the root, each deeper level under
+        the level above's first child (the chain)."""
+        return [-1] + [0 if n <= self.topk else 1 + self.topk * ((n - 1) // self.topk - 1)
+                       for n in range(1, self.num_drafts + 1)]
+
+
 PROMPT_LEN, MAX_OUTPUT = 16, 4096
 
 
@@ -70,8 +95,9 @@ class Batch:
     """B requests' outputs on the "device" (`req_states`), their reference
     grammars, and each step's trees, drafts and logits."""
 
-    def __init__(self, num_reqs: int, vocab_size: int, new_grammar, rng):
+    def __init__(self, num_reqs: int, vocab_size: int, new_grammar, rng, shape: Shape):
         self.vocab_size, self.new_grammar, self.rng = vocab_size, new_grammar, rng
+        self.shape = shape
         self.req_ids = [f"r{i}" for i in range(num_reqs)]
         self.generation = 0
         self.refs = {req_id: new_grammar() for req_id in self.req_ids}
@@ -96,7 +122,7 @@ class Batch:
         finished, new = set(), []
         for b, req_id in enumerate(self.req_ids):
             if not (self.refs[req_id].is_terminated()
-                    or self.total_len[b] > MAX_OUTPUT - 2 * DEPTH):
+                    or self.total_len[b] > MAX_OUTPUT - 2 * self.shape.depth):
                 continue
             self.generation += 1
             finished.add(req_id)
@@ -110,40 +136,42 @@ class Batch:
         return finished, new
 
     def tree(self, b: int) -> tuple[list[int], list[int], list[int]]:
-        """(drafts [NUM_DRAFTS], target tokens [NUM_DRAFTS + 1] per node,
+        """(drafts [num_drafts], target tokens [num_drafts + 1] per node,
         emitted tokens) of request b this step."""
-        ref = self.refs[self.req_ids[b]]
+        ref, (topk, depth, num_drafts) = self.refs[self.req_ids[b]], (
+            self.shape.topk, self.shape.depth, self.shape.num_drafts)
+        parents = self.shape.parents
         path = []
-        for _ in range(DEPTH + 1):
+        for _ in range(depth + 1):
             allowed = _allowed(ref, self.vocab_size)
             if not len(allowed):
                 break
             path.append(int(self.rng.choice(list(allowed))))
             ref.accept_tokens("ref", [path[-1]])
         ref.rollback(len(path))
-        accepted = min(self.rng.randint(0, DEPTH), len(path) - 1)
-        drafts = [int(self.rng.randrange(self.vocab_size)) for _ in range(NUM_DRAFTS)]
-        targets = [int(self.rng.randrange(self.vocab_size)) for _ in range(NUM_DRAFTS + 1)]
-        chain = [0] + [1 + TOPK * level for level in range(DEPTH)]  # the root, then first children
+        accepted = min(self.rng.randint(0, depth), len(path) - 1)
+        drafts = [int(self.rng.randrange(self.vocab_size)) for _ in range(num_drafts)]
+        targets = [int(self.rng.randrange(self.vocab_size)) for _ in range(num_drafts + 1)]
+        chain = [0] + [1 + topk * level for level in range(depth)]  # the root, then first children
         for level in range(accepted + 1):
             targets[chain[level]] = path[level]
             if level < accepted:
                 drafts[chain[level + 1] - 1] = path[level]
         on_path = set(chain[1:accepted + 1])
-        for node in range(1, NUM_DRAFTS + 1):  # no other node drafts its parent's target token
-            if node not in on_path and drafts[node - 1] == targets[PARENTS[node]]:
+        for node in range(1, num_drafts + 1):  # no other node drafts its parent's target token
+            if node not in on_path and drafts[node - 1] == targets[parents[node]]:
                 drafts[node - 1] = (drafts[node - 1] + 1) % self.vocab_size
         return drafts, targets, path[:accepted + 1]
 
     def input_batch(self):
-        num_reqs = len(self.req_ids)
+        num_reqs, num_drafts = len(self.req_ids), self.shape.num_drafts
         slots = np.arange(num_reqs)
         return SimpleNamespace(
             req_ids=list(self.req_ids), num_reqs=num_reqs, idx_mapping_np=slots,
-            idx_mapping=torch.from_numpy(slots), num_draft_tokens=NUM_DRAFTS * num_reqs,
-            num_draft_tokens_per_req=np.full(num_reqs, NUM_DRAFTS),
-            cu_num_logits_np=np.arange(num_reqs + 1) * (NUM_DRAFTS + 1),
-            seq_lens_cpu_upper_bound=self.total_len.numpy() + NUM_DRAFTS)
+            idx_mapping=torch.from_numpy(slots), num_draft_tokens=num_drafts * num_reqs,
+            num_draft_tokens_per_req=np.full(num_reqs, num_drafts),
+            cu_num_logits_np=np.arange(num_reqs + 1) * (num_drafts + 1),
+            seq_lens_cpu_upper_bound=self.total_len.numpy() + num_drafts)
 
 
 def _speculator(vllm_config, batch: Batch, choices: bool):
@@ -154,12 +182,15 @@ def _speculator(vllm_config, batch: Batch, choices: bool):
     from vllm_specplug.integration.v2.root_masks import RootMasks
     from vllm_specplug.integration.v2.speculator import SpeculatorStats
     from vllm_specplug.integration.v2.structured import StructuredRequests
+    from vllm_specplug.integration.worker_rows import RowDepth
 
     structured = StructuredRequests(vllm_config)
     _schedule(structured, set(), batch.req_ids)
     speculator = SimpleNamespace(
-        structured=structured, req_states=batch.req_states, tree_slots=object(),
-        stats=SpeculatorStats("cpu"), worker_rows_req_ids=[], row_depth=None, tree_rows=None,
+        structured=structured, req_states=batch.req_states,
+        tree_slots=None if batch.shape.chain else object(),
+        stats=SpeculatorStats("cpu"), worker_rows_req_ids=[], tree_rows=None,
+        row_depth=RowDepth(batch.shape.num_drafts) if batch.shape.chain else None,
         row_threads=RowThreads(1),
         grammar_choices=SpecplugV2HeadSpeculator.choices_for(structured) if choices else None,
         choices_min_trees=1 if choices else None, guard=ProposerGuard("bench", 10 ** 9),
@@ -191,7 +222,9 @@ def _runner(batch: Batch, drafts, input_batch):
     from vllm_specplug.integration.grammar_trees import TREE_PARENTS_ATTR
 
     taken = DraftTokenIds(list(batch.req_ids), drafts)
-    setattr(taken, TREE_PARENTS_ATTR, {req_id: list(PARENTS) for req_id in batch.req_ids})
+    if not batch.shape.chain:  # a chain's parents are never handed over (GrammarParents)
+        setattr(taken, TREE_PARENTS_ATTR, {req_id: batch.shape.parents
+                                           for req_id in batch.req_ids})
     n, vocab = len(batch.req_ids), batch.vocab_size
     full = lambda value: SimpleNamespace(np=np.full(n, value))  # noqa: E731
     states = SimpleNamespace(temperature=full(0.0), min_p=full(0.0), top_k=full(vocab),
@@ -227,13 +260,14 @@ PARTS = ("verification_rows", "walks", "root_bitmask", "node_choices", "root_loa
 
 
 def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str,
-              num_steps: int, seed: int, profiler=None) -> dict[str, list[float]]:
+              num_steps: int, seed: int, profiler=None,
+              shape: Shape = Shape()) -> dict[str, list[float]]:
     """Host seconds of each part, step by step, for one way of verifying:
     the host's own work (`verification_rows`, the choices' `walks`, the
     first-step masks' `root_bitmask`) and what is the GPU's there
     (`node_choices`: the argmax and top-k copied to the host; `root_load`:
     the masks unpacked on the device), timed apart on this CPU."""
-    batch = Batch(num_reqs, vocab_size, new_grammar, random.Random(seed))
+    batch = Batch(num_reqs, vocab_size, new_grammar, random.Random(seed), shape)
     speculator = _speculator(vllm_config, batch, way != "rows")
     node_choices = (Timed(speculator.grammar_choices, "host_choices") if way != "rows"
                     else None)
@@ -247,7 +281,7 @@ def run_steps(vllm_config, new_grammar, vocab_size: int, num_reqs: int, way: str
         trees = [batch.tree(b) for b in range(num_reqs)]
         input_batch = batch.input_batch()
         runner = _runner(batch, [t[0] for t in trees], input_batch)
-        logits = torch.randn(num_reqs * (NUM_DRAFTS + 1), vocab_size)
+        logits = torch.randn(num_reqs * (shape.num_drafts + 1), vocab_size)
         logits[torch.arange(logits.shape[0]),
                torch.tensor([tok for t in trees for tok in t[1]])] = 10.0
         target_tokens = logits.argmax(-1)  # the sampler's draws
@@ -325,8 +359,15 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-sort", default="cumulative", choices=["cumulative", "tottime"],
                         help="the profile's order: tottime puts the C++ calls apart from "
                              "the Python around them")
+    parser.add_argument("--chain", type=int, metavar="K",
+                        help="chains of K drafts (our chain's rows) instead of trees of 16; "
+                             "rows only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    shape = Shape(1, args.chain) if args.chain else Shape()
+    if shape.chain and args.ways != ["rows"]:
+        parser.error(f"--chain takes --ways rows only (the target's choices need a tree's "
+                     f"parents), not {args.ways}")
     from bench_grammar_walk import make_grammar_factory
 
     from vllm_specplug.integration.scheduler import SpecplugTreeAsyncScheduler
@@ -337,13 +378,13 @@ def main(argv=None) -> int:
     vocab_size, new_grammar = make_grammar_factory(model_dir)
     vllm_config = make_scheduler(SpecplugTreeAsyncScheduler, str(model_dir),
                                  async_scheduling=True,
-                                 num_speculative_tokens=NUM_DRAFTS).vllm_config
+                                 num_speculative_tokens=shape.num_drafts).vllm_config
     results, profiles = [], {}
     for num_reqs in tqdm(args.batch, desc="batch sizes"):
         for way in args.ways:
             profiler = cProfile.Profile() if args.profile else None
             times = run_steps(vllm_config, new_grammar, vocab_size, num_reqs, way, args.steps,
-                              args.seed, profiler)
+                              args.seed, profiler, shape)
             row = {"batch": num_reqs, "way": way, "steps": len(times["root_bitmask"])}
             row.update({part: 1e3 * statistics.median(values) if values else 0.0
                         for part, values in times.items()})
@@ -354,7 +395,8 @@ def main(argv=None) -> int:
                 pstats.Stats(profiler, stream=text).sort_stats(args.profile_sort).print_stats(25)
                 profiles[f"{way}-{num_reqs}"] = text.getvalue()
     lines = [f"model {args.model} (vocab {vocab_size}), JSON schema {SCHEMA_FILE.name}, "
-             f"trees of {NUM_DRAFTS} drafts, host ms a step (median of {args.steps} steps)",
+             f"{'chains' if shape.chain else 'trees'} of {shape.num_drafts} drafts, host ms a "
+             f"step (median of {args.steps} steps)",
              "| batch | way | verification_rows | walks | root_bitmask | **host** | "
              "node_choices (GPU's) | root_load (GPU's) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -18,6 +18,20 @@ def test_the_grammar_step_benchmark_runs_both_ways(tiny_model_dir, tmp_path):
     assert "| 3 | rows |" in text and "| 3 | choices |" in text
 
 
+def test_chains_fill_our_chains_rows_and_refuse_the_choices(tiny_model_dir, tmp_path):
+    """`--chain K`: our chain's rows (no parents handed over, `RowDepth`),
+    the worker's grammars checked every step as for trees; the target's
+    choices need a tree's parents, so they are refused by name."""
+    bench = benchmark_script("bench_v2_grammar_step")
+    assert bench.Shape(1, 5).parents == [-1, 0, 1, 2, 3, 4]
+    assert bench.main(["--model", str(tiny_model_dir), "--chain", "5", "--ways", "rows",
+                       "--batch", "3", "--steps", "12", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "grammar_step.md").read_text()
+    assert "chains of 5 drafts" in text and "| 3 | rows |" in text
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tiny_model_dir), "--chain", "5", "--batch", "3"])
+
+
 def test_a_worker_grammar_off_its_output_fails_the_benchmark(tiny_model_dir, monkeypatch):
     """The check can fail: a grammar advanced once more than its output."""
     bench = benchmark_script("bench_v2_grammar_step")
@@ -53,7 +67,7 @@ def test_auto_switching_step_by_step_keeps_every_grammar_at_its_output(tiny_mode
     vocab_size, new_grammar = make_grammar_factory(tiny_model_dir)
     vllm_config = make_scheduler(SpecplugTreeAsyncScheduler, str(tiny_model_dir),
                                  async_scheduling=True,
-                                 num_speculative_tokens=bench.NUM_DRAFTS).vllm_config
+                                 num_speculative_tokens=bench.Shape().num_drafts).vllm_config
     made = []
     speculator = bench._speculator
     with pytest.MonkeyPatch.context() as patch, worker_grammar_checks() as checks:

@@ -426,6 +426,10 @@ def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys, monkeyp
         waves = row["waves"]
         assert waves["num_waves"] >= 2 and waves["first_step_ms"] > 0, waves
         assert 0 < waves["request_decode_ms"] <= waves["decode_ms"], waves
+        # every timed repeat's step periods (bench/step_periods.py)
+        periods = row["step_periods"]
+        assert len(periods) == 2 and all(p["num_steps"] > 0 for p in periods), periods
+        assert all(0 < p["median_ms"] <= p["p99_ms"] <= p["max_ms"] for p in periods), periods
         engine = row["engine"]
         assert engine["engine_args"]["enforce_eager"] is True
         assert engine["runner"].endswith("CPUModelRunner")
@@ -456,6 +460,7 @@ def test_bench_offline_two_prompt_sets(tiny_model_dir, tmp_path, capsys, monkeyp
         assert adaptive["num_offered"] > 0 and adaptive["num_verified_drafts"] > 0
     assert "adaptive: method" in table
     assert "waves (engine timestamps): method" in table
+    assert "step periods (timed repeats; per repeat): method" in table
 
 
 def test_collectors_made_at_once_stay_each_threads_own():

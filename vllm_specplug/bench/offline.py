@@ -95,6 +95,9 @@ class OfflineRow:
     # each `generate` call's engine timestamps, summed over the repeats
     # (bench/waves.py; None: the engine kept no per-request stats)
     waves: dict | None = None
+    # each timed repeat's step periods, summarised (bench/step_periods.py;
+    # None where the engine has no worker extension of ours)
+    step_periods: list[dict | None] = field(default_factory=list)
     # each measured repeat's own acceptance, prefix-cache hits and our
     # head's prefix hits adopted, missed and filled (bench/repeats.py)
     repeats: list[dict] = field(default_factory=list)
@@ -169,7 +172,9 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     policy_before = _worker_call(llm, "specplug_batch_policy")
     captures_before = _worker_call(llm, "specplug_graph_captures")
     waves = WaveTimes()
+    _worker_call(llm, "specplug_step_periods_start")
     token_ids, seconds = run_conversations(llm, prompts, row.batch_size, params, waves=waves)
+    row.step_periods.append(_worker_call(llm, "specplug_step_periods_take"))
     row.waves = waves.merged(row.waves)
     row.graph_captures = captures_delta(row.graph_captures, captures_before,
                                         _worker_call(llm, "specplug_graph_captures"))

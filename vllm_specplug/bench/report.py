@@ -98,6 +98,7 @@ def format_offline_table(rows) -> str:
                      f"{_engine_text(row):<{e}}{per_pos}")
     tables = [t for t in (format_adaptive_table(rows), format_batch_policy_table(rows),
                           format_captures_table(rows), format_waves_table(rows),
+                          format_step_periods_table(rows),
                           format_repeats_table(rows), format_divergences_table(rows)) if t]
     return "\n".join(lines + [line for t in tables for line in ("", t)])
 
@@ -205,6 +206,20 @@ def format_waves_table(rows) -> str:
         rows, "waves", "waves (engine timestamps)",
         f"{'waves':>7}{'first step ms':>16}{'max':>10}{'decode ms':>12}{'tail':>8}",
         lambda row: wave_cells(row.waves))
+
+
+def format_step_periods_table(rows) -> str:
+    """Each row's step periods over its timed repeats (bench/step_periods.py),
+    repeat by repeat: median, p99 and max ms a step, and the slow steps
+    (over twice the median) with the ms they took beyond it."""
+    from vllm_specplug.bench.step_periods import SLOW, period_cells
+
+    timed = [r for r in rows if any(r.step_periods) and r.error is None]
+    return _decision_table(
+        timed, "step_periods", "step periods (timed repeats; per repeat)",
+        f"{'steps':>8}  {'median ms':<17}{'p99 ms':<17}{'max ms':<20}"
+        f"{f'over {SLOW:g}x':<14}{'their ms over the median'}",
+        lambda row: period_cells(row.step_periods))
 
 
 def format_repeats_table(rows) -> str:

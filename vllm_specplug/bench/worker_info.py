@@ -28,6 +28,17 @@ class WorkerInfo:
     def specplug_prefix_stats(self) -> dict | None:
         return prefix_stats(self)
 
+    def specplug_step_periods_start(self) -> None:
+        """Every step's period from now on (bench/step_periods.py)."""
+        from vllm_specplug.bench.step_periods import watch_step_periods
+
+        watch_step_periods(self.model_runner)
+
+    def specplug_step_periods_take(self) -> dict | None:
+        """The periods since `specplug_step_periods_start`, summarised."""
+        clock = getattr(self.model_runner, "_specplug_step_periods", None)
+        return None if clock is None else clock.take()
+
     def specplug_phases_start(self, profile_gpu: bool, profile_host: bool = False) -> None:
         from vllm_specplug.bench.phases import start_probe
 

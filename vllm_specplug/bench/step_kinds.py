@@ -41,9 +41,9 @@ def step_kind(scheduler_output) -> str | None:
     counts = getattr(scheduler_output, "num_scheduled_tokens", None)
     if not counts:
         return None
-    cached = scheduler_output.scheduled_cached_reqs.req_ids
-    if not cached:
+    if opens_wave(scheduler_output):
         return "first"
+    cached = scheduler_output.scheduled_cached_reqs.req_ids
     if scheduler_output.scheduled_new_reqs:
         return "mixed"
     drafts = scheduler_output.scheduled_spec_decode_tokens
@@ -52,6 +52,12 @@ def step_kind(scheduler_output) -> str | None:
     if any(counts[req_id] > 1 + len(drafts.get(req_id, ())) for req_id in cached):
         return "mixed"
     return "decode"
+
+
+def opens_wave(scheduler_output) -> bool:
+    """Whether a step schedules only requests new to the runner (a wave's
+    first: the interval before it holds the idle time between waves)."""
+    return not scheduler_output.scheduled_cached_reqs.req_ids
 
 
 @dataclass

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from vllm_specplug.bench.step_kinds import opens_wave
+
 SLOW = 2.0  # a step over twice its repeat's median period is slow
 MAX_STEPS = 1 << 20  # a repeat's steps recorded at most (8 MiB of stamps)
 
@@ -42,7 +44,7 @@ class StepPeriods:
             return
         if len(self.starts) < MAX_STEPS:
             self.starts.append(now)
-            self.opens_wave.append(not scheduler_output.scheduled_cached_reqs.req_ids)
+            self.opens_wave.append(opens_wave(scheduler_output))
 
     def take(self) -> dict | None:
         """This repeat's periods summarised (ms) and the record cleared;

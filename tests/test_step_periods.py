@@ -3,6 +3,7 @@ stand-ins of the runner and its scheduler outputs: what
 tests/test_bench.py's engine run reads back."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -47,3 +48,26 @@ def test_the_runner_is_wrapped_once_and_each_start_clears_the_record():
     wrapped = runner.execute_model
     watch_step_periods(runner)
     assert runner.execute_model is wrapped  # not wrapped twice
+
+
+def test_five_repeats_cells_stay_apart_under_their_heads():
+    """The H100's five-repeat table glued a column's last value to the next
+    column's first (docs/results/smollm2_chains_b64_h100_s72): every column
+    starts where its head does, whatever the number of repeats."""
+    from types import SimpleNamespace as Row
+
+    from vllm_specplug.bench.report import format_step_periods_table
+    from vllm_specplug.bench.step_periods import period_cells
+
+    repeat = summarise(np.array([3.4, 3.5, 31.1, 3.6, 25.2]))
+    cells = period_cells([repeat] * 5)
+    assert re.split(r"\s{2,}", cells.strip())[1:] == [
+        " ".join([format(repeat[key], fmt)] * 5)
+        for key, fmt in (("median_ms", ".2f"), ("p99_ms", ".1f"), ("max_ms", ".1f"),
+                         ("num_slow", "d"), ("slow_excess_ms", ".0f"))]
+    table = format_step_periods_table([Row(name="ours", batch_size=64, error=None,
+                                           step_periods=[repeat] * 3)])
+    head, _, line = table.splitlines()[-3:]
+    for title in ("median ms", "p99 ms", "max ms", "over 2x"):
+        column = line[head.index(title):]
+        assert column[0] != " " and line[head.index(title) - 1] == " ", title

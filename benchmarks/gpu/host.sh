@@ -136,6 +136,10 @@ print('vllm', vllm.__version__, 'torch', torch.__version__,
     # (benchmarks/gpu/sync_probe.py ARGS; --head DIR is required)
     shift
     python3 benchmarks/gpu/sync_probe.py "$@" 2>&1 | tee "$OUT/sync-probe.log" | quiet | tail -80 ;;
+  request-steps)
+    # each request's verify steps, vLLM's eagle3 beside ours (benchmarks/gpu/request_steps.py ARGS)
+    shift
+    python3 benchmarks/gpu/request_steps.py "$@" 2>&1 | tee "$OUT/request-steps.log" | quiet | tail -60 ;;
   tiny-bench)
     shift
     python3 -m vllm_specplug.cli.main bench offline --model "$SPECPLUG_GPU_WORK/tiny" \

@@ -212,13 +212,14 @@ def format_step_periods_table(rows) -> str:
     """Each row's step periods over its timed repeats (bench/step_periods.py),
     repeat by repeat: median, p99 and max ms a step, and the slow steps
     (over twice the median) with the ms they took beyond it."""
-    from vllm_specplug.bench.step_periods import SLOW, period_cells
+    from vllm_specplug.bench.step_periods import PERIOD_WIDTHS, SLOW, period_cells
 
     timed = [r for r in rows if any(r.step_periods) and r.error is None]
     return _decision_table(
         timed, "step_periods", "step periods (timed repeats; per repeat)",
-        f"{'steps':>8}  {'median ms':<17}{'p99 ms':<17}{'max ms':<20}"
-        f"{f'over {SLOW:g}x':<14}{'their ms over the median'}",
+        f"{'steps':>8}  " + "  ".join(h.ljust(w) for h, w in zip(
+            ("median ms", "p99 ms", "max ms", f"over {SLOW:g}x"), PERIOD_WIDTHS))
+        + "  their ms over the median",
         lambda row: period_cells(row.step_periods))
 
 

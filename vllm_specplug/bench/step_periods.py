@@ -89,13 +89,19 @@ def watch_step_periods(runner) -> StepPeriods:
     return clock
 
 
+PERIOD_WIDTHS = (15, 15, 18, 12)  # median, p99, max, slow steps
+
+
 def period_cells(repeats: list[dict | None]) -> str:
     """Per repeat (joined by spaces): median / p99 / max ms a step, and the
-    slow steps with the ms they took beyond the median."""
+    slow steps with the ms they took beyond the median. Columns are two
+    spaces apart whatever the number of repeats (`PERIOD_WIDTHS` at least)."""
     found = [r for r in repeats if r]
 
     def joined(key: str, fmt: str) -> str:
         return " ".join(format(r[key], fmt) for r in found)
-    return (f"{sum(r['num_steps'] for r in found):>8}  {joined('median_ms', '.2f'):<17}"
-            f"{joined('p99_ms', '.1f'):<17}{joined('max_ms', '.1f'):<20}"
-            f"{joined('num_slow', 'd'):<14}{joined('slow_excess_ms', '.0f')}")
+    cells = [joined("median_ms", ".2f"), joined("p99_ms", ".1f"), joined("max_ms", ".1f"),
+             joined("num_slow", "d")]
+    padded = "  ".join(c.ljust(w) for c, w in zip(cells, PERIOD_WIDTHS))
+    return (f"{sum(r['num_steps'] for r in found):>8}  {padded}  "
+            f"{joined('slow_excess_ms', '.0f')}")

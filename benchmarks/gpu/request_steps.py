@@ -1,0 +1,118 @@
+"""Each request's verify steps and acceptance, vLLM's `eagle3` beside ours
+(a diagnostic for issue 26: at batch 64 on the H100 our chain's waves took
+125 steps for 128 tokens where vLLM's K=5 took 110, for the same mean
+acceptance, docs/results/smollm2_chains_b64_h100_s72: one request of ours
+accepted almost nothing).
+
+vLLM's own per-request metrics (`per_request_spec_decode_metrics`
+"detailed") give each finished request's accepted count per verify step.
+One engine per row, one after the other, on the same prompts (MT-Bench's
+first turns), greedy.
+
+    python3 benchmarks/gpu/request_steps.py --head DIR --model DIR
+        [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,...-nopfx]] [--cpu]
+
+JSON to $OUT/request_steps.json; on stdout the requests with the most
+verify steps in each row, and where the rows' outputs part.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def row_specs(head: str) -> dict[str, dict]:
+    """Each row's speculative config; a row's name ending in `-nopfx` runs
+    it with prefix caching off."""
+    specs = {"vllm-eagle3-K5": {"method": "eagle3", "model": head, "num_speculative_tokens": 5},
+             "ours-chain-K5": {"method": "specplug_eagle3", "model": head, "topk": 1,
+                               "num_steps": 5}}
+    return {**specs, **{f"{name}-nopfx": spec for name, spec in specs.items()}}
+
+
+def run_row(model_dir, name: str, spec: dict, prompts, args) -> list[dict]:
+    from vllm_specplug.engine import greedy_params, make_llm, shutdown_llm
+
+    # on CPU our test defaults (eager, float32); on the GPU as `bench offline`
+    device_args = {} if args.cpu else dict(enforce_eager=False, dtype="bfloat16",
+                                           gpu_memory_utilization=0.3)
+    llm = make_llm(model_dir, spec, max_num_seqs=args.batch_size, max_model_len=2048,
+                   per_request_spec_decode_metrics="detailed",
+                   enable_prefix_caching=not name.endswith("-nopfx"), **device_args)
+    try:
+        tokenizer = llm.get_tokenizer()
+        inputs = [p.input_for(tokenizer) for p in prompts]
+        params = greedy_params(args.max_tokens)
+        llm.generate(inputs, params, use_tqdm=False)  # warm-up: captures, prefix cache
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        return [request_record(o) for o in outputs]
+    finally:
+        shutdown_llm(llm)
+
+
+def request_record(output) -> dict:
+    completion = output.outputs[0]
+    metrics = getattr(completion, "spec_decode_metrics", None) or output.spec_decode_metrics
+    record = {"num_tokens": len(completion.token_ids), "token_ids": list(completion.token_ids),
+              "num_prompt_tokens": len(output.prompt_token_ids or []),
+              "num_cached_tokens": output.num_cached_tokens}
+    if metrics is not None:
+        record.update(metrics.to_dict())
+    return record
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def report(rows: dict[str, list[dict]], top: int) -> None:
+    names = list(rows)
+    for name in names:
+        records = rows[name]
+        order = sorted(range(len(records)), key=lambda i: -records[i].get("num_spec_steps", 0))
+        print(f"{name}: most verify steps (request: steps, tokens, mean accept len)")
+        for i in order[:top]:
+            r = records[i]
+            print(f"  {i:3d}: {r.get('num_spec_steps')} steps, {r['num_tokens']} tokens, "
+                  f"{r.get('mean_acceptance_length', 0):.3f}, prompt {r['num_prompt_tokens']} "
+                  f"({r['num_cached_tokens']} cached); per step "
+                  f"{''.join(str(a) for a in r.get('per_step_accepted', [])[:80])}")
+    for name in names[1:]:  # each row beside the first
+        print(f"{name} beside {names[0]}: requests whose outputs part or steps differ by > 5")
+        for i, (x, y) in enumerate(zip(rows[names[0]], rows[name])):
+            steps = (x.get("num_spec_steps"), y.get("num_spec_steps"))
+            diff = first_difference(x["token_ids"], y["token_ids"])
+            if diff is not None or abs(steps[0] - steps[1]) > 5:
+                print(f"  request {i}: steps {steps}, outputs part at {diff}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rows", default="vllm-eagle3-K5,ours-chain-K5")
+    parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--cpu", action="store_true", help="eager float32 (the V1 runner)")
+    args = parser.parse_args()
+    from vllm_specplug.bench.sets import load_public_set
+
+    model_dir = args.model
+    prompts = load_public_set("mt-bench", args.batch_size)
+    specs = row_specs(args.head)
+    rows = {name: run_row(model_dir, name, specs[name], prompts, args)
+            for name in args.rows.split(",")}
+    report(rows, args.top)
+    out = Path(os.environ.get("OUT", ".")) / "request_steps.json"
+    out.write_text(json.dumps(rows))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

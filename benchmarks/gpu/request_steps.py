@@ -7,10 +7,11 @@ accepted almost nothing).
 vLLM's own per-request metrics (`per_request_spec_decode_metrics`
 "detailed") give each finished request's accepted count per verify step.
 One engine per row, one after the other, on the same prompts (MT-Bench's
-first turns), greedy.
+first turns, or both: each row's second turn after the first row's
+answers), greedy.
 
     python3 benchmarks/gpu/request_steps.py --head DIR --model DIR
-        [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,...-nopfx]] [--cpu]
+        [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,...-nopfx]] [--turns 2] [--cpu]
 
 JSON to $OUT/request_steps.json; on stdout the requests with the most
 verify steps in each row, and where the rows' outputs part.
@@ -33,7 +34,7 @@ def row_specs(head: str) -> dict[str, dict]:
 
 
 def run_row(model_dir, name: str, spec: dict, prompts, args) -> list[dict]:
-    from vllm_specplug.engine import greedy_params, make_llm, shutdown_llm
+    from vllm_specplug.engine import make_llm, shutdown_llm
 
     # on CPU our test defaults (eager, float32); on the GPU as `bench offline`
     device_args = {} if args.cpu else dict(enforce_eager=False, dtype="bfloat16",
@@ -42,14 +43,31 @@ def run_row(model_dir, name: str, spec: dict, prompts, args) -> list[dict]:
                    per_request_spec_decode_metrics="detailed",
                    enable_prefix_caching=not name.endswith("-nopfx"), **device_args)
     try:
-        tokenizer = llm.get_tokenizer()
-        inputs = [p.input_for(tokenizer) for p in prompts]
-        params = greedy_params(args.max_tokens)
-        llm.generate(inputs, params, use_tqdm=False)  # warm-up: captures, prefix cache
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        return [request_record(o) for o in outputs]
+        return [turn_records(llm, prompts, turn, args) for turn in range(args.turns)]
     finally:
         shutdown_llm(llm)
+
+
+def turn_records(llm, prompts, turn: int, args) -> list[dict]:
+    """One turn of every conversation (after the answers kept in
+    `args.answers`), twice: the first warms captures and the prefix cache,
+    the second is recorded."""
+    from vllm_specplug.engine import greedy_params
+
+    tokenizer = llm.get_tokenizer()
+    answers = args.answers.setdefault(turn, None)
+    inputs = [p.input_for(tokenizer, turn, answers_before(args.answers, turn, i))
+              for i, p in enumerate(prompts)]
+    params = greedy_params(args.max_tokens)
+    llm.generate(inputs, params, use_tqdm=False)
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    if answers is None:  # the first row's answers make every row's next turn
+        args.answers[turn] = [o.outputs[0].text for o in outputs]
+    return [request_record(o) for o in outputs]
+
+
+def answers_before(answers: dict, turn: int, i: int) -> list[str]:
+    return [answers[t][i] for t in range(turn)]
 
 
 def request_record(output) -> dict:
@@ -71,6 +89,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def report(rows: dict[str, list[dict]], top: int) -> None:
+    """`rows`: {row name: [request record]} of one turn."""
     names = list(rows)
     for name in names:
         records = rows[name]
@@ -100,15 +119,19 @@ def main() -> None:
     parser.add_argument("--rows", default="vllm-eagle3-K5,ours-chain-K5")
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--cpu", action="store_true", help="eager float32 (the V1 runner)")
+    parser.add_argument("--turns", type=int, default=1, help="MT-Bench turns (1 or 2)")
     args = parser.parse_args()
     from vllm_specplug.bench.sets import load_public_set
 
     model_dir = args.model
     prompts = load_public_set("mt-bench", args.batch_size)
     specs = row_specs(args.head)
+    args.answers = {}
     rows = {name: run_row(model_dir, name, specs[name], prompts, args)
             for name in args.rows.split(",")}
-    report(rows, args.top)
+    for turn in range(args.turns):
+        print(f"== turn {turn + 1}")
+        report({name: turns[turn] for name, turns in rows.items()}, args.top)
     out = Path(os.environ.get("OUT", ".")) / "request_steps.json"
     out.write_text(json.dumps(rows))
     print(f"wrote {out}")

@@ -94,7 +94,10 @@ def report(rows: dict[str, list[dict]], top: int) -> None:
     for name in names:
         records = rows[name]
         order = sorted(range(len(records)), key=lambda i: -records[i].get("num_spec_steps", 0))
-        print(f"{name}: most verify steps (request: steps, tokens, mean accept len)")
+        first = sum(sum(r.get("acceptance_histogram", [])[1:]) for r in records)
+        print(f"{name}: longest request {max(r.get('num_spec_steps', 0) for r in records)} "
+              f"verify steps, first drafts accepted {first}; most verify steps "
+              "(request: steps, tokens, mean accept len)")
         for i in order[:top]:
             r = records[i]
             print(f"  {i:3d}: {r.get('num_spec_steps')} steps, {r['num_tokens']} tokens, "
@@ -127,13 +130,14 @@ def main() -> None:
     prompts = load_public_set("mt-bench", args.batch_size)
     specs = row_specs(args.head)
     args.answers = {}
-    rows = {name: run_row(model_dir, name, specs[name], prompts, args)
-            for name in args.rows.split(",")}
-    for turn in range(args.turns):
-        print(f"== turn {turn + 1}")
-        report({name: turns[turn] for name, turns in rows.items()}, args.top)
     out = Path(os.environ.get("OUT", ".")) / "request_steps.json"
-    out.write_text(json.dumps(rows))
+    rows = {}
+    for name in args.rows.split(","):  # each row reported and kept as it ends
+        rows[name] = run_row(model_dir, name, specs[name], prompts, args)
+        out.write_text(json.dumps(rows))
+        for turn in range(args.turns):
+            print(f"== turn {turn + 1}", flush=True)
+            report({n: turns[turn] for n, turns in rows.items()}, args.top)
     print(f"wrote {out}")
 
 

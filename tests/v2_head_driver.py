@@ -22,6 +22,7 @@ import torch
 from vllm_specplug.verification.metadata import NO_NODE
 
 BLOCK_SIZE = 16
+STALE_TOKEN = 7  # an unfinished prefill's last sample: any read of it shows in its drafts
 
 
 def _config(head_dir: str, spec: dict, max_num_seqs: int, max_model_len: int, dtype,
@@ -133,10 +134,15 @@ class HeadEngine:
         self.num_differing = 0  # steps whose drafts differ from the reference's
         self.noise = torch.Generator().manual_seed(0)  # rejected rows' hidden states
 
-    def serve(self, turns: list[Turn], after_prefill=None) -> None:
-        """The turns' prefills in one step, their decode steps, their finish;
-        `after_prefill()` runs between the first two steps."""
-        drafts = self._prefill(turns)
+    def serve(self, turns: list[Turn], after_prefill=None, chunk: int | None = None) -> None:
+        """The turns' prefills in one step (`chunk`: their first `chunk`
+        uncached positions in a step of their own before it, as vLLM's
+        chunked prefill splits a prompt over the token budget), their decode
+        steps, their finish; `after_prefill()` runs between the prefill and
+        the first decode step."""
+        if chunk is not None:
+            self._prefill_chunk(turns, chunk)
+        drafts = self._prefill(turns, chunk or 0)
         if after_prefill is not None:
             after_prefill()
         live = list(turns)
@@ -183,24 +189,29 @@ class HeadEngine:
         blocks += fresh
         return fresh
 
-    def _propose(self, batch, aux: torch.Tensor, num_sampled, num_rejected) -> torch.Tensor:
+    def _propose(self, batch, aux: torch.Tensor, num_sampled, num_rejected,
+                 next_prefill: torch.Tensor | None = None) -> torch.Tensor:
         width = aux.shape[1] // 3  # V2 hands the auxiliary layers over one [T, H] each
         layers = [aux[:, i * width:(i + 1) * width].to(self.device, self.dtype)
                   for i in range(3)]
         drafts = self.speculator.propose(
             batch, None, None, layers[0], layers, num_sampled.to(self.device),
             num_rejected.to(self.device), self.last_sampled,
-            torch.zeros(1, len(self.seqs), dtype=torch.int64, device=self.device), None, None)
+            torch.zeros(1, len(self.seqs), dtype=torch.int64, device=self.device)
+            if next_prefill is None else next_prefill, None, None)
         self.batch_rows = [int(r) for r in batch.idx_mapping_np]
         return drafts.clone()
 
     def _batch(self, turns: list[Turn], counts: list[int], input_ids: list[int],
-               seq_lens: list[int], prefilling: bool):
-        """The V2 input batch fields the head speculator reads."""
+               seq_lens: list[int], prefilling: bool, firsts: list[int] | None = None):
+        """The V2 input batch fields the head speculator reads (`firsts`: a
+        prefill's first position of the step, each turn's hit by default)."""
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         slots = [t.slot for t in turns]
         prompt = np.array([t.prompt_len for t in turns], dtype=np.int32)
-        first = np.array([t.hit for t in turns], dtype=np.int32) if prefilling else prompt
+        if firsts is None:
+            firsts = [t.hit for t in turns]
+        first = np.array(firsts, dtype=np.int32) if prefilling else prompt
         return SimpleNamespace(
             num_reqs=len(turns), req_ids=[t.req_id for t in turns],
             idx_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),  # as V2's
@@ -219,22 +230,57 @@ class HeadEngine:
             num_draft_tokens=0 if prefilling else len(turns) * self.num_drafts,
             has_structured_output_reqs=False, num_tokens=int(cu[-1]))
 
-    def _prefill(self, turns: list[Turn]) -> torch.Tensor:
-        """The turns' uncached prompt positions in one step; each samples
-        its first token."""
+    def _prefill_chunk(self, turns: list[Turn], chunk: int) -> None:
+        """A prompt's first chunk: positions [hit, hit + chunk) of each turn,
+        new to its slot; no token is sampled (V2 hands the speculator the
+        next prompt token as each one's next, and a stale last sample, which
+        must not be read), the drafts are dropped, as the scheduler does."""
         self._schedule(turns, [])
-        counts = [t.prompt_len - t.hit for t in turns]
-        input_ids = [int(x) for t in turns for x in self.seqs[t.slot].token_ids[t.hit:t.prompt_len]]
-        aux = torch.cat([self.seqs[t.slot].aux_hidden[t.hit:t.prompt_len] for t in turns])
+        for t in turns:
+            assert t.hit + chunk < t.prompt_len, "a chunk must leave the prompt unfinished"
+            self.states.req_id_to_index[t.req_id] = t.slot
+            self.states.prompt_len.np[t.slot] = t.prompt_len
+            tokens = self.seqs[t.slot].token_ids[:t.prompt_len]
+            self.states.all_token_ids.gpu[t.slot, :t.prompt_len] = tokens.to(self.device)
+            self.states.total_len.gpu[t.slot] = t.prompt_len
+            self.states.num_computed_tokens_np[t.slot] = t.hit
+            self.last_sampled[t.slot] = STALE_TOKEN
+            self.reference.forget(t.req_id)
+        ends = [t.hit + chunk for t in turns]
+        next_prefill = torch.zeros(1, len(self.seqs), dtype=torch.int64, device=self.device)
+        for t, end in zip(turns, ends):
+            next_prefill[0, t.slot] = int(self.seqs[t.slot].token_ids[end])
+        self._prefill_part(turns, [t.hit for t in turns], ends, next_prefill)
+
+    def _prefill(self, turns: list[Turn], chunked: int = 0) -> torch.Tensor:
+        """The turns' uncached prompt positions (after a first chunk of
+        `chunked` positions, if any) in one step; each samples its first
+        token."""
+        if not chunked:
+            self._schedule(turns, [])
+        else:
+            self._schedule([], turns)
         for t in turns:
             self.states.req_id_to_index[t.req_id] = t.slot
             self.states.prompt_len.np[t.slot] = t.prompt_len
             self._post_update(t.slot, self.seqs[t.slot].token_ids[:t.prompt_len + 1].tolist())
-            self.reference.forget(t.req_id)
+            if not chunked:
+                self.reference.forget(t.req_id)
             self._reference_step(t, 0, t.prompt_len)
-        batch = self._batch(turns, counts, input_ids, [t.prompt_len for t in turns], True)
+        return self._prefill_part(turns, [t.hit + chunked for t in turns],
+                                  [t.prompt_len for t in turns])
+
+    def _prefill_part(self, turns: list[Turn], firsts: list[int], ends: list[int],
+                      next_prefill: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill positions [firsts[i], ends[i]) of each turn, one step."""
+        counts = [end - first for first, end in zip(firsts, ends)]
+        input_ids = [int(x) for t, first, end in zip(turns, firsts, ends)
+                     for x in self.seqs[t.slot].token_ids[first:end]]
+        aux = torch.cat([self.seqs[t.slot].aux_hidden[first:end]
+                         for t, first, end in zip(turns, firsts, ends)])
+        batch = self._batch(turns, counts, input_ids, ends, True, firsts)
         ones = torch.ones(len(turns), dtype=torch.int32)
-        return self._propose(batch, aux, ones, torch.zeros_like(ones))
+        return self._propose(batch, aux, ones, torch.zeros_like(ones), next_prefill)
 
     def _decode(self, turns: list[Turn], drafts: torch.Tensor) -> torch.Tensor:
         """One step: each request's root and drafts (a chain, or a tree's

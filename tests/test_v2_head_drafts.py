@@ -86,6 +86,26 @@ def test_a_prefill_split_over_two_steps_drafts_from_its_whole_prompt(
     assert engine.num_differing == 0, engine.num_differing
 
 
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree16"])
+def test_prefills_beside_decodes_in_one_step_draft_as_alone(continuations, tiny_eagle3_dir,
+                                                            spec):
+    """A mixed step (a wave's second step at batch 64: prompts over the
+    first step's token budget prefill while the first ones decode): the
+    decodes' verified rows and the prefills' prompts go into the head in
+    one step, and every request drafts what a runtime fed its own
+    positions drafts, the step's and every later one's."""
+    from tests.v2_head_driver import HeadEngine, Turn
+
+    found, embed = continuations
+    engine = HeadEngine(str(tiny_eagle3_dir), lambda ids: embed(ids.long()),
+                        embed.num_embeddings, found, spec)
+    turns = [Turn(r, f"r{r}", c.prompt_len, len(c.token_ids)) for r, c in enumerate(found)]
+    engine.serve_beside(turns[:2], turns[2:])
+    assert engine.num_steps > 5 * 64 // 8
+    assert engine.num_differing == 0, engine.num_differing
+    assert (engine.accepted == engine.reference_accepted).all()
+
+
 def test_a_next_turn_on_cached_blocks_drafts_from_its_whole_context(continuations,
                                                                     tiny_eagle3_dir):
     """A chat's next turn: each sequence's first request decodes half its

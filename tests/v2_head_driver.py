@@ -145,6 +145,16 @@ class HeadEngine:
         drafts = self._prefill(turns, chunk or 0)
         if after_prefill is not None:
             after_prefill()
+        self._decode_all(list(turns), drafts)
+
+    def serve_beside(self, running: list[Turn], new: list[Turn]) -> None:
+        """`running`'s prefills in one step, then a mixed step: `new`'s
+        prefills beside `running`'s first decodes; then all decode."""
+        drafts = self._mixed(running, new, self._prefill(running))
+        self._decode_all(running + new, drafts)
+
+    def _decode_all(self, turns: list[Turn], drafts: torch.Tensor) -> None:
+        """Decode steps while any turn's drafts fit; then they finish."""
         live = list(turns)
         while True:
             live = [t for t in live if int(self.states.total_len.gpu[t.slot]) + self.depth
@@ -203,15 +213,18 @@ class HeadEngine:
         return drafts.clone()
 
     def _batch(self, turns: list[Turn], counts: list[int], input_ids: list[int],
-               seq_lens: list[int], prefilling: bool, firsts: list[int] | None = None):
-        """The V2 input batch fields the head speculator reads (`firsts`: a
-        prefill's first position of the step, each turn's hit by default)."""
+               seq_lens: list[int], prefilling: bool | list[bool],
+               firsts: list[int] | None = None):
+        """The V2 input batch fields the head speculator reads (`prefilling`:
+        every request's or each one's; `firsts`: a prefill's first position
+        of the step, each turn's hit by default)."""
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         slots = [t.slot for t in turns]
         prompt = np.array([t.prompt_len for t in turns], dtype=np.int32)
         if firsts is None:
             firsts = [t.hit for t in turns]
-        first = np.array(firsts, dtype=np.int32) if prefilling else prompt
+        prefilling = np.broadcast_to(np.asarray(prefilling, dtype=bool), (len(turns),))
+        first = np.where(prefilling, np.asarray(firsts, dtype=np.int32), prompt)
         return SimpleNamespace(
             num_reqs=len(turns), req_ids=[t.req_id for t in turns],
             idx_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),  # as V2's
@@ -222,12 +235,13 @@ class HeadEngine:
             num_scheduled_tokens=np.asarray(counts, dtype=np.int32),
             # a prefill's logits: its last row's; a decode's: every draft's and the bonus
             cu_num_logits=torch.from_numpy(np.concatenate(
-                [[0], np.cumsum([1 if prefilling else c for c in counts])]).astype(np.int32))
+                [[0], np.cumsum([1 if p else c for p, c in zip(prefilling, counts)])])
+                .astype(np.int32))
             .to(self.device),
             input_ids=torch.tensor(input_ids, dtype=torch.int32, device=self.device),
-            is_prefilling_np=np.full(len(turns), prefilling),
+            is_prefilling_np=prefilling.copy(),
             num_computed_prefill_tokens_np=first, prefill_len_np=prompt,
-            num_draft_tokens=0 if prefilling else len(turns) * self.num_drafts,
+            num_draft_tokens=int((~prefilling).sum()) * self.num_drafts,
             has_structured_output_reqs=False, num_tokens=int(cu[-1]))
 
     def _prefill_chunk(self, turns: list[Turn], chunk: int) -> None:
@@ -261,14 +275,19 @@ class HeadEngine:
         else:
             self._schedule([], turns)
         for t in turns:
-            self.states.req_id_to_index[t.req_id] = t.slot
-            self.states.prompt_len.np[t.slot] = t.prompt_len
-            self._post_update(t.slot, self.seqs[t.slot].token_ids[:t.prompt_len + 1].tolist())
-            if not chunked:
-                self.reference.forget(t.req_id)
-            self._reference_step(t, 0, t.prompt_len)
+            self._start(t, forget=not chunked)
         return self._prefill_part(turns, [t.hit + chunked for t in turns],
                                   [t.prompt_len for t in turns])
+
+    def _start(self, t: Turn, forget: bool = True) -> None:
+        """The states of a request whose prompt ends this step, its first
+        token sampled; the reference ingests the whole prompt."""
+        self.states.req_id_to_index[t.req_id] = t.slot
+        self.states.prompt_len.np[t.slot] = t.prompt_len
+        self._post_update(t.slot, self.seqs[t.slot].token_ids[:t.prompt_len + 1].tolist())
+        if forget:
+            self.reference.forget(t.req_id)
+        self._reference_step(t, 0, t.prompt_len)
 
     def _prefill_part(self, turns: list[Turn], firsts: list[int], ends: list[int],
                       next_prefill: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,6 +306,17 @@ class HeadEngine:
         nodes parents first) verified greedily; for trees the accepted path
         goes where the tree sampler writes it (`TreeSlots.accepted_nodes`)."""
         self._schedule([], turns)
+        input_ids, aux, seq_lens, num_sampled = self._decode_rows(turns, drafts)
+        batch = self._batch(turns, [self.num_drafts + 1] * len(turns), input_ids, seq_lens,
+                            False)
+        sampled = torch.tensor(num_sampled, dtype=torch.int32)
+        return self._propose(batch, torch.cat(aux), sampled,
+                             self.num_drafts + 1 - sampled)
+
+    def _decode_rows(self, turns: list[Turn], drafts: torch.Tensor):
+        """The decode rows of a step's first requests `turns` (input ids, the
+        target's hidden states there, sequence lengths, tokens sampled), their
+        drafts verified and the states advanced."""
         row_of = {r: i for i, r in enumerate(self.batch_rows)}
         input_ids, aux, seq_lens, num_sampled = [], [], [], []
         for b, t in enumerate(turns):
@@ -307,11 +337,27 @@ class HeadEngine:
             self._post_update(t.slot, seq.token_ids[:s + len(path) + 1].tolist())
             self._reference_step(t, s, s + len(path))
         self.num_steps += len(turns)
-        batch = self._batch(turns, [self.num_drafts + 1] * len(turns), input_ids, seq_lens,
-                            False)
-        sampled = torch.tensor(num_sampled, dtype=torch.int32)
-        return self._propose(batch, torch.cat(aux), sampled,
-                             self.num_drafts + 1 - sampled)
+        return input_ids, aux, seq_lens, num_sampled
+
+    def _mixed(self, decodes: list[Turn], prefills: list[Turn], drafts: torch.Tensor):
+        """A mixed step: `decodes` verify their drafts (first in the batch, as
+        V2 orders running requests) beside `prefills`' whole prompts."""
+        self._schedule(prefills, decodes)
+        input_ids, aux, seq_lens, num_sampled = self._decode_rows(decodes, drafts)
+        for t in prefills:
+            self._start(t)
+            input_ids += [int(x) for x in self.seqs[t.slot].token_ids[t.hit:t.prompt_len]]
+            aux.append(self.seqs[t.slot].aux_hidden[t.hit:t.prompt_len])
+            seq_lens.append(t.prompt_len)
+        counts = ([self.num_drafts + 1] * len(decodes)
+                  + [t.prompt_len - t.hit for t in prefills])
+        batch = self._batch(decodes + prefills, counts, input_ids, seq_lens,
+                            [False] * len(decodes) + [True] * len(prefills),
+                            [0] * len(decodes) + [t.hit for t in prefills])
+        sampled = torch.tensor(num_sampled + [1] * len(prefills), dtype=torch.int32)
+        rejected = torch.tensor([self.num_drafts + 1 - n for n in num_sampled]
+                                + [0] * len(prefills), dtype=torch.int32)
+        return self._propose(batch, torch.cat(aux), sampled, rejected)
 
     def _step_states(self, seq, root: int, depths: torch.Tensor, path: list[int]):
         """The target's hidden states at a step's rows [N + 1, L * H]: the

@@ -2,7 +2,8 @@
 (a diagnostic for issue 26: at batch 64 on the H100 our chain's waves took
 125 steps for 128 tokens where vLLM's K=5 took 110, for the same mean
 acceptance, docs/results/smollm2_chains_b64_h100_s72: one request of ours
-accepted almost nothing).
+accepted almost nothing, or one started late: the wave's engine
+timestamps tell which).
 
 vLLM's own per-request metrics (`per_request_spec_decode_metrics`
 "detailed") give each finished request's accepted count per verify step.
@@ -13,8 +14,9 @@ answers), greedy.
     python3 benchmarks/gpu/request_steps.py --head DIR --model DIR
         [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,...-nopfx]] [--turns 2] [--cpu]
 
-JSON to $OUT/request_steps.json; on stdout the requests with the most
-verify steps in each row, and where the rows' outputs part.
+JSON to $OUT/request_steps.json; on stdout each row's wave (its length,
+its last request's schedule), the requests with the most verify steps and
+when each was scheduled and decoded, and where the rows' outputs part.
 """
 from __future__ import annotations
 
@@ -76,6 +78,10 @@ def request_record(output) -> dict:
     record = {"num_tokens": len(completion.token_ids), "token_ids": list(completion.token_ids),
               "num_prompt_tokens": len(output.prompt_token_ids or []),
               "num_cached_tokens": output.num_cached_tokens}
+    stats = getattr(output, "metrics", None)  # engine-core timestamps (monotonic, s)
+    if stats is not None:
+        record.update({key: getattr(stats, key) for key in
+                       ("scheduled_ts", "first_token_ts", "last_token_ts")})
     if metrics is not None:
         record.update(metrics.to_dict())
     return record
@@ -88,6 +94,26 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def moments(record: dict, records: list[dict]) -> str:
+    """A request's schedule, first and last token, ms after the wave's first
+    schedule ("-" without the engine's timestamps)."""
+    if not record.get("scheduled_ts"):
+        return "-"
+    start = min(r["scheduled_ts"] for r in records)
+    return "/".join(f"{1e3 * (record[key] - start):.0f}"
+                    for key in ("scheduled_ts", "first_token_ts", "last_token_ts"))
+
+
+def timeline(records: list[dict]) -> str:
+    """The wave's length and its last request's schedule, so a request
+    started late is told from one that decoded slowly."""
+    if not all(r.get("scheduled_ts") for r in records):
+        return "no engine timestamps"
+    start = min(r["scheduled_ts"] for r in records)
+    return (f"wave {1e3 * (max(r['last_token_ts'] for r in records) - start):.0f} ms, "
+            f"last scheduled at {1e3 * (max(r['scheduled_ts'] for r in records) - start):.0f} ms")
+
+
 def report(rows: dict[str, list[dict]], top: int) -> None:
     """`rows`: {row name: [request record]} of one turn."""
     names = list(rows)
@@ -96,13 +122,14 @@ def report(rows: dict[str, list[dict]], top: int) -> None:
         order = sorted(range(len(records)), key=lambda i: -records[i].get("num_spec_steps", 0))
         first = sum(sum(r.get("acceptance_histogram", [])[1:]) for r in records)
         print(f"{name}: longest request {max(r.get('num_spec_steps', 0) for r in records)} "
-              f"verify steps, first drafts accepted {first}; most verify steps "
-              "(request: steps, tokens, mean accept len)")
+              f"verify steps, first drafts accepted {first}; {timeline(records)}; most "
+              "verify steps (request: steps, tokens, mean accept len, ms from the "
+              "wave's first schedule to its own schedule / first token / last token)")
         for i in order[:top]:
             r = records[i]
             print(f"  {i:3d}: {r.get('num_spec_steps')} steps, {r['num_tokens']} tokens, "
-                  f"{r.get('mean_acceptance_length', 0):.3f}, prompt {r['num_prompt_tokens']} "
-                  f"({r['num_cached_tokens']} cached); per step "
+                  f"{r.get('mean_acceptance_length', 0):.3f}, {moments(r, records)} ms, "
+                  f"prompt {r['num_prompt_tokens']} ({r['num_cached_tokens']} cached); per step "
                   f"{''.join(str(a) for a in r.get('per_step_accepted', [])[:80])}")
     for name in names[1:]:  # each row beside the first
         print(f"{name} beside {names[0]}: requests whose outputs part or steps differ by > 5")

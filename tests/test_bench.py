@@ -567,7 +567,8 @@ def test_engines_started_at_once_on_a_gpu_get_half_their_share_as_kv_cache():
 def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():
     """`WaveTimes` from the engine core's per-request timestamps: the first
     step from the wave's first schedule to its first token, its decoding to
-    its last token, beside its median request's own; outputs without stats
+    its last token, beside its median request's own, its last request's
+    start and its slowest request's own decoding; outputs without stats
     (stats off) are no wave."""
     from types import SimpleNamespace
 
@@ -585,7 +586,9 @@ def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():
     assert abs(waves.request_decode_ms - 400) < 1e-6  # median of 400, 1000, 300
     total = waves.merged(None)
     assert waves.merged(total)["num_waves"] == 2 and WaveTimes().merged(total) == total
-    assert wave_cells(total).split() == ["1", "100.0", "100.0", "1000.0", "2.50"]
+    # the last request's first token 200 ms after the wave's; the slowest decoded 1000 ms
+    assert wave_cells(total).split() == ["1", "100.0", "100.0", "1000.0", "2.50", "200.0",
+                                         "1000.0"]
     stalled = WaveTimes()  # a second repeat whose first step stalled: the max shows it
     stalled.add([output(5.0, 5.4, 6.0)])
     both = stalled.merged(total)
@@ -593,6 +596,8 @@ def test_wave_times_sum_each_calls_first_step_decoding_and_median_request():
     assert wave_cells(both).split()[1:3] == ["250.0", "400.0"]
     del total["first_step_max_ms"]  # a result written before the max was recorded
     assert wave_cells(total).split()[2] == "-"
+    del total["last_start_ms"], total["slowest_request_ms"]  # ... or the tail's parts
+    assert wave_cells(total).split()[5:] == ["-", "-"]
 
 
 def _check_phases(rows) -> None:

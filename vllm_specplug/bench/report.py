@@ -198,13 +198,16 @@ def _captures_cells(row) -> str:
 
 def format_waves_table(rows) -> str:
     """Each row's `generate` calls as waves (bench/waves.py): ms per wave of
-    its first step (and the slowest wave's) and of its decoding, and its
-    tail: the wave's decoding over its median request's."""
+    its first step (and the slowest wave's) and of its decoding, its tail
+    (the wave's decoding over its median request's), and ms per wave from
+    its first token to its last request's first and of its slowest
+    request's own decoding."""
     from vllm_specplug.bench.waves import wave_cells
 
     return _decision_table(
         rows, "waves", "waves (engine timestamps)",
-        f"{'waves':>7}{'first step ms':>16}{'max':>10}{'decode ms':>12}{'tail':>8}",
+        f"{'waves':>7}{'first step ms':>16}{'max':>10}{'decode ms':>12}{'tail':>8}"
+        f"{'last start':>13}{'slowest req':>14}",
         lambda row: wave_cells(row.waves))
 
 

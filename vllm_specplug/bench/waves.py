@@ -5,6 +5,9 @@ long its requests decoded, and how much longer the slowest took than the
 typical one. A method whose requests accept unevenly leaves a tail of steps
 with few requests: a per-step price (the batch draft length's) does not see
 it, and a bench of waves pays it (docs/results/batch_draft_length_h200_run15).
+A tail is a request that started late or one that decoded slowly: both are
+kept (at batch 64 on the H100 our chain's waves took 125 steps for 128
+tokens where vLLM's took 110, docs/results/smollm2_chains_b64_h100_s72).
 """
 from __future__ import annotations
 
@@ -20,6 +23,10 @@ class WaveTimes:
     first_step_max_ms: float = 0.0  # the slowest wave's: one stalled wave stands out
     decode_ms: float = 0.0  # its first token to its last
     request_decode_ms: float = 0.0  # a request's own first to last token, the median
+    # what makes a tail: a request that got its first token late (its prefill
+    # waited for the token budget), or one that decoded slowly on its own
+    last_start_ms: float = 0.0  # the wave's first token to its last request's first
+    slowest_request_ms: float = 0.0  # the slowest request's own first to last token
 
     def add(self, outputs) -> None:
         """One wave's `RequestOutput`s (those without stats are skipped)."""
@@ -33,8 +40,10 @@ class WaveTimes:
         self.first_step_ms += first_step_ms
         self.first_step_max_ms = max(self.first_step_max_ms, first_step_ms)
         self.decode_ms += 1e3 * (max(s.last_token_ts for s in stats) - first)
-        self.request_decode_ms += 1e3 * statistics.median(
-            s.last_token_ts - s.first_token_ts for s in stats)
+        own = [s.last_token_ts - s.first_token_ts for s in stats]
+        self.request_decode_ms += 1e3 * statistics.median(own)
+        self.last_start_ms += 1e3 * (max(s.first_token_ts for s in stats) - first)
+        self.slowest_request_ms += 1e3 * max(own)
 
     def merged(self, total: dict | None) -> dict | None:
         """`total` (an earlier repeat's `as_dict`, or None) plus these."""
@@ -50,12 +59,18 @@ class WaveTimes:
 
 
 def wave_cells(waves: dict) -> str:
-    """Per wave: first step ms (mean, and the slowest wave's: absent from
-    results written before it was recorded), decode ms, and the tail (decode
-    over the median request's decode)."""
+    """Per wave: first step ms (mean, and the slowest wave's), decode ms, the
+    tail (decode over the median request's decode), the last request's start
+    and the slowest request's own decode (ms: "-" in results written before
+    they were recorded)."""
     n = max(waves["num_waves"], 1)
     tail = waves["decode_ms"] / max(waves["request_decode_ms"], 1e-9)
-    slowest = waves.get("first_step_max_ms")
+
+    def cell(key: str, width: int, per_wave: bool = True) -> str:
+        value = waves.get(key)
+        text = "-" if value is None else f"{value / (n if per_wave else 1):.1f}"
+        return f"{text:>{width}}"
     return (f"{waves['num_waves']:>7}{waves['first_step_ms'] / n:>16.1f}"
-            f"{'-' if slowest is None else f'{slowest:.1f}':>10}"
-            f"{waves['decode_ms'] / n:>12.1f}{tail:>8.2f}")
+            f"{cell('first_step_max_ms', 10, per_wave=False)}"
+            f"{waves['decode_ms'] / n:>12.1f}{tail:>8.2f}"
+            f"{cell('last_start_ms', 13)}{cell('slowest_request_ms', 14)}")

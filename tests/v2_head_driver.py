@@ -140,7 +140,7 @@ class HeadEngine:
         chunked prefill splits a prompt over the token budget), their decode
         steps, their finish; `after_prefill()` runs between the prefill and
         the first decode step."""
-        if chunk is not None:
+        if chunk:
             self._prefill_chunk(turns, chunk)
         drafts = self._prefill(turns, chunk or 0)
         if after_prefill is not None:

@@ -293,13 +293,18 @@ class HeadEngine:
                       next_prefill: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill positions [firsts[i], ends[i]) of each turn, one step."""
         counts = [end - first for first, end in zip(firsts, ends)]
-        input_ids = [int(x) for t, first, end in zip(turns, firsts, ends)
-                     for x in self.seqs[t.slot].token_ids[first:end]]
-        aux = torch.cat([self.seqs[t.slot].aux_hidden[first:end]
-                         for t, first, end in zip(turns, firsts, ends)])
+        input_ids, aux = self._prefill_rows(turns, firsts, ends)
         batch = self._batch(turns, counts, input_ids, ends, True, firsts)
         ones = torch.ones(len(turns), dtype=torch.int32)
-        return self._propose(batch, aux, ones, torch.zeros_like(ones), next_prefill)
+        return self._propose(batch, torch.cat(aux), ones, torch.zeros_like(ones), next_prefill)
+
+    def _prefill_rows(self, turns: list[Turn], firsts: list[int], ends: list[int]):
+        """Input ids and the target's hidden states (one tensor a turn) of
+        prompt positions [firsts[i], ends[i])."""
+        input_ids = [int(x) for t, first, end in zip(turns, firsts, ends)
+                     for x in self.seqs[t.slot].token_ids[first:end]]
+        return input_ids, [self.seqs[t.slot].aux_hidden[first:end]
+                           for t, first, end in zip(turns, firsts, ends)]
 
     def _decode(self, turns: list[Turn], drafts: torch.Tensor) -> torch.Tensor:
         """One step: each request's root and drafts (a chain, or a tree's
@@ -346,9 +351,10 @@ class HeadEngine:
         input_ids, aux, seq_lens, num_sampled = self._decode_rows(decodes, drafts)
         for t in prefills:
             self._start(t)
-            input_ids += [int(x) for x in self.seqs[t.slot].token_ids[t.hit:t.prompt_len]]
-            aux.append(self.seqs[t.slot].aux_hidden[t.hit:t.prompt_len])
-            seq_lens.append(t.prompt_len)
+        ids, rows = self._prefill_rows(prefills, [t.hit for t in prefills],
+                                       [t.prompt_len for t in prefills])
+        input_ids, aux = input_ids + ids, aux + rows
+        seq_lens += [t.prompt_len for t in prefills]
         counts = ([self.num_drafts + 1] * len(decodes)
                   + [t.prompt_len - t.hit for t in prefills])
         batch = self._batch(decodes + prefills, counts, input_ids, seq_lens,

@@ -12,7 +12,7 @@ first turns, or both: each row's second turn after the first row's
 answers), greedy.
 
     python3 benchmarks/gpu/request_steps.py --head DIR --model DIR
-        [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,...-nopfx]] [--turns 2] [--cpu]
+        [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,ours-tree16][,...-nopfx]] [--turns 2] [--cpu]
 
 JSON to $OUT/request_steps.json; on stdout each row's wave (its length,
 its last request's schedule), the requests with the most verify steps and
@@ -27,11 +27,11 @@ from pathlib import Path
 
 
 def row_specs(head: str) -> dict[str, dict]:
-    """Each row's speculative config; a row's name ending in `-nopfx` runs
-    it with prefix caching off."""
-    specs = {"vllm-eagle3-K5": {"method": "eagle3", "model": head, "num_speculative_tokens": 5},
-             "ours-chain-K5": {"method": "specplug_eagle3", "model": head, "topk": 1,
-                               "num_steps": 5}}
+    """The sync probe's rows (vLLM's `eagle3` K=5, our chain K=5 and tree
+    16), each also as `NAME-nopfx`: the same with prefix caching off."""
+    from sync_probe import row_specs as probe_rows  # benchmarks/gpu/, beside this script
+
+    specs = probe_rows(head)
     return {**specs, **{f"{name}-nopfx": spec for name, spec in specs.items()}}
 
 
@@ -87,13 +87,6 @@ def request_record(output) -> dict:
     return record
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def moments(record: dict, records: list[dict]) -> str:
     """A request's schedule, first and last token, ms after the wave's first
     schedule ("-" without the engine's timestamps)."""
@@ -116,6 +109,8 @@ def timeline(records: list[dict]) -> str:
 
 def report(rows: dict[str, list[dict]], top: int) -> None:
     """`rows`: {row name: [request record]} of one turn."""
+    from vllm_specplug.bench.compare import first_divergence
+
     names = list(rows)
     for name in names:
         records = rows[name]
@@ -135,7 +130,7 @@ def report(rows: dict[str, list[dict]], top: int) -> None:
         print(f"{name} beside {names[0]}: requests whose outputs part or steps differ by > 5")
         for i, (x, y) in enumerate(zip(rows[names[0]], rows[name])):
             steps = (x.get("num_spec_steps"), y.get("num_spec_steps"))
-            diff = first_difference(x["token_ids"], y["token_ids"])
+            diff = first_divergence(x["token_ids"], y["token_ids"])
             if diff is not None or abs(steps[0] - steps[1]) > 5:
                 print(f"  request {i}: steps {steps}, outputs part at {diff}")
 

@@ -12,7 +12,8 @@ first turns, or both: each row's second turn after the first row's
 answers), greedy.
 
     python3 benchmarks/gpu/request_steps.py --head DIR --model DIR
-        [--batch-size 64] [--max-tokens 128] [--rows vllm-eagle3-K5,ours-chain-K5[,ours-tree16][,...-nopfx]] [--turns 2] [--cpu]
+        [--batch-size 64] [--max-tokens 128] [--turns 2] [--cpu]
+        [--rows vllm-eagle3-K5,ours-chain-K5[,ours-tree16][,none][,...-nopfx]]
 
 JSON to $OUT/request_steps.json; on stdout each row's wave (its length,
 its last request's schedule), the requests with the most verify steps and
@@ -26,12 +27,13 @@ import os
 from pathlib import Path
 
 
-def row_specs(head: str) -> dict[str, dict]:
+def row_specs(head: str) -> dict[str, dict | None]:
     """The sync probe's rows (vLLM's `eagle3` K=5, our chain K=5 and tree
-    16), each also as `NAME-nopfx`: the same with prefix caching off."""
+    16) and `none` (no speculation), each also as `NAME-nopfx`: the same
+    with prefix caching off."""
     from sync_probe import row_specs as probe_rows  # benchmarks/gpu/, beside this script
 
-    specs = probe_rows(head)
+    specs = {"none": None, **probe_rows(head)}
     return {**specs, **{f"{name}-nopfx": spec for name, spec in specs.items()}}
 
 
@@ -41,8 +43,9 @@ def run_row(model_dir, name: str, spec: dict, prompts, args) -> list[dict]:
     # on CPU our test defaults (eager, float32); on the GPU as `bench offline`
     device_args = {} if args.cpu else dict(enforce_eager=False, dtype="bfloat16",
                                            gpu_memory_utilization=0.3)
+    metrics = {} if spec is None else {"per_request_spec_decode_metrics": "detailed"}
     llm = make_llm(model_dir, spec, max_num_seqs=args.batch_size, max_model_len=2048,
-                   per_request_spec_decode_metrics="detailed",
+                   **metrics,
                    enable_prefix_caching=not name.endswith("-nopfx"), **device_args)
     try:
         return [turn_records(llm, prompts, turn, args) for turn in range(args.turns)]
@@ -126,13 +129,28 @@ def report(rows: dict[str, list[dict]], top: int) -> None:
                   f"{r.get('mean_acceptance_length', 0):.3f}, {moments(r, records)} ms, "
                   f"prompt {r['num_prompt_tokens']} ({r['num_cached_tokens']} cached); per step "
                   f"{''.join(str(a) for a in r.get('per_step_accepted', [])[:80])}")
+    report_parted(rows)
     for name in names[1:]:  # each row beside the first
         print(f"{name} beside {names[0]}: requests whose outputs part or steps differ by > 5")
         for i, (x, y) in enumerate(zip(rows[names[0]], rows[name])):
-            steps = (x.get("num_spec_steps"), y.get("num_spec_steps"))
+            steps = (x.get("num_spec_steps") or 0, y.get("num_spec_steps") or 0)
             diff = first_divergence(x["token_ids"], y["token_ids"])
             if diff is not None or abs(steps[0] - steps[1]) > 5:
                 print(f"  request {i}: steps {steps}, outputs part at {diff}")
+
+
+def report_parted(rows: dict[str, list[dict]]) -> None:
+    """Which requests' outputs part from no speculation's (a `none` row):
+    in bf16 a row that parts may escape, or fall into, a continuation its
+    head cannot draft, and its wave's length with it."""
+    from vllm_specplug.bench.compare import first_divergence
+
+    baseline = next((n for n in rows if n.split("-nopfx")[0] == "none"), None)
+    for name in rows:
+        if baseline is not None and name != baseline:
+            parted = [i for i, (x, y) in enumerate(zip(rows[baseline], rows[name]))
+                      if first_divergence(x["token_ids"], y["token_ids"]) is not None]
+            print(f"{name}: {len(parted)} outputs part from {baseline}'s: {parted}")
 
 
 def main() -> None:

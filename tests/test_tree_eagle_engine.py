@@ -27,8 +27,12 @@ TREES = {  # name: (topk, num_steps, num_draft_tokens)
     "tree64_topk8": (8, 8, 64),
 }
 # beyond the shape: the 64-node tree's head runs its dense steps through
-# inductor (draft_compile), in the same engine (an engine's start is CI time)
-OPTIONS = {"tree64_topk8": {"draft_compile": True}}
+# inductor (draft_compile), the chain drafts prompt lookups where its history
+# repeats (proposers/lookup.py), in the same engines (an engine's start is CI time)
+OPTIONS = {"tree64_topk8": {"draft_compile": True}, "chain_k3": {"prompt_lookup_min": 3}}
+# the mean acceptance length the batch must pass: the head is trained; the
+# chain with lookups took 2.79 on 2026-12-06, without them 2.66
+MIN_ACCEPTANCE = {"chain_k3": 2.72}
 
 
 def tree_config(head_dir, topk: int, num_steps: int, num_draft_tokens: int) -> dict:
@@ -52,7 +56,7 @@ def test_batch_equals_no_speculation_and_accepts(tree_llm, eval_prompts, baselin
     assert_same_tokens(baseline_outputs["batched"], ours, eval_prompts)
     topk, num_steps, num_nodes = TREES[tree_llm.tree_name]
     assert counts.num_draft_tokens == counts.num_drafts * (num_nodes - 1)
-    assert counts.mean_acceptance_length > 1.8  # the head is trained
+    assert counts.mean_acceptance_length > MIN_ACCEPTANCE.get(tree_llm.tree_name, 1.8)
     depths = [p for p in counts.per_position_acceptance if p > 0]
     assert len(depths) <= num_steps  # accepted depth never exceeds the tree's
 

@@ -123,3 +123,33 @@ def test_counts_add_draft_tokens_and_slots(device):
     want_lengths = reference(histories, num_sampled, 2, 3, k)[1]
     assert num_draft.tolist() == want_lengths == [3, 0, 0]  # n=3 ends at 4: 3 tokens after
     assert batch.draft_counts.tolist() == [100 + 3, 200 + 2 * k]
+
+
+def test_lookup_merge_on_the_kernels_takes_what_the_host_reference_takes(device):
+    """`DeviceLookup.merge` (prompt lookups in place of a head's chains):
+    the kernels' rows and drafts equal its host reference's, on histories
+    with and without a match of K tokens, a prefill chunk among them."""
+    from vllm_specplug.proposers.lookup import DeviceLookup
+
+    rng = np.random.default_rng(3)
+    k, max_len = 5, BLOCK + 40
+    histories = [rng.integers(0, 5, size=n).astype(np.int32) for n in (4, 9, 60, BLOCK + 30)]
+    histories += [np.arange(50, dtype=np.int32), np.array([1, 2, 3] * 5, dtype=np.int32)]
+    num_sampled = torch.tensor([1, 1, 1, 2, 1, 0], dtype=torch.int32)
+    token_ids = torch.zeros(len(histories) + 2, max_len, dtype=torch.int32)
+    num_tokens = torch.zeros(len(histories) + 2, dtype=torch.int32)
+    slots = torch.randperm(len(histories) + 2, generator=torch.Generator().manual_seed(1))
+    for slot, history in zip(slots.tolist(), histories):
+        token_ids[slot, :len(history)] = torch.from_numpy(history)
+        num_tokens[slot] = len(history)
+    merged = []
+    for kernels in (True, False):
+        lookup = DeviceLookup(3, 5, len(histories) + 2, max_len, k, torch.device(device),
+                              kernels=kernels)
+        chains = torch.full((len(histories), k), -1, dtype=torch.int64, device=device)
+        on = [t.to(device) for t in (token_ids, slots[:len(histories)], num_tokens, num_sampled)]
+        lookup.merge([f"r{i}" for i in range(len(histories))], on[0], on[1], on[2], on[3],
+                     chains)
+        merged.append((chains.cpu().tolist(), int(lookup.num_found)))
+    assert merged[0] == merged[1]
+    assert 0 < merged[0][1] < len(histories)  # rows of both kinds

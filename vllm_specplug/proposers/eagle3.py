@@ -24,6 +24,7 @@ import numpy as np
 
 from vllm_specplug.proposers.base import (ProposeBatch, Proposer, ProposerConfigError,
                                           ProposerOptions, require)
+from vllm_specplug.proposers.lookup import check_lookup_options
 
 TREE_DRAFTER_QUALNAME = "vllm_specplug.integration.v1.tree_drafter.TreeEagleDrafter"
 DEFAULT_NUM_STEPS = 5
@@ -55,6 +56,11 @@ class TreeOptions(ProposerOptions):
     # it more (deeper trees), > 1 less (wider). Selection only: verification
     # uses the target's distribution alone, so any value is lossless.
     draft_temperature: float = 1.0
+    # > 0: a chain's request whose last n tokens (prompt_lookup_min <= n <=
+    # prompt_lookup_max) recur in its history drafts what followed them, not
+    # the head's chain (proposers/lookup.py: loops and copies). 0: off.
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 5
     # On CUDA, replay each drafting pass as a captured CUDA graph (off under
     # enforce_eager). False drafts eagerly: slower, same trees.
     draft_cudagraph: bool = True
@@ -169,6 +175,7 @@ class TreeOptions(ProposerOptions):
 
     def validate(self, name: str) -> None:
         require(self.topk >= 1, name, f"topk={self.topk} must be >= 1")
+        check_lookup_options(self, name)
         require(self.tree_attention in TREE_ATTENTION_WAYS, name,
                 f"tree_attention={self.tree_attention!r} must be one of "
                 f"{', '.join(TREE_ATTENTION_WAYS)}")

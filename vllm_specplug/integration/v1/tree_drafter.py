@@ -32,6 +32,7 @@ from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.integration.v1.tree_choices import TreeChoices
 from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.integration.grammar_trees import chain_prefix_length
+from vllm_specplug.proposers.lookup import lookup_chains
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.proposers.head_cache import NO_POSITION, HeadBlockStore
@@ -385,6 +386,13 @@ class TreeEagleDrafter(V1DrafterHooks):
         token_ids, parent_ids = tree.token_ids.cpu(), tree.parent_ids.cpu().numpy()
         if self.adaptive is not None:  # the host copies waited for the pass
             self.adaptive.drafted(len(rows), time.perf_counter() - started)
+        # prompt lookups replace a chain where the history repeats (lookup.py),
+        # not where a grammar masked the drafts
+        looked_up, found = (lookup_chains(batch.token_ids_cpu[rows, :int(num_tokens.max())],
+                                          num_tokens, options.prompt_lookup_min,
+                                          options.prompt_lookup_max, options.num_draft_tokens - 1)
+                            if options.prompt_lookup_min and masks is None
+                            else (None, np.zeros(len(rows), dtype=bool)))
         for b, row in enumerate(rows):
             limit = min(allowance, options.num_draft_tokens - 1,
                         self.max_model_len - int(num_tokens[b]),
@@ -394,7 +402,7 @@ class TreeEagleDrafter(V1DrafterHooks):
                 num_nodes, chain = self.draft_shape
                 limit = min(limit, num_nodes - 1)
                 parents = chain_parents(limit + 1) if chain else parents[:limit + 1]
-            nodes = token_ids[b, 1:1 + limit].tolist()
+            nodes = (looked_up[b, :limit] if found[b] else token_ids[b, 1:1 + limit]).tolist()
             drafts[row] = nodes
             self.trees[batch.req_ids[row]] = (nodes, parents)
 

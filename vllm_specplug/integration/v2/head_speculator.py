@@ -61,7 +61,9 @@ from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
 from vllm_specplug.integration.worker_rows import WORKER, WORKER_ROWS_ATTR, RowDepth
+from vllm_specplug.proposers.base import ProposerConfigError
 from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH, FULL_TREE_ROWS, SCHEDULER_ROWS
+from vllm_specplug.proposers.lookup import DeviceLookup
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
 
@@ -162,6 +164,15 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.deferred = (DeferredRows(self.max_num_reqs, device)
                          if 0 in self._scheduled_lengths() else None)
         self.stats.deferred = self.deferred
+        # chains drafted by prompt lookup where the history repeats (lookup.py)
+        self.lookup = (DeviceLookup(options.prompt_lookup_min, options.prompt_lookup_max,
+                                    self.max_num_reqs, vllm_config.model_config.max_model_len,
+                                    self.num_speculative_steps, device)
+                       if options.prompt_lookup_min else None)
+        if self.lookup is not None and self.confidences is not None:
+            raise ProposerConfigError(
+                "speculative_config: prompt_lookup_min drafts carry no head confidences "
+                f"for {ADAPTIVE_VERIFICATION_FIELD}: turn one of them off")
 
     @staticmethod
     def choices_for(structured) -> GrammarChoices:
@@ -336,12 +347,18 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             self.guard.call("observe_verification", input_batch.req_ids,
                             self.confidences.observe, input_batch.idx_mapping, num_sampled,
                             num_rejected, temperature)
-        ok = not self.guard.disabled and self.guard.call(
+        ok, unmasked = (False, False) if self.guard.disabled else self.guard.call(
             "propose", input_batch.req_ids, self._step, input_batch,
             last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
             next_prefill_tokens, drafts,
             step_tree_shape(self.drafter.tree_shape, num_speculative_tokens),
-            num_speculative_tokens)[0]
+            num_speculative_tokens)
+        if ok and unmasked and self.lookup is not None:
+            with profiled_range("specplug::lookup"):
+                self.guard.call("lookup", input_batch.req_ids, self.lookup.merge,
+                                list(input_batch.req_ids), self.req_states.all_token_ids.gpu,
+                                input_batch.idx_mapping, self.req_states.total_len.gpu,
+                                num_sampled, drafts, effect="this step keeps the head's chains")
         if not ok:  # failed or switched off: last-token drafts, verified as chains
             slots = input_batch.idx_mapping[:num_reqs]
             drafts.copy_(last_sampled.view(-1)[slots][:, None].expand_as(drafts))
@@ -358,7 +375,9 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         return self.path_ranks.take() if self.path_ranks is not None else None
 
     def _step(self, input_batch, hidden, aux, num_rejected, last_sampled, next_prefill,
-              drafts, shape: tuple[int, int, int], num_drafts: int | None) -> None:
+              drafts, shape: tuple[int, int, int], num_drafts: int | None) -> bool:
+        """One step's ingest and drafts; True where they were drafted
+        without grammar masks (prompt lookups may then replace chains)."""
         num_reqs = input_batch.num_reqs
         slots_np = input_batch.idx_mapping_np[:num_reqs]
         req_ids = np.asarray(input_batch.req_ids[:num_reqs], dtype=object)
@@ -374,15 +393,17 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             if num_drafts == 0:  # nothing to draft: keep the decodes' rows for later
                 self.queue_for_rows(input_batch)
                 with profiled_range("specplug::keep_rows"):
-                    return self._keep_step(input_batch, prefill, new, hidden, aux, num_rejected,
-                                           last_sampled, next_prefill)
+                    self._keep_step(input_batch, prefill, new, hidden, aux, num_rejected,
+                                    last_sampled, next_prefill)
+                return False
             with profiled_range("specplug::ingest_kept"):  # before this step's own rows
                 self.deferred.flush(self.runtime, slots_np[~prefill], max_position)
         masks = self._grammar_masks(input_batch)
         if not prefill.any() and masks is None:  # every request decodes: one pass
             with profiled_range("specplug::decode_step"):  # ranges for `bench offline --phases`
-                return self._decode_step(input_batch, hidden, aux, num_rejected, last_sampled,
-                                         max_position, shape)
+                self._decode_step(input_batch, hidden, aux, num_rejected, last_sampled,
+                                  max_position, shape)
+            return True
         with profiled_range("specplug::ingest"):
             if (~prefill).any():
                 self._ingest_decodes(input_batch, np.flatnonzero(~prefill), hidden, aux,
@@ -392,6 +413,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                                       last_sampled, next_prefill)
         with profiled_range("specplug::draft_tree"):
             self._draft(input_batch, last_sampled, max_position + 1, drafts, shape, masks)
+        return masks is None
 
     def _decode_step(self, input_batch, hidden, aux, num_rejected, last_sampled,
                      max_position: int, shape: tuple[int, int, int]) -> None:

@@ -29,7 +29,8 @@
 #            eagle3 K=5, our chain K=5 as by default, eager, and eager on the PyTorch
 #            head attention (draft_attention "torch"); ROWS=chains: vLLM's eagle3 K=5
 #            and our chain K=5 alone (issue 26's τ gap; `by repeat` shows each repeat's
-#            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); ROWS=wide: vLLM's
+#            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); ROWS=chains-lookup:
+#            the same plus our chain with prompt_lookup_min 3; ROWS=wide: vLLM's
 #            eagle3 K=5, our tree 16 and a wide tree (WIDE, default "8 4 32"); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
@@ -212,10 +213,14 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # refused on Model Runner V2 for now: docs/results/v2_grammar_auto_h100)
       printf '%s\n' --spec "ours-tree16={$tree}" \
         --spec "ours-tree16-choices={$tree, \"grammar_verify\": \"choices\"}" ;;
-    chains)
+    chains|chains-lookup)
       # the two chains alone: issue 26's τ gap on SmolLM2, without the other rows' work
       # between repeats (the tiny model's two chains drafted the same: tiny_chain_ab_h200)
-      printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}" ;;
+      printf '%s\n' --spec "ours-chain-K5={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5}"
+      # chains-lookup: plus our chain with prompt lookups where its history repeats
+      # (proposers/lookup.py; SmolLM2's greedy loops, docs/results/smollm2_request_steps_h100_s73)
+      [ "$1" = chains-lookup ] && printf '%s\n' --spec "ours-chain-K5-lookup={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"prompt_lookup_min\": 3}"
+      true ;;
     compile|compile-aa)
       # compile-aa: vLLM's eagle3 K=5 a second time, in an engine of its own: how far
       # two engines of one config part (the bias no interleaving removes)

@@ -33,12 +33,15 @@ SIZED_CHAIN = {**CHAIN, "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5,
 SIZED_TREE = {**TREE, "num_speculative_tokens_per_batch_size": [[1, 4, 15], [5, 1024, 5]]}
 # vLLM's adaptive verification over our chain's confidences (issue 27)
 ADAPTIVE_CHAIN = {**CHAIN, "enable_adaptive_verification": True}
+# prompt lookups in place of chains where the history repeats (proposers/lookup.py:
+# the n-gram kernels after the fused step's graph)
+LOOKUP_CHAIN = {**CHAIN, "prompt_lookup_min": 3}
 SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN, "tree-sized": SIZED_TREE,
-         "chain-adaptive": ADAPTIVE_CHAIN}
+         "chain-adaptive": ADAPTIVE_CHAIN, "chain-lookup": LOOKUP_CHAIN}
 # accepted tokens per drafting step a trained head reaches on held-out
 # prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
 MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3, "tree-sized": 1.5,
-                "chain-adaptive": 1.3}
+                "chain-adaptive": 1.3, "chain-lookup": 1.5}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

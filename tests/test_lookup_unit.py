@@ -79,7 +79,9 @@ def test_options_name_the_field_and_the_fix():
     Eagle3TreeOptions(model="h", prompt_lookup_min=3).validate("specplug_eagle3")
     Eagle3TreeOptions(model="h", topk=4).validate("specplug_eagle3")  # off: trees are fine
     cases = [({"topk": 4, "prompt_lookup_min": 3}, "set topk=1"),
-             ({"prompt_lookup_min": -1}, "must be 0 (off) or >= 1"),
+             ({"prompt_lookup_min": -1}, "must be 0 (off) or an integer >= 1"),
+             ({"prompt_lookup_min": 2.5}, "prompt_lookup_min=2.5 must be 0 (off)"),
+             ({"prompt_lookup_min": 2, "prompt_lookup_max": "5"}, "prompt_lookup_max=5 must be"),
              ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_max=3 must be")]
     for fields, message in cases:
         with pytest.raises(ProposerConfigError, match=re.escape(message)):

@@ -31,11 +31,16 @@ from vllm_specplug.proposers.ngram import longest_matches
 
 def check_lookup_options(options, name: str) -> None:
     """`prompt_lookup_min` / `prompt_lookup_max` of a tree drafter's options."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    require(whole(options.prompt_lookup_min) and options.prompt_lookup_min >= 0, name,
+            f"prompt_lookup_min={options.prompt_lookup_min!r} must be 0 (off) or an "
+            "integer >= 1")
     if options.prompt_lookup_min == 0:
         return
-    require(options.prompt_lookup_min >= 1, name,
-            f"prompt_lookup_min={options.prompt_lookup_min} must be 0 (off) or >= 1")
-    require(options.prompt_lookup_max >= options.prompt_lookup_min, name,
+    require(whole(options.prompt_lookup_max)
+            and options.prompt_lookup_max >= options.prompt_lookup_min, name,
             f"prompt_lookup_max={options.prompt_lookup_max} must be >= "
             f"prompt_lookup_min={options.prompt_lookup_min}")
     require(options.topk == 1, name,

@@ -57,11 +57,13 @@ def test_adaptive_verification_is_for_chains_only(tiny_eagle3_dir):
     assert vllm_config["enable_adaptive_verification"] is True
     assert selection.method == "specplug_eagle3"
     for config in ({**head, "topk": 4, "num_steps": 4, "num_draft_tokens": 16},
+                   {**head, "topk": 1, "num_steps": 3, "prompt_lookup_min": 3},
                    {"method": "specplug_ngram", "num_speculative_tokens": 3,
                     "enable_adaptive_verification": True}):
         with pytest.raises(ProposerConfigError,
                            match=r"enable_adaptive_verification=true needs a chain .*"
-                                 r"Set topk=1 or drop enable_adaptive_verification"):
+                                 r"Set topk=1 and prompt_lookup_min=0, or drop "
+                                 r"enable_adaptive_verification"):
             translate(config)
 
 

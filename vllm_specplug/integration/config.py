@@ -178,9 +178,10 @@ def check_adaptive_verification(method: str, cls, options, rest: dict[str, Any])
         return
     raise ProposerConfigError(
         f"speculative_config for method {method!r}: {ADAPTIVE_VERIFICATION_FIELD}=true needs "
-        "a chain of specplug_eagle3 or specplug_mtp (topk=1) on Model Runner V2 (CUDA); "
-        "trees verify every node they keep, and the model-free methods choose their draft "
-        f"lengths with the {ADAPTIVE_OPTION!r} option instead. Set topk=1 or drop "
+        "a chain of specplug_eagle3 or specplug_mtp (topk=1, prompt_lookup_min=0) on Model "
+        "Runner V2 (CUDA); trees verify every node they keep, prompt lookups carry no "
+        "head confidences, and the model-free methods choose their draft lengths with the "
+        f"{ADAPTIVE_OPTION!r} option instead. Set topk=1 and prompt_lookup_min=0, or drop "
         f"{ADAPTIVE_VERIFICATION_FIELD}")
 
 

@@ -359,8 +359,9 @@ class TreeProposer(Proposer):
     def fills_draft_confidences(cls, options: TreeOptions) -> bool:
         """Chains do: vLLM's acceptance estimator reads each draft step's
         logits inside the graphed drafting pass. A tree's nodes are not
-        chain positions, and its size is its own budget."""
-        return options.topk == 1
+        chain positions, and its size is its own budget; a chain's prompt
+        lookups (`prompt_lookup_min`) carry no head confidences."""
+        return options.topk == 1 and not options.prompt_lookup_min
 
     @classmethod
     def vllm_num_speculative_tokens(cls, options: TreeOptions,

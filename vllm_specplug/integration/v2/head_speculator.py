@@ -61,7 +61,6 @@ from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
 from vllm_specplug.integration.worker_rows import WORKER, WORKER_ROWS_ATTR, RowDepth
-from vllm_specplug.proposers.base import ProposerConfigError
 from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH, FULL_TREE_ROWS, SCHEDULER_ROWS
 from vllm_specplug.proposers.lookup import DeviceLookup
 from vllm_specplug.proposers.head_graphs import padded_batch
@@ -169,10 +168,6 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                                     self.max_num_reqs, vllm_config.model_config.max_model_len,
                                     self.num_speculative_steps, device)
                        if options.prompt_lookup_min else None)
-        if self.lookup is not None and self.confidences is not None:
-            raise ProposerConfigError(
-                "speculative_config: prompt_lookup_min drafts carry no head confidences "
-                f"for {ADAPTIVE_VERIFICATION_FIELD}: turn one of them off")
 
     @staticmethod
     def choices_for(structured) -> GrammarChoices:

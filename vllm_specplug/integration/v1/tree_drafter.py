@@ -388,11 +388,12 @@ class TreeEagleDrafter(V1DrafterHooks):
             self.adaptive.drafted(len(rows), time.perf_counter() - started)
         # prompt lookups replace a chain where the history repeats (lookup.py),
         # not where a grammar masked the drafts
-        looked_up, found = (lookup_chains(batch.token_ids_cpu[rows, :int(num_tokens.max())],
-                                          num_tokens, options.prompt_lookup_min,
-                                          options.prompt_lookup_max, options.num_draft_tokens - 1)
-                            if options.prompt_lookup_min and masks is None
-                            else (None, np.zeros(len(rows), dtype=bool)))
+        looked_up, found = None, np.zeros(len(rows), dtype=bool)
+        if options.prompt_lookup_min and masks is None:
+            looked_up, found = lookup_chains(
+                batch.token_ids_cpu[rows, :int(num_tokens.max())], num_tokens,
+                options.prompt_lookup_min, options.prompt_lookup_max,
+                options.num_draft_tokens - 1)
         for b, row in enumerate(rows):
             limit = min(allowance, options.num_draft_tokens - 1,
                         self.max_model_len - int(num_tokens[b]),

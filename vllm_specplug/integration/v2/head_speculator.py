@@ -351,7 +351,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         if ok and unmasked and self.lookup is not None:
             with profiled_range("specplug::lookup"):
                 self.guard.call("lookup", input_batch.req_ids, self.lookup.merge,
-                                list(input_batch.req_ids), self.req_states.all_token_ids.gpu,
+                                input_batch.req_ids, self.req_states.all_token_ids.gpu,
                                 input_batch.idx_mapping, self.req_states.total_len.gpu,
                                 num_sampled, drafts, effect="this step keeps the head's chains")
         if not ok:  # failed or switched off: last-token drafts, verified as chains

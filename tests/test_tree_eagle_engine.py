@@ -27,12 +27,15 @@ TREES = {  # name: (topk, num_steps, num_draft_tokens)
     "tree64_topk8": (8, 8, 64),
 }
 # beyond the shape: the 64-node tree's head runs its dense steps through
-# inductor (draft_compile), the chain drafts prompt lookups where its history
-# repeats (proposers/lookup.py), in the same engines (an engine's start is CI time)
-OPTIONS = {"tree64_topk8": {"draft_compile": True}, "chain_k3": {"prompt_lookup_min": 3}}
-# the mean acceptance length the batch must pass: the head is trained; the
-# chain with lookups took 2.79 on 2026-12-06, without them 2.66
-MIN_ACCEPTANCE = {"chain_k3": 2.72}
+# inductor (draft_compile), the chain and that tree draft prompt lookups where
+# a history repeats (proposers/lookup.py: the chain's drafts, a branch of the
+# tree), in the same engines (an engine's start is CI time)
+OPTIONS = {"tree64_topk8": {"draft_compile": True, "prompt_lookup_min": 3},
+           "chain_k3": {"prompt_lookup_min": 3}}
+# the mean acceptance length the batch must pass: the head is trained; with
+# lookups the chain took 2.79 on 2026-12-06 (2.66 without them), the 64-node
+# tree 4.44 (4.09 without them)
+MIN_ACCEPTANCE = {"chain_k3": 2.72, "tree64_topk8": 4.25}
 
 
 def tree_config(head_dir, topk: int, num_steps: int, num_draft_tokens: int) -> dict:

@@ -223,20 +223,25 @@ def test_draft_attention_reaches_the_heads_runtime(continuations, tiny_eagle3_di
     assert engine.num_steps > 0 and engine.num_differing == 0
 
 
-def test_prompt_lookups_replace_the_chains_where_the_history_repeats(continuations,
-                                                                     tiny_eagle3_dir):
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_prompt_lookups_draft_where_the_history_repeats(continuations, tiny_eagle3_dir,
+                                                        shape):
     """`prompt_lookup_min` (proposers/lookup.py) on V2's two step kinds, the
     mixed step (drafted apart) and the fused decode step (its graph's
     drafts): each step's chain is the reference runtime's, or the n-gram
-    selection's where the history has one with K tokens after it."""
+    selection's where the history has one with K tokens after it; each
+    step's tree is the reference's with that selection grafted as a branch
+    (tokens and stored parents both)."""
     from tests.v2_head_driver import HeadEngine, Turn
 
     found, embed = continuations
     engine = HeadEngine(str(tiny_eagle3_dir), lambda ids: embed(ids.long()),
-                        embed.num_embeddings, found, {**CHAIN, "prompt_lookup_min": 3})
+                        embed.num_embeddings, found, {**shape, "prompt_lookup_min": 3})
     turns = [Turn(r, f"r{r}", c.prompt_len, len(c.token_ids)) for r, c in enumerate(found)]
     engine.serve_beside(turns[:2], turns[2:])
     assert engine.num_differing == 0, engine.num_differing
     assert 0 < engine.num_looked_up < engine.num_steps, engine.num_looked_up  # both kinds
     assert int(engine.speculator.lookup.num_found) == engine.num_looked_up
+    if shape is TREE:  # some lookups were in the tree already, some grafted
+        assert 0 < int(engine.speculator.lookup.num_grafted) < engine.num_looked_up * 4
     assert (engine.accepted == engine.reference_accepted).all()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.proposers.lookup import lookup_chains
+from tests.test_lookup_unit import graft_reference
 from vllm_specplug.verification.metadata import NO_NODE
 
 BLOCK_SIZE = 16
@@ -133,7 +134,7 @@ class HeadEngine:
         self.reference_drafts: dict[int, tuple[torch.Tensor, list[int]]] = {}  # tokens, parents
         self.reference_accepted = np.zeros(self.depth, dtype=np.int64)
         self.num_differing = 0  # steps whose drafts differ from the reference's
-        self.num_looked_up = 0  # reference steps whose chain a prompt lookup replaced
+        self.num_looked_up = 0  # reference steps a prompt lookup drafted (chain or branch)
         self.noise = torch.Generator().manual_seed(0)  # rejected rows' hidden states
 
     def serve(self, turns: list[Turn], after_prefill=None, chunk: int | None = None) -> None:
@@ -429,16 +430,18 @@ class HeadEngine:
                               torch.arange(first, end, device=device))
         tree = self.reference.draft_trees([turn.req_id], seq.token_ids[end:end + 1].to(device),
                                           torch.tensor([end], device=device), *self.shape)
-        tokens = tree.token_ids[0, 1:].clone()
+        tokens, parents = tree.token_ids[0, 1:].clone(), tree.parent_ids[0].tolist()
         lookup = self.speculator.lookup
-        if lookup is not None:  # a chain's prompt lookup where the history repeats
+        if lookup is not None:  # a prompt lookup where the history repeats
             looked_up, found = lookup_chains(seq.token_ids[None, :end + 1].cpu().numpy(),
                                              np.array([end + 1]), lookup.drafter.n_min,
-                                             lookup.drafter.n_max, self.num_drafts)
-            if found[0]:
-                tokens = torch.from_numpy(looked_up[0]).to(tokens)
+                                             lookup.drafter.n_max, lookup.k)
+            if found[0]:  # a chain's drafts, a tree's extra branch (written plainly)
+                nodes, parents, _ = graft_reference([-1, *tokens.tolist()], parents,
+                                                    looked_up[0].tolist())
+                tokens = torch.tensor(nodes[1:]).to(tokens)
                 self.num_looked_up += 1
-        self.reference_drafts[turn.slot] = (tokens, tree.parent_ids[0].tolist())
+        self.reference_drafts[turn.slot] = (tokens, parents)
 
     def _post_update(self, slot: int, tokens: list[int]) -> None:
         """What V2's post_update leaves: the request's tokens so far (the last

@@ -30,7 +30,8 @@
 #            head attention (draft_attention "torch"); ROWS=chains: vLLM's eagle3 K=5
 #            and our chain K=5 alone (issue 26's τ gap; `by repeat` shows each repeat's
 #            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); ROWS=chains-lookup:
-#            the same plus our chain with prompt_lookup_min 3; ROWS=wide: vLLM's
+#            the same plus our chain with prompt_lookup_min 3; ROWS=lookups: vLLM's eagle3
+#            K=5, our chain K=5 with lookups, tree 16 without and with them; ROWS=wide: vLLM's
 #            eagle3 K=5, our tree 16 and a wide tree (WIDE, default "8 4 32"); HOST_PROFILE=1:
 #            plus where each row's host time goes, `bench offline --host-profile`)
 #   smollm2-humaneval  the same on HumanEval
@@ -221,6 +222,11 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # (proposers/lookup.py; SmolLM2's greedy loops, docs/results/smollm2_request_steps_h100_s73)
       [ "$1" = chains-lookup ] && printf '%s\n' --spec "ours-chain-K5-lookup={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"prompt_lookup_min\": 3}"
       true ;;
+    lookups)
+      # prompt lookups in both shapes (proposers/lookup.py): our chain K=5 with them,
+      # tree 16 without and with them (a branch beside the head's nodes)
+      printf '%s\n' --spec "ours-chain-K5-lookup={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"prompt_lookup_min\": 3}" \
+        --spec "ours-tree16={$tree}" --spec "ours-tree16-lookup={$tree, \"prompt_lookup_min\": 3}" ;;
     compile|compile-aa)
       # compile-aa: vLLM's eagle3 K=5 a second time, in an engine of its own: how far
       # two engines of one config part (the bias no interleaving removes)

@@ -36,12 +36,15 @@ ADAPTIVE_CHAIN = {**CHAIN, "enable_adaptive_verification": True}
 # prompt lookups in place of chains where the history repeats (proposers/lookup.py:
 # the n-gram kernels after the fused step's graph)
 LOOKUP_CHAIN = {**CHAIN, "prompt_lookup_min": 3}
+# ... and as a branch of each tree (the graft writes the stored trees after the graph)
+LOOKUP_TREE = {**TREE, "prompt_lookup_min": 3}
 SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN, "tree-sized": SIZED_TREE,
-         "chain-adaptive": ADAPTIVE_CHAIN, "chain-lookup": LOOKUP_CHAIN}
+         "chain-adaptive": ADAPTIVE_CHAIN, "chain-lookup": LOOKUP_CHAIN,
+         "tree-lookup": LOOKUP_TREE}
 # accepted tokens per drafting step a trained head reaches on held-out
 # prompts (measured on the V1 runner: tree 16 2.86, chain K=5 2.06)
 MIN_ACCEPTED = {"tree": 2.0, "chain": 1.5, "chain-sized": 1.3, "tree-sized": 1.5,
-                "chain-adaptive": 1.3, "chain-lookup": 1.5}
+                "chain-adaptive": 1.3, "chain-lookup": 1.5, "tree-lookup": 2.0}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

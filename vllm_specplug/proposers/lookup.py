@@ -11,14 +11,18 @@ our chain's whole wave (docs/results/smollm2_request_steps_h100_s73); on CPU
 1.98 tokens a verify step, every output exact
 (docs/results/smollm2_chain_lookup_cpu).
 
-`prompt_lookup_min` > 0 turns it on for chains (`topk` 1): each step, a
-request whose last n tokens (prompt_lookup_min <= n <= prompt_lookup_max)
-occurred earlier with K tokens after them drafts those K tokens
-(`ngram.longest_matches`' choice); the others keep the head's chain. The
-head ingests and drafts as before, so its state never depends on which
-drafts were verified. Selection only: verification is the target's, so
-lossless either way. Steps whose drafts are masked by a grammar keep the
-head's (its drafts know the grammar; lookups do not).
+`prompt_lookup_min` > 0 turns it on: each step, a request whose last n
+tokens (prompt_lookup_min <= n <= prompt_lookup_max) occurred earlier with
+K tokens after them (K: the drafting steps, a chain's length or a tree's
+depth) looks those K tokens up (`ngram.longest_matches`' choice). A chain
+takes them in place of the head's; a tree keeps the head's nodes and takes
+the lookup as one more branch (`graft_lookups`: the part of the lookup the
+tree already drafts is followed, the rest replaces the tree's last nodes,
+those EAGLE-2 ranked lowest). The head ingests and drafts as before, so its
+state never depends on which drafts were verified. Selection only:
+verification is the target's, so lossless either way. Steps whose drafts
+are masked by a grammar keep the head's (its drafts know the grammar;
+lookups do not).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 
 from vllm_specplug.proposers.base import DeviceProposeBatch, require
 from vllm_specplug.proposers.ngram import longest_matches
+from vllm_specplug.verification.metadata import MASK_WORD_BITS
 
 
 def check_lookup_options(options, name: str) -> None:
@@ -43,9 +48,6 @@ def check_lookup_options(options, name: str) -> None:
             and options.prompt_lookup_max >= options.prompt_lookup_min, name,
             f"prompt_lookup_max={options.prompt_lookup_max} must be >= "
             f"prompt_lookup_min={options.prompt_lookup_min}")
-    require(options.topk == 1, name,
-            f"prompt_lookup_min={options.prompt_lookup_min} drafts chains only: set "
-            f"topk=1 (it is {options.topk}) or prompt_lookup_min=0")
 
 
 def lookup_chains(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int, n_max: int,
@@ -64,7 +66,8 @@ def lookup_chains(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int, n_m
 
 class DeviceLookup:
     """Lookups on the device for Model Runner V2 (`NgramDeviceDrafter`'s
-    kernels, no host sync), merged into the head's chains in place."""
+    kernels, no host sync), merged into the head's chains or grafted onto
+    its trees in place."""
 
     def __init__(self, n_min: int, n_max: int, max_num_reqs: int, max_model_len: int,
                  k: int, device: torch.device, kernels: bool | None = None) -> None:
@@ -78,14 +81,15 @@ class DeviceLookup:
         self.drafts = torch.zeros(max_num_reqs, k, dtype=torch.int64, device=device)  # [S, K]
         self.num_draft = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [S]
         self.num_found = torch.zeros((), dtype=torch.int64, device=device)  # rows taken, summed
+        self.num_grafted = torch.zeros((), dtype=torch.int64, device=device)  # tree nodes, summed
 
-    def merge(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
-              num_tokens: torch.Tensor, num_sampled: torch.Tensor,
-              chains: torch.Tensor) -> None:
-        """`chains` [num_reqs, K] int64: the head's drafts, replaced where a
-        lookup finds K tokens (`token_ids` [slots, max_len] the histories,
-        valid up to `num_tokens` [slots]; `num_sampled` [num_reqs])."""
-        num_reqs = chains.shape[0]
+    def find(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
+             num_tokens: torch.Tensor, num_sampled: torch.Tensor,
+             num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lookups [num_reqs, K] int64, found [num_reqs] bool) of the batch's
+        requests (`token_ids` [slots, max_len] the histories, valid up to
+        `num_tokens` [slots]; `num_sampled` [num_reqs]: a prefill chunk that
+        sampled nothing takes no lookup)."""
         drafts, num_draft = self.drafts[:num_reqs], self.num_draft[:num_reqs]
         slots = idx_mapping[:num_reqs]
         if self.kernels:
@@ -98,7 +102,120 @@ class DeviceLookup:
                                         num_tokens[slots].cpu().numpy(),
                                         self.drafter.n_min, self.drafter.n_max, self.k)
             drafts.copy_(torch.from_numpy(rows))
-            found = torch.from_numpy(found).to(chains.device)
+            found = torch.from_numpy(found).to(drafts.device)
         found &= num_sampled[:num_reqs] > 0
-        torch.where(found[:, None], drafts, chains, out=chains)
         self.num_found += found.sum()
+        return drafts, found
+
+    def merge(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
+              num_tokens: torch.Tensor, num_sampled: torch.Tensor,
+              chains: torch.Tensor) -> None:
+        """`chains` [num_reqs, K] int64: the head's drafts, replaced where a
+        lookup finds K tokens (`find`'s arguments)."""
+        drafts, found = self.find(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
+                                  chains.shape[0])
+        torch.where(found[:, None], drafts, chains, out=chains)
+
+    def graft(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
+              num_tokens: torch.Tensor, num_sampled: torch.Tensor, drafts: torch.Tensor,
+              trees, num_nodes: int) -> None:
+        """`drafts` [num_reqs, >= num_nodes - 1] int64: the trees' nodes past
+        the root, just drafted and stored in `trees` (TreeSlots: parents,
+        depths, packed masks, node ranks per state slot); each found lookup
+        becomes a branch of its request's tree (`graft_lookups`), in both."""
+        num_reqs = drafts.shape[0]
+        looked_up, found = self.find(req_ids, token_ids, idx_mapping, num_tokens,
+                                     num_sampled, num_reqs)
+        slots = idx_mapping[:num_reqs]
+        nodes = torch.nn.functional.pad(drafts[:, :num_nodes - 1], (1, 0))  # root: unread
+        parents, depths = trees.parents[slots, :num_nodes], trees.depths[slots, :num_nodes]
+        bits = trees.bits[slots, :num_nodes]
+        num_graft = graft_lookups(nodes, parents, looked_up, found, depths=depths, bits=bits)
+        self.num_grafted += num_graft.sum()
+        drafts[:, :num_nodes - 1] = nodes[:, 1:]
+        trees.parents[:, :num_nodes].index_copy_(0, slots, parents)
+        trees.depths[:, :num_nodes].index_copy_(0, slots, depths)
+        trees.bits[:, :num_nodes].index_copy_(0, slots, bits)
+        if trees.ranks is not None:  # a grafted node: only the whole tree has it
+            node = torch.arange(num_nodes, device=drafts.device)
+            grafted = node[None, :] >= num_nodes - num_graft[:, None]
+            ranks = torch.where(grafted, num_nodes - 2, trees.ranks[slots, :num_nodes])
+            trees.ranks[:, :num_nodes].index_copy_(0, slots, ranks)
+
+
+def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: torch.Tensor,
+                  found: torch.Tensor, num_nodes: torch.Tensor | None = None,
+                  depths: torch.Tensor | None = None,
+                  bits: torch.Tensor | None = None) -> torch.Tensor:
+    """Each found row's lookup as a branch of its draft tree, in place, on
+    the device without a host sync.
+
+    `token_ids` / `parent_ids` [B, N] int64: the trees (node 0 the root,
+    parents before children), each row's first `num_nodes` [B] nodes real
+    (None: all N); `lookups` [B, L] int64 and `found` [B] bool
+    (`lookup_chains`). The longest prefix of a row's lookup that its tree
+    drafts among the nodes its graft keeps is followed; the remaining
+    g tokens become a chain under the node it ends at, in the row's last g
+    nodes. Parents come before children, so the last nodes are closed under
+    descent: no kept node loses its parent. A chain's whole lookup replaces
+    its nodes. `depths` [B, N] int32 and `bits` [B, N, W] int32 (the packed
+    ancestor masks, tree_build.pack_mask), when given, are the same trees'
+    and updated too. Returns the nodes grafted per row, [B] int64."""
+    batch, width = token_ids.shape
+    device = token_ids.device
+    rows = torch.arange(batch, device=device)
+    if num_nodes is None:
+        num_nodes = torch.full((batch,), width, dtype=torch.int64, device=device)
+    span = torch.clamp(num_nodes - 1, max=lookups.shape[1])  # [B] lookup tokens used
+    anchor, matched = _follow_tree(token_ids, parent_ids, lookups, found, num_nodes, span)
+    num_graft = torch.where(found, span - matched, 0)
+    first = num_nodes - num_graft  # [B] the first grafted node
+    for j in range(int(lookups.shape[1])):
+        is_graft = j < num_graft
+        node = torch.where(is_graft, first + j, 0)  # unchanged rows rewrite the root
+        parent = torch.where(is_graft, anchor if j == 0 else node - 1,
+                             parent_ids[rows, node])
+        token = lookups[rows, (matched + j).clamp(max=lookups.shape[1] - 1)]
+        token_ids[rows, node] = torch.where(is_graft, token, token_ids[rows, node])
+        parent_ids[rows, node] = parent
+        if depths is not None:
+            depths[rows, node] = torch.where(is_graft, depths[rows, parent] + 1,
+                                             depths[rows, node])
+        if bits is not None:
+            own = _node_bits(node, bits.shape[2])
+            bits[rows, node] = torch.where(is_graft[:, None], bits[rows, parent] | own,
+                                           bits[rows, node])
+    return num_graft
+
+
+def _follow_tree(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: torch.Tensor,
+                 found: torch.Tensor, num_nodes: torch.Tensor, span: torch.Tensor):
+    """(anchor [B], matched [B]): the node where the longest prefix (at most
+    `span` [B] tokens) of each row's lookup ends among the nodes its graft
+    keeps (the root: 0), and that prefix's length."""
+    batch, width = token_ids.shape
+    node = torch.arange(width, device=token_ids.device)
+    anchor = torch.zeros(batch, dtype=torch.int64, device=token_ids.device)
+    matched = torch.zeros_like(anchor)
+    going = found.clone()
+    for depth in range(int(lookups.shape[1])):
+        # a match here leaves at most span - depth - 1 tokens to graft, so
+        # nodes below num_kept + depth + 1 stay
+        going &= depth < span
+        kept = (node >= 1) & (node < (num_nodes - span + depth + 1)[:, None])  # [B, N]
+        hit = (kept & going[:, None] & (parent_ids == anchor[:, None])
+               & (token_ids == lookups[:, depth, None]))
+        going &= hit.any(1)
+        anchor = torch.where(going, hit.int().argmax(1), anchor)
+        matched += going
+    return anchor, matched
+
+
+def _node_bits(node: torch.Tensor, num_words: int) -> torch.Tensor:
+    """[B, W] int32: the packed mask bit of each row's `node` [B] alone (bit
+    31 wraps into the sign, as pack_mask's)."""
+    word = torch.arange(num_words, device=node.device)
+    bit = torch.ones_like(node) << (node % MASK_WORD_BITS)
+    bit = torch.where(bit >= 2 ** 31, bit - 2 ** 32, bit)
+    return torch.where(word[None, :] == (node // MASK_WORD_BITS)[:, None], bit[:, None],
+                       0).to(torch.int32)

@@ -32,7 +32,7 @@ from vllm_specplug.integration.v1.hooks import V1DrafterHooks
 from vllm_specplug.integration.v1.tree_choices import TreeChoices
 from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.integration.grammar_trees import chain_prefix_length
-from vllm_specplug.proposers.lookup import lookup_chains
+from vllm_specplug.proposers.lookup import graft_lookups, lookup_chains
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
 from vllm_specplug.proposers.head_cache import NO_POSITION, HeadBlockStore
@@ -383,29 +383,40 @@ class TreeEagleDrafter(V1DrafterHooks):
                                          options.num_draft_tokens)
         finally:
             self.head.tree_logits_hook = None
-        token_ids, parent_ids = tree.token_ids.cpu(), tree.parent_ids.cpu().numpy()
+        token_ids, parent_ids = tree.token_ids.cpu(), tree.parent_ids.cpu()
         if self.adaptive is not None:  # the host copies waited for the pass
             self.adaptive.drafted(len(rows), time.perf_counter() - started)
-        # prompt lookups replace a chain where the history repeats (lookup.py),
-        # not where a grammar masked the drafts
-        looked_up, found = None, np.zeros(len(rows), dtype=bool)
-        if options.prompt_lookup_min and masks is None:
-            looked_up, found = lookup_chains(
-                batch.token_ids_cpu[rows, :int(num_tokens.max())], num_tokens,
-                options.prompt_lookup_min, options.prompt_lookup_max,
-                options.num_draft_tokens - 1)
+        limits = [min(allowance, options.num_draft_tokens - 1,
+                      self.max_model_len - int(num_tokens[b]),
+                      options.num_draft_tokens if sizes is None else sizes[b])
+                  for b in range(len(rows))]
+        if options.prompt_lookup_min and masks is None and self.draft_shape is None:
+            token_ids, parent_ids = token_ids.clone(), parent_ids.clone()
+            self._graft_lookups(batch, rows, num_tokens, token_ids, parent_ids, limits)
+        parent_ids = parent_ids.numpy()
         for b, row in enumerate(rows):
-            limit = min(allowance, options.num_draft_tokens - 1,
-                        self.max_model_len - int(num_tokens[b]),
-                        options.num_draft_tokens if sizes is None else sizes[b])
+            limit = limits[b]
             parents = parent_ids[b, :limit + 1].copy()
             if self.draft_shape is not None:
                 num_nodes, chain = self.draft_shape
                 limit = min(limit, num_nodes - 1)
                 parents = chain_parents(limit + 1) if chain else parents[:limit + 1]
-            nodes = (looked_up[b, :limit] if found[b] else token_ids[b, 1:1 + limit]).tolist()
+            nodes = token_ids[b, 1:1 + limit].tolist()
             drafts[row] = nodes
             self.trees[batch.req_ids[row]] = (nodes, parents)
+
+    def _graft_lookups(self, batch, rows: list[int], num_tokens: np.ndarray,
+                       token_ids: torch.Tensor, parent_ids: torch.Tensor,
+                       limits: list[int]) -> None:
+        """Prompt lookups where the history repeats (lookup.py): a chain's
+        nodes replaced, a tree's branch added, each within its first
+        `limits[b]` drafts; not on steps whose drafts a grammar masked."""
+        options = self.options
+        looked_up, found = lookup_chains(
+            batch.token_ids_cpu[rows, :int(num_tokens.max())], num_tokens,
+            options.prompt_lookup_min, options.prompt_lookup_max, options.num_steps)
+        graft_lookups(token_ids, parent_ids, torch.from_numpy(looked_up),
+                      torch.from_numpy(found), torch.tensor(limits, dtype=torch.int64) + 1)
 
     def take_path_ranks(self) -> tuple[int, np.ndarray] | None:
         ranks, self.path_ranks = self.path_ranks, None

@@ -163,10 +163,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.deferred = (DeferredRows(self.max_num_reqs, device)
                          if 0 in self._scheduled_lengths() else None)
         self.stats.deferred = self.deferred
-        # chains drafted by prompt lookup where the history repeats (lookup.py)
+        # prompt lookups where the history repeats (lookup.py): a chain's
+        # drafts, a tree's extra branch
         self.lookup = (DeviceLookup(options.prompt_lookup_min, options.prompt_lookup_max,
                                     self.max_num_reqs, vllm_config.model_config.max_model_len,
-                                    self.num_speculative_steps, device)
+                                    options.num_steps if self.tree_slots is not None
+                                    else self.num_speculative_steps, device)
                        if options.prompt_lookup_min else None)
 
     @staticmethod
@@ -342,18 +344,16 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             self.guard.call("observe_verification", input_batch.req_ids,
                             self.confidences.observe, input_batch.idx_mapping, num_sampled,
                             num_rejected, temperature)
+        shape = step_tree_shape(self.drafter.tree_shape, num_speculative_tokens)
         ok, unmasked = (False, False) if self.guard.disabled else self.guard.call(
             "propose", input_batch.req_ids, self._step, input_batch,
             last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
-            next_prefill_tokens, drafts,
-            step_tree_shape(self.drafter.tree_shape, num_speculative_tokens),
-            num_speculative_tokens)
+            next_prefill_tokens, drafts, shape, num_speculative_tokens)
         if ok and unmasked and self.lookup is not None:
             with profiled_range("specplug::lookup"):
-                self.guard.call("lookup", input_batch.req_ids, self.lookup.merge,
-                                input_batch.req_ids, self.req_states.all_token_ids.gpu,
-                                input_batch.idx_mapping, self.req_states.total_len.gpu,
-                                num_sampled, drafts, effect="this step keeps the head's chains")
+                self.guard.call("lookup", input_batch.req_ids, self._look_up, input_batch,
+                                num_sampled, drafts, shape[2],
+                                effect="this step keeps the head's drafts")
         if not ok:  # failed or switched off: last-token drafts, verified as chains
             slots = input_batch.idx_mapping[:num_reqs]
             drafts.copy_(last_sampled.view(-1)[slots][:, None].expand_as(drafts))
@@ -364,6 +364,16 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.stats.host_seconds += time.perf_counter() - started
         self.stats.num_steps += 1
         return drafts
+
+    def _look_up(self, input_batch, num_sampled, drafts, num_nodes: int) -> None:
+        """Prompt lookups where a history repeats (proposers/lookup.py): in
+        place of a chain, or as a branch of a tree."""
+        args = (input_batch.req_ids, self.req_states.all_token_ids.gpu,
+                input_batch.idx_mapping, self.req_states.total_len.gpu, num_sampled, drafts)
+        if self.tree_slots is None:
+            self.lookup.merge(*args)
+        else:
+            self.lookup.graft(*args, self.tree_slots, num_nodes)
 
     def take_path_ranks(self):
         """(drafts per request, ranks) of a step before this one (PathRanks), or None."""

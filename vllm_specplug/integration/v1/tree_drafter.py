@@ -29,13 +29,13 @@ from vllm_specplug.integration.scheduler import choices_in_scheduler, masks_rows
 from vllm_specplug.integration.v1 import tree_step
 from vllm_specplug.integration.v1.deferred_ingest import DeferredIngest
 from vllm_specplug.integration.v1.hooks import V1DrafterHooks
+from vllm_specplug.integration.v1.prefix_rows import V1PrefixRows
 from vllm_specplug.integration.v1.tree_choices import TreeChoices
 from vllm_specplug.integration.v1.tree_profile import PROFILER
 from vllm_specplug.integration.grammar_trees import chain_prefix_length
 from vllm_specplug.proposers.lookup import graft_lookups, lookup_chains
 from vllm_specplug.proposers.eagle3 import chain_parents
 from vllm_specplug.proposers.eagle3_head import HeadRuntime
-from vllm_specplug.proposers.head_cache import NO_POSITION, HeadBlockStore
 
 
 class TreeEagleDrafter(V1DrafterHooks):
@@ -51,7 +51,7 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.device = self.drafter.device
         self.head: HeadRuntime | None = None
         # the drafter's rows of the target's full KV blocks: prefix-cache hits
-        self.block_store = HeadBlockStore()
+        self.prefix = V1PrefixRows()
         # {req_id: (node token ids without the root, parents with the root)}
         self.trees: dict[str, tuple[list[int], np.ndarray]] = {}
         # Benchmarks only (cost sweeps): verify the first N nodes of each
@@ -290,12 +290,13 @@ class TreeEagleDrafter(V1DrafterHooks):
             hidden = torch.cat([h for h, _, _ in rows])
             next_ids, positions = [n for _, n, _ in rows], [p for _, _, p in rows]
         for req_id, (_, row, *_), pos in zip(req_ids, verified, positions):
-            self._adopt_cached_prefix(req_id, table, row, int(pos[0]), batch.token_ids_cpu[row])
+            self.prefix.adopt(self.head, req_id, table, row, int(pos[0]),
+                              batch.token_ids_cpu[row])
         self.head.ingest_many(  # positions stay on the host: the head keeps them there
             req_ids, hidden, torch.from_numpy(np.concatenate(next_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)), [len(p) for p in positions])
-        self._store_blocks(req_ids, [v[1] for v in verified], positions, table,
-                           batch.token_ids_cpu)
+        self.prefix.store(self.head, req_ids, [v[1] for v in verified], positions, table,
+                          batch.token_ids_cpu)
 
     def _verified(self, batch, step) -> list[tuple]:
         """[(req_id, batch row, token rows of this step, positions, next
@@ -309,41 +310,6 @@ class TreeEagleDrafter(V1DrafterHooks):
                 verified.append((req_id, row, token_rows[keep], pos[keep],
                                  batch.token_ids_cpu[row, pos[keep] + 1].astype(np.int64)))
         return verified
-
-    def _adopt_cached_prefix(self, req_id: str, table, row: int, first: int,
-                             token_ids: np.ndarray) -> None:
-        """A request new to the head whose first position follows blocks that
-        vLLM's prefix cache supplied gets the head's rows of those blocks
-        (vLLM's eagle3 finds its draft KV in the same cached blocks);
-        `token_ids`: its tokens (the prefix's last row is kept where the
-        request that saved it had the same token at `first`)."""
-        size = table.block_size
-        if (first == 0 or first % size or self.head.pool is None
-                or self.head.last_position(req_id) != NO_POSITION):
-            return
-        rows = self.block_store.gather(table.block_table.np[row, :first // size],
-                                       int(token_ids[first]))
-        if rows is not None:
-            self.head.pool.adopt(req_id, *rows)
-
-    def _store_blocks(self, req_ids: list[str], batch_rows: list[int],
-                      positions: list[np.ndarray], table, token_ids: np.ndarray) -> None:
-        """Blocks written this step lose their stored rows (a new owner);
-        those the request's head cache now covers whole are stored, with
-        the token after each one's last row (`token_ids` [rows, max_len])."""
-        size, pool = table.block_size, self.head.pool
-        for req_id, row, pos in zip(req_ids, batch_rows, positions):
-            blocks, first = table.block_table.np[row], int(pos[0]) // size
-            self.block_store.drop(blocks[first:int(pos[-1]) // size + 1])
-            slot = pool.slot_of[req_id]
-            last = (self.head.last_position(req_id) + 1) // size
-            if last <= first:  # no block completed this step
-                continue
-            span = slice(first * size, last * size)
-            next_ids = token_ids[row, (first + 1) * size:last * size + 1:size]
-            self.block_store.save_blocks(blocks[first:last], pool.keys[slot, :, span],
-                                         pool.values[slot, :, span],
-                                         next_ids=torch.from_numpy(next_ids.astype(np.int64)))
 
     def _draftable(self, batch, sampled_token_ids) -> list[int]:
         rows = []

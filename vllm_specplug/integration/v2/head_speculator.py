@@ -47,21 +47,16 @@ from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.ranges import profiled_range
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
-from vllm_specplug.integration.row_threads import RowThreads, num_row_threads
-from vllm_specplug.integration.scheduler import rows_in_worker
 from vllm_specplug.integration.v2.deferred_rows import DeferredRows
-from vllm_specplug.integration.grammar_choices import GrammarChoices
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.head_grammar import HeadGrammar
 from vllm_specplug.integration.v2.head_rows import HeadRows
 from vllm_specplug.integration.v2.path_ranks import PathRanks
 from vllm_specplug.integration.v2.prefix_blocks import PrefixBlocks
-from vllm_specplug.integration.v2.structured import StructuredRequests
 from vllm_specplug.integration.v2.tree_slots import TreeSlots
 from vllm_specplug.integration.v2.speculator import SpeculatorStats, V2SpeculatorHooks
 from vllm_specplug.integration.v2.step_inputs import StepInputs, step_tree_shape
-from vllm_specplug.integration.worker_rows import WORKER, WORKER_ROWS_ATTR, RowDepth
-from vllm_specplug.proposers.eagle3 import AUTO_ROW_DEPTH, FULL_TREE_ROWS, SCHEDULER_ROWS
+from vllm_specplug.integration.worker_rows import WORKER_ROWS_ATTR
 from vllm_specplug.proposers.lookup import DeviceLookup
 from vllm_specplug.proposers.head_graphs import padded_batch
 from vllm_specplug.verification.backend import next_power_of_2
@@ -113,46 +108,8 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # the head's rows of the target's cached blocks (prefix_blocks.py)
         self.prefix = (PrefixBlocks(cache.block_size) if cache.enable_prefix_caching
                        else None)
-        # structured requests' grammars: each drafting step of theirs ranks
-        # only what its node's path allows (structured.py)
         options = self.drafter.options
-        # and, with grammar_rows "worker", a constrained step's verification
-        # rows filled here from those grammars, not in a deferred step
-        # (worker_rows.py)
-        self.rows_in_worker = rows_in_worker(vllm_config)
-        if self.tree_slots is not None and options.grammar_rows == SCHEDULER_ROWS:
-            logger.warning("vllm-specplug: grammar_rows=%r with trees on Model Runner V2 "
-                           "differed from no speculation in 2 of 5 float32 test runs "
-                           "(docs/results/v2_schema_choices_h200); the default %r has "
-                           "not", SCHEDULER_ROWS, WORKER)
-        self.worker_rows_req_ids: list[str] = []  # this step's (the scheduler's list)
-        self.structured = (StructuredRequests(vllm_config)
-                           if options.masks_drafts() or self.rows_in_worker else None)
-        # those rows' tree walks on host threads (grammar_row_threads)
-        self.row_threads = RowThreads(num_row_threads(options.grammar_row_threads)
-                                      if self.rows_in_worker else 1)
-        # a chain's worker rows only as deep as its drafts get accepted
-        self.row_depth = (RowDepth(vllm_config.speculative_config.num_speculative_tokens)
-                          if self.rows_in_worker and self.tree_slots is None
-                          and options.grammar_row_depth == AUTO_ROW_DEPTH else None)
-        # a tree's rows for its first drafts only (grammar_tree_rows; None: every node)
-        self.tree_rows = (options.grammar_tree_rows if self.rows_in_worker
-                          and self.tree_slots is not None
-                          and options.grammar_tree_rows != FULL_TREE_ROWS else None)
-        # greedy batches' constrained trees decided from the target's
-        # choices, not every node's row (grammar_verify "choices"; "auto":
-        # on steps with at least `choices_min_trees` such trees)
-        options.check_model_runner_v2()  # "auto" is refused here for now
-        self.choices_min_trees = options.choices_min_trees()
-        self.grammar_choices = (self.choices_for(self.structured) if self.rows_in_worker
-                                and self.tree_slots is not None
-                                and self.choices_min_trees is not None else None)
-        self.stats.grammar_choices = self.grammar_choices
-        self.stats.draft_grammars = (self.structured.grammars if self.grammar_choices is not None
-                                     else None)
-        # grammar_drafts "first": the first step's masks inside the graphed
-        # pass (root_masks.py), made at attach (they need the head's vocabulary)
-        self.root_masks = None
+        self._init_grammar(vllm_config, options)
         # trees under our batch policy: each step's accepted paths' node
         # ranks go to the scheduler, which learns every smaller tree from them
         self.path_ranks = (PathRanks(self.max_num_reqs, num_nodes, device)
@@ -170,12 +127,6 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                                     options.num_steps if self.tree_slots is not None
                                     else self.num_speculative_steps, device)
                        if options.prompt_lookup_min else None)
-
-    @staticmethod
-    def choices_for(structured) -> GrammarChoices:
-        """The greedy walks of `grammar_verify: "choices"` over `structured`'s
-        grammars, each walk's advances kept for the drafting pass."""
-        return GrammarChoices(keep=structured.keep_walked)
 
     def _scheduled_lengths(self) -> tuple[int, ...]:
         from vllm_specplug.integration.v2.step_warmup import scheduled_lengths

@@ -7,7 +7,7 @@ its KV per state slot (`HeadCachePool`); without help such a request drafts
 from its uncached suffix alone, and accepts less (SmolLM2 on MT-Bench, H100:
 τ 1.51-1.56 vs vLLM's 1.63-1.72 with prefix caching on).
 
-The V1 runner's fix (`HeadBlockStore`, integration/v1/tree_drafter.py) saves
+The V1 runner's fix (`HeadBlockStore`, integration/v1/prefix_rows.py) saves
 a block's head rows as soon as the head covers it: the host knows every
 position there. With V2's async scheduling the host does not know which
 draft positions were accepted, so here:

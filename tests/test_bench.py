@@ -756,14 +756,51 @@ def test_each_repeat_keeps_its_own_acceptance_and_prefix_hits():
     assert "none" not in table  # no drafts: nothing to compare between its repeats
     assert table.splitlines()[2].split() == ["ours", "1", "2.000", "1.500", "2.000", "1.263",
                                              "20", "10", "812", "-", "0.75", "1.00", "3/1/0",
-                                             "0/0/0"]
+                                             "0/0/0", "-", "-"]
     # five repeats overflow any fixed width: each field still starts under
     # its heading, two spaces after the one before (run 19's table ran them
     # together: "1.7611.335")
     five = OfflineRow("five", 80, counts=SpecDecodeCounts(30, 0, 25), repeats=[first] * 5)
     header, _, line = format_repeats_table([five]).splitlines()
     assert line.split() == ["five", "80"] + ["2.000"] * 10 + ["20"] * 5 + ["812"] * 5 + [
-        "0.75"] * 5 + ["3/1/0"] * 5
-    for heading in ("tokens a step", "verify steps", "decode ms", "prefix hits", "head hits"):
+        "0.75"] * 5 + ["3/1/0"] * 5 + ["-"] * 5
+    for heading in ("tokens a step", "verify steps", "decode ms", "prefix hits", "head hits",
+                    "lookups"):
         start = header.index(heading)
         assert line[start - 2:start] == "  " and line[start] != " ", (heading, header, line)
+    # prompt lookups' counters (worker_info.head_counters): a V1 engine's,
+    # without prefix rows of ours, and a V2 engine's beside its prefix hits
+    looked = [repeat_record(read_repeat_state(engine(0, 0, [], 0, 0), None, before),
+                            read_repeat_state(engine(4, 2, [2], 8, 8), None, after))
+              for before, after in (({"lookup_rows": 3, "lookup_nodes": 9},
+                                     {"lookup_rows": 7, "lookup_nodes": 20}),
+                                    ({**head(2, 0), "lookup_rows": 0, "lookup_nodes": 0},
+                                     {**head(3, 0), "lookup_rows": 5, "lookup_nodes": 25}))]
+    v1, v2 = (OfflineRow(name, 1, counts=SpecDecodeCounts(4, 0, 2), repeats=[record])
+              for name, record in zip(("v1", "v2"), looked))
+    lines = format_repeats_table([v1, v2]).splitlines()
+    assert lines[2].split()[-2:] == ["-", "4/11"] and lines[3].split()[-2:] == ["1/0/0", "5/25"]
+
+
+def test_head_counters_join_prefix_hits_and_prompt_lookups():
+    """worker_info.head_counters: what the worker answers for each repeat,
+    on either runner, with either part off."""
+    from types import SimpleNamespace
+
+    from vllm_specplug.bench.worker_info import head_counters
+
+    def worker(prefix=None, lookups=None, runner_v2=True):
+        speculator = SimpleNamespace(prefix=prefix, lookup_stats=lambda: lookups)
+        runner = (SimpleNamespace(speculator=speculator) if runner_v2
+                  else SimpleNamespace(speculator=None, drafter=speculator))
+        return SimpleNamespace(model_runner=runner)
+
+    hits = SimpleNamespace(stats=lambda: {"adopted": 2, "missed": 0, "filled": 0})
+    rows = {"lookup_rows": 3, "lookup_nodes": 12}
+    assert head_counters(worker(hits, rows)) == {"adopted": 2, "missed": 0, "filled": 0,
+                                                 **rows}
+    assert head_counters(worker(None, rows, runner_v2=False)) == rows
+    assert head_counters(worker(hits)) == {"adopted": 2, "missed": 0, "filled": 0}
+    assert head_counters(worker()) is None
+    no_speculator = SimpleNamespace(model_runner=SimpleNamespace(speculator=None, drafter=None))
+    assert head_counters(no_speculator) is None

@@ -74,7 +74,7 @@ def test_the_merge_replaces_only_found_rows_that_sampled():
     lookup.merge(["a", "b", "c"], token_ids, slots, num_tokens,
                  torch.tensor([1, 1, 0], dtype=torch.int32), chains)
     assert chains.tolist() == [[5, 6, 7, 8], [-1] * k, [-1] * k]
-    assert int(lookup.num_found) == 1
+    assert lookup.stats() == {"lookup_rows": 1, "lookup_nodes": k}
 
 
 def test_options_name_the_field_and_the_fix():

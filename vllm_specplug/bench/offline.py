@@ -167,7 +167,7 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     """One repeat of `row`; `collectors`: the engine's own metrics (several
     engines run interleaved in this process, and the newest holds the
     registry: without them an older engine's repeats would go uncounted)."""
-    before = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_stats"))
+    before = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_head_counters"))
     adaptive_before = _adaptive_stats(llm)
     policy_before = _worker_call(llm, "specplug_batch_policy")
     captures_before = _worker_call(llm, "specplug_graph_captures")
@@ -178,7 +178,7 @@ def _measure(llm, row: OfflineRow, prompts, params, keep_tokens: bool,
     row.waves = waves.merged(row.waves)
     row.graph_captures = captures_delta(row.graph_captures, captures_before,
                                         _worker_call(llm, "specplug_graph_captures"))
-    after = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_prefix_stats"))
+    after = read_repeat_state(llm, collectors, _worker_call(llm, "specplug_head_counters"))
     row.counts = row.counts + (after.counts - before.counts)
     row.repeats.append(repeat_record(before, after,
                                      waves.decode_ms if waves.num_waves else None))

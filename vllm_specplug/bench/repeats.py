@@ -42,8 +42,10 @@ class RepeatState:
     counts: SpecDecodeCounts
     prefix_queries: int
     prefix_hits: int
-    # our head's prefix hits: {"adopted", "missed", "missed_positions",
-    # "filled"} (PrefixBlocks.stats); None: no head of ours keeps prefix rows
+    # our head's counters: prefix hits {"adopted", "missed",
+    # "missed_positions", "filled"} (PrefixBlocks.stats) and prompt lookups
+    # {"lookup_rows", "lookup_nodes"} where each is on
+    # (worker_info.head_counters); None: neither
     head_prefix: dict | None
     num_generated_tokens: int = 0
     num_requests: int = 0  # finished
@@ -52,7 +54,7 @@ class RepeatState:
 def read_repeat_state(llm, collectors: list | None, head_prefix: dict | None
                       ) -> RepeatState:
     """The counters now (`collectors`: as `read_engine_counts`);
-    `head_prefix`: the worker's answer to `specplug_prefix_stats`."""
+    `head_prefix`: the worker's answer to `specplug_head_counters`."""
     metrics = read_engine_metrics(llm, collectors)  # the engine's collectors put back
     counts = read_spec_decode_counts(llm, metrics)
     totals = dict.fromkeys(COUNTERS, 0)
@@ -102,7 +104,8 @@ def repeat_record(before: RepeatState, after: RepeatState,
 def repeat_fields(repeats: list[dict]) -> list[str]:
     """The "by repeat" table's fields for one row, each with its repeats'
     values one after another: τ, tokens a step, verify steps, decode ms, the
-    prefix cache's hit rate and our head's prefix hits adopted/missed/filled."""
+    prefix cache's hit rate, our head's prefix hits adopted/missed/filled
+    and the requests and nodes its prompt lookups drafted."""
     def joined(values) -> str:
         return " ".join(values)
 
@@ -115,14 +118,22 @@ def repeat_fields(repeats: list[dict]) -> list[str]:
                    else f"{r['decode_ms']:.0f}" for r in repeats),
             joined(f"{r['prefix_hits'] / r['prefix_queries']:.2f}" if r["prefix_queries"]
                    else "-" for r in repeats),
-            joined("-" if r["head_prefix"] is None
-                   else "/".join(str(r["head_prefix"][k]) for k in HEAD_PREFIX_CELLS)
-                   for r in repeats)]
+            joined(_cells(r["head_prefix"], HEAD_PREFIX_CELLS) for r in repeats),
+            joined(_cells(r["head_prefix"], LOOKUP_CELLS) for r in repeats)]
+
+
+def _cells(counters: dict | None, keys: tuple[str, ...]) -> str:
+    """`keys`' values of a repeat's head counters joined by "/", "-" where
+    it has none of them (that part is off)."""
+    if not counters or keys[0] not in counters:
+        return "-"
+    return "/".join(str(counters[k]) for k in keys)
 
 
 HEAD_PREFIX_CELLS = ("adopted", "missed", "filled")  # PrefixBlocks.stats
+LOOKUP_CELLS = ("lookup_rows", "lookup_nodes")  # prompt lookups (proposers/lookup.py)
 REPEAT_HEADS = ("accept len", "tokens a step", "verify steps", "decode ms", "prefix hits",
-                "head hits adopted/missed/filled")
+                "head hits adopted/missed/filled", "lookups rows/nodes")
 
 
 def repeat_widths(rows_fields: list[list[str]]) -> list[int]:

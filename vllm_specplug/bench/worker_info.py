@@ -28,6 +28,10 @@ class WorkerInfo:
     def specplug_prefix_stats(self) -> dict | None:
         return prefix_stats(self)
 
+    def specplug_head_counters(self) -> dict | None:
+        """Our head's prefix hits and prompt lookups so far (`head_counters`)."""
+        return head_counters(self)
+
     def specplug_step_periods_start(self) -> None:
         """Every step's period from now on (bench/step_periods.py)."""
         from vllm_specplug.bench.step_periods import watch_step_periods
@@ -94,6 +98,17 @@ def prefix_stats(worker) -> dict | None:
     None without that speculator or with prefix caching off."""
     prefix = getattr(getattr(worker.model_runner, "speculator", None), "prefix", None)
     return None if prefix is None else prefix.stats()
+
+
+def head_counters(worker) -> dict | None:
+    """`prefix_stats` and, where prompt lookups are on, the requests a lookup
+    drafted and its nodes drafted so far (`lookup_rows`, `lookup_nodes`:
+    `lookup_stats()` of our head's V2 speculator or V1 drafter); None
+    without either."""
+    counters = dict(prefix_stats(worker) or {})
+    lookups = getattr(_speculator(worker), "lookup_stats", None)
+    counters.update((lookups() or {}) if callable(lookups) else {})
+    return counters or None
 
 
 def adaptive_controller(worker):

@@ -80,8 +80,9 @@ class DeviceLookup:
         self.drafter = NgramDeviceDrafter(n_min, n_max, max_num_reqs, max_model_len, device)
         self.drafts = torch.zeros(max_num_reqs, k, dtype=torch.int64, device=device)  # [S, K]
         self.num_draft = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [S]
-        self.num_found = torch.zeros((), dtype=torch.int64, device=device)  # rows taken, summed
-        self.num_grafted = torch.zeros((), dtype=torch.int64, device=device)  # tree nodes, summed
+        # requests whose drafts took a lookup, and the nodes it drafted, summed
+        self.num_found = torch.zeros((), dtype=torch.int64, device=device)
+        self.num_grafted = torch.zeros((), dtype=torch.int64, device=device)
 
     def find(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
              num_tokens: torch.Tensor, num_sampled: torch.Tensor,
@@ -115,6 +116,11 @@ class DeviceLookup:
         drafts, found = self.find(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
                                   chains.shape[0])
         torch.where(found[:, None], drafts, chains, out=chains)
+        self.num_grafted += found.sum() * chains.shape[1]
+
+    def stats(self) -> dict[str, int]:
+        """The counters (host syncs: for benchmarks and tests, not steps)."""
+        return {"lookup_rows": int(self.num_found), "lookup_nodes": int(self.num_grafted)}
 
     def graft(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
               num_tokens: torch.Tensor, num_sampled: torch.Tensor, drafts: torch.Tensor,

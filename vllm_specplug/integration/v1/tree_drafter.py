@@ -52,6 +52,7 @@ class TreeEagleDrafter(V1DrafterHooks):
         self.head: HeadRuntime | None = None
         # the drafter's rows of the target's full KV blocks: prefix-cache hits
         self.prefix = V1PrefixRows()
+        self.lookup_counts = {"lookup_rows": 0, "lookup_nodes": 0}  # prompt lookups' drafts
         # {req_id: (node token ids without the root, parents with the root)}
         self.trees: dict[str, tuple[list[int], np.ndarray]] = {}
         # Benchmarks only (cost sweeps): verify the first N nodes of each
@@ -381,8 +382,15 @@ class TreeEagleDrafter(V1DrafterHooks):
         looked_up, found = lookup_chains(
             batch.token_ids_cpu[rows, :int(num_tokens.max())], num_tokens,
             options.prompt_lookup_min, options.prompt_lookup_max, options.num_steps)
-        graft_lookups(token_ids, parent_ids, torch.from_numpy(looked_up),
-                      torch.from_numpy(found), torch.tensor(limits, dtype=torch.int64) + 1)
+        grafted = graft_lookups(token_ids, parent_ids, torch.from_numpy(looked_up),
+                                torch.from_numpy(found),
+                                torch.tensor(limits, dtype=torch.int64) + 1)
+        self.lookup_counts["lookup_rows"] += int(found.sum())
+        self.lookup_counts["lookup_nodes"] += int(grafted.sum())
+
+    def lookup_stats(self) -> dict[str, int] | None:
+        """Requests and nodes drafted by prompt lookups so far (None: off)."""
+        return dict(self.lookup_counts) if self.options.prompt_lookup_min else None
 
     def take_path_ranks(self) -> tuple[int, np.ndarray] | None:
         ranks, self.path_ranks = self.path_ranks, None

@@ -326,6 +326,10 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         else:
             self.lookup.graft(*args, self.tree_slots, num_nodes)
 
+    def lookup_stats(self) -> dict[str, int] | None:
+        """Requests and nodes drafted by prompt lookups so far (None: off)."""
+        return None if self.lookup is None else self.lookup.stats()
+
     def take_path_ranks(self):
         """(drafts per request, ranks) of a step before this one (PathRanks), or None."""
         return self.path_ranks.take() if self.path_ranks is not None else None

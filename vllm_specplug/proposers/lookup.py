@@ -81,8 +81,10 @@ class DeviceLookup:
         self.drafts = torch.zeros(max_num_reqs, k, dtype=torch.int64, device=device)  # [S, K]
         self.num_draft = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [S]
         # requests whose drafts took a lookup, and the nodes it drafted, summed
+        # (the graft kernel's own: `counts`)
         self.num_found = torch.zeros((), dtype=torch.int64, device=device)
         self.num_grafted = torch.zeros((), dtype=torch.int64, device=device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
 
     def find(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
              num_tokens: torch.Tensor, num_sampled: torch.Tensor,
@@ -120,7 +122,9 @@ class DeviceLookup:
 
     def stats(self) -> dict[str, int]:
         """The counters (host syncs: for benchmarks and tests, not steps)."""
-        return {"lookup_rows": int(self.num_found), "lookup_nodes": int(self.num_grafted)}
+        kernel_rows, kernel_nodes = self.counts.tolist()
+        return {"lookup_rows": int(self.num_found) + kernel_rows,
+                "lookup_nodes": int(self.num_grafted) + kernel_nodes}
 
     def graft(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
               num_tokens: torch.Tensor, num_sampled: torch.Tensor, drafts: torch.Tensor,
@@ -130,6 +134,10 @@ class DeviceLookup:
         depths, packed masks, node ranks per state slot); each found lookup
         becomes a branch of its request's tree (`graft_lookups`), in both."""
         num_reqs = drafts.shape[0]
+        if self.kernels:  # the n-gram kernels, then one launch for every row's graft
+            self._graft_kernel(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
+                               drafts, trees, num_nodes)
+            return
         looked_up, found = self.find(req_ids, token_ids, idx_mapping, num_tokens,
                                      num_sampled, num_reqs)
         slots = idx_mapping[:num_reqs]
@@ -147,6 +155,49 @@ class DeviceLookup:
             grafted = node[None, :] >= num_nodes - num_graft[:, None]
             ranks = torch.where(grafted, num_nodes - 2, trees.ranks[slots, :num_nodes])
             trees.ranks[:, :num_nodes].index_copy_(0, slots, ranks)
+
+
+    def warm_up(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, drafts: torch.Tensor,
+                trees, sizes: tuple[int, ...]) -> int:
+        """Launch the kernels once at start-up (the speculator's `capture`),
+        so that no step in service stalls on their compiles: on the step's
+        own buffers (`token_ids`, `num_tokens`, `drafts` and the stored
+        `trees`, None for chains), for each tree size in `sizes`, with a
+        request that sampled nothing, which finds no lookup: nothing of theirs
+        is written. Returns the launches (0 off CUDA)."""
+        if not self.kernels:
+            return 0
+        device = drafts.device
+        slots = torch.zeros(1, dtype=torch.int64, device=device)
+        none = torch.zeros(1, dtype=torch.int32, device=device)
+        if trees is None:
+            self.merge([""], token_ids, slots, num_tokens, none, drafts[:1].clone())
+            return 2
+        for num_nodes in sizes:
+            self._graft_kernel([""], token_ids, slots, num_tokens, none, drafts[:1], trees,
+                               num_nodes)
+        return 3 * len(sizes)
+
+    def _graft_kernel(self, req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
+                      drafts, trees, num_nodes: int) -> None:
+        """`graft` in three launches: the n-gram scan and finalize, then
+        `lookup_graft_kernel` (kernels/lookup_graft.py) over the stored trees,
+        counting as it goes (`graft_lookups` is its reference)."""
+        from vllm_specplug.kernels.lookup_graft import lookup_graft_kernel
+        from vllm_specplug.verification.backend import next_power_of_2
+
+        num_reqs = drafts.shape[0]
+        looked_up, num_lookup = self.drafts[:num_reqs], self.num_draft[:num_reqs]
+        slots = idx_mapping[:num_reqs]
+        self.drafter.propose(DeviceProposeBatch(req_ids, token_ids, slots, num_tokens,
+                                                num_sampled[:num_reqs]), looked_up, num_lookup)
+        width, words = trees.parents.shape[1], trees.bits.shape[2]
+        ranks = trees.ranks if trees.ranks is not None else trees.parents
+        lookup_graft_kernel[(num_reqs,)](
+            drafts, drafts.stride(0), looked_up, num_lookup, slots, trees.parents,
+            trees.depths, trees.bits, ranks, self.counts, num_nodes,
+            N=width, W=words, L=self.k, BLOCK_N=next_power_of_2(width),
+            BLOCK_W=next_power_of_2(words), HAS_RANKS=trees.ranks is not None, num_warps=1)
 
 
 def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: torch.Tensor,

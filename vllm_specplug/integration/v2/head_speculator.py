@@ -241,6 +241,12 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                         "%.1f s", self.method, count, time.perf_counter() - started)
         self.guard.call("capture", [], warm_up_mixed_passes, self, keys, *layout,
                         effect="a step with prefills captures the head's passes on first use")
+        if self.lookup is not None:  # prompt lookups' kernels (proposers/lookup.py)
+            sizes = tuple(sorted({step_tree_shape(self.drafter.tree_shape, k)[2]
+                                  for k in drafted}))
+            self.guard.call("capture", [], self.lookup.warm_up, self.req_states.all_token_ids.gpu,
+                            self.req_states.total_len.gpu, self.drafts, self.tree_slots, sizes,
+                            effect="they compile on first use")
         if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
             self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
                             self.drafter.options.num_steps, effect="they compile on first use")

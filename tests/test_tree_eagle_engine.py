@@ -115,7 +115,8 @@ def test_requests_with_logprobs_equal_no_speculation_with_their_logprobs(
 MIN_TOKENS_PER_STEP_UNDER_SCHEMA = 3.2
 
 
-@pytest.mark.parametrize("tree_llm", ["tree16_topk4"], indirect=True)  # one shape: engine time
+# (the 64-node tree grafts prompt lookups onto its trees under the schema too)
+@pytest.mark.parametrize("tree_llm", ["tree16_topk4", "tree64_topk8"], indirect=True)
 def test_json_schema_outputs_equal_no_speculation_and_every_node_is_checked(
         tree_llm, baseline_llm, eval_prompts):
     """Under a JSON schema each tree node is drafted among the tokens its
@@ -131,7 +132,7 @@ def test_json_schema_outputs_equal_no_speculation_and_every_node_is_checked(
     ours = generate(tree_llm, prompts, params)
     counts = read_spec_decode_counts(tree_llm) - before
     assert_same_tokens(expected.token_ids, ours.token_ids, prompts)
-    num_nodes = TREES["tree16_topk4"][2]
+    num_nodes = TREES[tree_llm.tree_name][2]
     assert counts.num_draft_tokens < counts.num_drafts * (num_nodes - 1)  # invalid nodes cut
     steps = ours.num_output_tokens - counts.num_accepted_tokens
     assert ours.num_output_tokens / steps > MIN_TOKENS_PER_STEP_UNDER_SCHEMA

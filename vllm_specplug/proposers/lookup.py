@@ -20,9 +20,14 @@ the lookup as one more branch (`graft_lookups`: the part of the lookup the
 tree already drafts is followed, the rest replaces the tree's last nodes,
 those EAGLE-2 ranked lowest). The head ingests and drafts as before, so its
 state never depends on which drafts were verified. Selection only:
-verification is the target's, so lossless either way. Steps whose drafts
-are masked by a grammar keep the head's (its drafts know the grammar;
-lookups do not).
+verification is the target's, so lossless either way. Under a grammar a
+chain whose drafts the grammar masked keeps them (they know the grammar, a
+lookup may not, and the scheduler keeps a chain's valid prefix only); a
+tree takes the lookup's branch there too: every node is checked against
+its own path's grammar state before verification (grammar-aware trees),
+so an invalid branch costs its nodes alone (SmolLM2, MT-Bench's object
+questions under their schema, CPU: tree 16 1.73 → 2.30 tokens a verify
+step, every output exact, docs/results/smollm2_schema_tree_lookup_cpu).
 """
 from __future__ import annotations
 

@@ -357,7 +357,8 @@ class TreeEagleDrafter(V1DrafterHooks):
                       self.max_model_len - int(num_tokens[b]),
                       options.num_draft_tokens if sizes is None else sizes[b])
                   for b in range(len(rows))]
-        if options.prompt_lookup_min and masks is None and self.draft_shape is None:
+        if options.prompt_lookup_min and self.draft_shape is None and (
+                masks is None or self.drafter.is_tree):
             token_ids, parent_ids = token_ids.clone(), parent_ids.clone()
             self._graft_lookups(batch, rows, num_tokens, token_ids, parent_ids, limits)
         parent_ids = parent_ids.numpy()
@@ -377,7 +378,8 @@ class TreeEagleDrafter(V1DrafterHooks):
                        limits: list[int]) -> None:
         """Prompt lookups where the history repeats (lookup.py): a chain's
         nodes replaced, a tree's branch added, each within its first
-        `limits[b]` drafts; not on steps whose drafts a grammar masked."""
+        `limits[b]` drafts; a chain's not on steps whose drafts a grammar
+        masked (lookup.py says why)."""
         options = self.options
         looked_up, found = lookup_chains(
             batch.token_ids_cpu[rows, :int(num_tokens.max())], num_tokens,

@@ -306,7 +306,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
             "propose", input_batch.req_ids, self._step, input_batch,
             last_hidden_states, aux_hidden_states, num_rejected, last_sampled.view(-1),
             next_prefill_tokens, drafts, shape, num_speculative_tokens)
-        if ok and unmasked and self.lookup is not None:
+        if ok and (unmasked or self.tree_slots is not None) and self.lookup is not None:
             with profiled_range("specplug::lookup"):
                 self.guard.call("lookup", input_batch.req_ids, self._look_up, input_batch,
                                 num_sampled, drafts, shape[2],

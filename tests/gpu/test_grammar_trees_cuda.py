@@ -136,6 +136,20 @@ def tree(work, grammar_prompts):  # noqa: F811
         shutdown_llm(llm)
 
 
+@pytest.fixture(scope="module")
+def tree_lookup(work, grammar_prompts):  # noqa: F811
+    """Tree 16 grafting prompt lookups (proposers/lookup.py) onto its trees,
+    under the grammars too: each grafted node is checked on its own path."""
+    from vllm_specplug.engine import shutdown_llm
+
+    llm = _engine(work, {**TREE, **WORKER_ROWS, "prompt_lookup_min": 3,
+                         "model": str(_head(work))}, dtype="float32")
+    try:
+        return _runs(llm, grammar_prompts)
+    finally:
+        shutdown_llm(llm)
+
+
 def _assert_exact(expected, actual, kind: str) -> None:
     """Token for token, except flips of the baseline's own fp32 near-ties
     in a batch (as for every method on the GPU, test_model_runner_v2). A
@@ -173,6 +187,16 @@ def test_json_schema_outputs_equal_no_speculation_and_drafts_are_accepted(tree, 
     num_tokens = sum(len(ids) for outputs in runs.values() for ids in _tokens(outputs))
     steps = num_tokens - counts.num_accepted_tokens
     assert num_tokens / steps > MIN_TOKENS_PER_STEP_UNDER_SCHEMA, (num_tokens, counts)
+
+
+def test_trees_with_prompt_lookups_under_grammars_equal_no_speculation(tree_lookup, plain):
+    """Lookups grafted under the JSON schema and under each other constraint
+    mixed with free requests: outputs as without speculation (on the V1
+    runner: tests/test_tree_eagle_engine.py's schema test, the 64-node tree)."""
+    assert _tokens(tree_lookup["json-alone"]) == _tokens(plain["json-alone"])
+    for kind, outputs in tree_lookup.items():
+        _assert_exact(plain[kind], outputs, kind)
+    _assert_schema_holds(_texts(tree_lookup["json"]))
 
 
 @pytest.mark.parametrize("kind", list(PATTERNS))

@@ -27,6 +27,8 @@ RUNS = [
     ("smollm2", {}), ("smollm2", {"ROWS": "sized"}), ("smollm2", {"ROWS": "adaptive"}),
     ("smollm2", {"ROWS": "bestk"}), ("smollm2", {"ROWS": "compile"}),
     ("smollm2", {"ROWS": "chains", "NO_PREFIX_CACHE": "1"}),
+    ("smollm2", {"ROWS": "chains-lookup"}),
+    ("smollm2-sets", {"ROWS": "lookups", "SIZES": "1 16 64", "PHASES": "--phases"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-sets", {"ROWS": "tau-ab"}),
@@ -93,6 +95,19 @@ def test_the_chains_run_holds_the_two_chains_alone(tmp_path):
     arguments = _dry_run("smollm2", {"ROWS": "chains"}, tmp_path)
     names = [row.name for row in named_specs(_specs(arguments))]
     assert names == ["none", "vllm-eagle3-K5", "ours-chain-K5"]
+
+
+def test_the_lookups_run_holds_both_shapes_with_and_without_lookups(tmp_path):
+    """ROWS=lookups: vLLM's eagle3 K=5, our chain K=5 with prompt lookups and
+    tree 16 without and with them (SmolLM2's trees at draft temperature 1.0)."""
+    arguments = _dry_run("smollm2-sets", {"ROWS": "lookups"}, tmp_path)
+    rows = {row.name: row for row in named_specs(_specs(arguments))}
+    assert list(rows) == ["none", "vllm-eagle3-K5", "ours-chain-K5-lookup", "ours-tree16",
+                          "ours-tree16-lookup"]
+    looked_up = [name for name, row in rows.items()
+                 if (row.config or {}).get("prompt_lookup_min") == 3]
+    assert looked_up == ["ours-chain-K5-lookup", "ours-tree16-lookup"]
+    assert rows["ours-tree16-lookup"].config["draft_temperature"] == 1.0
 
 
 def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_path):

@@ -228,4 +228,4 @@ def test_the_tree_graft_writes_the_slots_of_the_batch():
     assert trees.bits[3].tolist() == pack_mask(want_mask)[0].tolist()
     for name in ("parents", "depths", "bits", "ranks"):  # other slots untouched
         assert getattr(trees, name)[1].equal(getattr(trees, name)[0])
-    assert int(lookup.num_found) == 2 and int(lookup.num_grafted) == 1 + 2
+    assert lookup.stats() == {"lookup_rows": 2, "lookup_nodes": 1 + 2}

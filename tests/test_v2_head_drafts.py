@@ -241,7 +241,7 @@ def test_prompt_lookups_draft_where_the_history_repeats(continuations, tiny_eagl
     engine.serve_beside(turns[:2], turns[2:])
     assert engine.num_differing == 0, engine.num_differing
     assert 0 < engine.num_looked_up < engine.num_steps, engine.num_looked_up  # both kinds
-    assert int(engine.speculator.lookup.num_found) == engine.num_looked_up
+    assert engine.speculator.lookup.stats()["lookup_rows"] == engine.num_looked_up
     if shape is TREE:  # some lookups were in the tree already, some grafted
-        assert 0 < int(engine.speculator.lookup.num_grafted) < engine.num_looked_up * 4
+        assert 0 < engine.speculator.lookup.stats()["lookup_nodes"] < engine.num_looked_up * 4
     assert (engine.accepted == engine.reference_accepted).all()

@@ -150,6 +150,6 @@ def test_lookup_merge_on_the_kernels_takes_what_the_host_reference_takes(device)
         on = [t.to(device) for t in (token_ids, slots[:len(histories)], num_tokens, num_sampled)]
         lookup.merge([f"r{i}" for i in range(len(histories))], on[0], on[1], on[2], on[3],
                      chains)
-        merged.append((chains.cpu().tolist(), int(lookup.num_found)))
+        merged.append((chains.cpu().tolist(), lookup.stats()["lookup_rows"]))
     assert merged[0] == merged[1]
     assert 0 < merged[0][1] < len(histories)  # rows of both kinds

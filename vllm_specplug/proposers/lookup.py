@@ -85,10 +85,8 @@ class DeviceLookup:
         self.drafter = NgramDeviceDrafter(n_min, n_max, max_num_reqs, max_model_len, device)
         self.drafts = torch.zeros(max_num_reqs, k, dtype=torch.int64, device=device)  # [S, K]
         self.num_draft = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [S]
-        # requests whose drafts took a lookup, and the nodes it drafted, summed
-        # (the graft kernel's own: `counts`)
-        self.num_found = torch.zeros((), dtype=torch.int64, device=device)
-        self.num_grafted = torch.zeros((), dtype=torch.int64, device=device)
+        # [2] int64: requests whose drafts took a lookup, and the nodes it
+        # drafted, summed (the graft kernel adds to it by atomics)
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)
 
     def find(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
@@ -112,7 +110,7 @@ class DeviceLookup:
             drafts.copy_(torch.from_numpy(rows))
             found = torch.from_numpy(found).to(drafts.device)
         found &= num_sampled[:num_reqs] > 0
-        self.num_found += found.sum()
+        self.counts[0] += found.sum()
         return drafts, found
 
     def merge(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
@@ -123,13 +121,12 @@ class DeviceLookup:
         drafts, found = self.find(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
                                   chains.shape[0])
         torch.where(found[:, None], drafts, chains, out=chains)
-        self.num_grafted += found.sum() * chains.shape[1]
+        self.counts[1] += found.sum() * chains.shape[1]
 
     def stats(self) -> dict[str, int]:
         """The counters (host syncs: for benchmarks and tests, not steps)."""
-        kernel_rows, kernel_nodes = self.counts.tolist()
-        return {"lookup_rows": int(self.num_found) + kernel_rows,
-                "lookup_nodes": int(self.num_grafted) + kernel_nodes}
+        num_rows, num_nodes = self.counts.tolist()
+        return {"lookup_rows": num_rows, "lookup_nodes": num_nodes}
 
     def graft(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
               num_tokens: torch.Tensor, num_sampled: torch.Tensor, drafts: torch.Tensor,
@@ -150,7 +147,7 @@ class DeviceLookup:
         parents, depths = trees.parents[slots, :num_nodes], trees.depths[slots, :num_nodes]
         bits = trees.bits[slots, :num_nodes]
         num_graft = graft_lookups(nodes, parents, looked_up, found, depths=depths, bits=bits)
-        self.num_grafted += num_graft.sum()
+        self.counts[1] += num_graft.sum()
         drafts[:, :num_nodes - 1] = nodes[:, 1:]
         trees.parents[:, :num_nodes].index_copy_(0, slots, parents)
         trees.depths[:, :num_nodes].index_copy_(0, slots, depths)
@@ -232,7 +229,7 @@ def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: to
     anchor, matched = _follow_tree(token_ids, parent_ids, lookups, found, num_nodes, span)
     num_graft = torch.where(found, span - matched, 0)
     first = num_nodes - num_graft  # [B] the first grafted node
-    for j in range(int(lookups.shape[1])):
+    for j in range(lookups.shape[1]):
         is_graft = j < num_graft
         node = torch.where(is_graft, first + j, 0)  # unchanged rows rewrite the root
         parent = torch.where(is_graft, anchor if j == 0 else node - 1,
@@ -260,7 +257,7 @@ def _follow_tree(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: tor
     anchor = torch.zeros(batch, dtype=torch.int64, device=token_ids.device)
     matched = torch.zeros_like(anchor)
     going = found.clone()
-    for depth in range(int(lookups.shape[1])):
+    for depth in range(lookups.shape[1]):
         # a match here leaves at most span - depth - 1 tokens to graft, so
         # nodes below num_kept + depth + 1 stay
         going &= depth < span

@@ -29,6 +29,7 @@ RUNS = [
     ("smollm2", {"ROWS": "chains", "NO_PREFIX_CACHE": "1"}),
     ("smollm2", {"ROWS": "chains-lookup"}),
     ("smollm2-sets", {"ROWS": "lookups", "SIZES": "1 16 64", "PHASES": "--phases"}),
+    ("smollm2-sets", {"ROWS": "lookups-history", "SIZES": "1 64"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-sets", {"ROWS": "tau-ab"}),
@@ -108,6 +109,18 @@ def test_the_lookups_run_holds_both_shapes_with_and_without_lookups(tmp_path):
                  if (row.config or {}).get("prompt_lookup_min") == 3]
     assert looked_up == ["ours-chain-K5-lookup", "ours-tree16-lookup"]
     assert rows["ours-tree16-lookup"].config["draft_temperature"] == 1.0
+
+
+def test_the_lookups_history_run_keeps_one_tree_two_ways(tmp_path):
+    """ROWS=lookups-history: tree 16 with lookups, its histories in GPU
+    memory (the default) and through UVA (token_history "host")."""
+    arguments = _dry_run("smollm2-sets", {"ROWS": "lookups-history"}, tmp_path)
+    rows = {row.name: row.config for row in named_specs(_specs(arguments))}
+    assert list(rows) == ["none", "vllm-eagle3-K5", "ours-tree16-lookup",
+                          "ours-tree16-lookup-uva"]
+    assert "token_history" not in rows["ours-tree16-lookup"]
+    assert rows["ours-tree16-lookup-uva"] == {**rows["ours-tree16-lookup"],
+                                              "token_history": "host"}
 
 
 def test_the_wide_schema_run_names_its_shape_and_reads_the_schema_set_alone(tmp_path):

@@ -123,18 +123,21 @@ def ours(request, work, prompts):
         before = read_spec_decode_counts(llm)
         outputs = _outputs(llm, prompts)
         counts = read_spec_decode_counts(llm) - before
-        yield mode, state, outputs, counts
+        yield method, mode, state, outputs, counts
     finally:
         shutdown_llm(llm)
 
 
 def test_ours_runs_on_model_runner_v2(ours):
-    mode, state, _, _ = ours
+    method, mode, state, _, _ = ours
     assert state["runner"] == V2_RUNNER, state
     assert state["speculator"] == "SpecplugV2Speculator", state
     assert state["async_scheduling"] == (mode != "sync"), state
     # vLLM's own scheduler (AsyncScheduler when async) unless we asked for ours
     assert state["scheduler_cls"] == (OUR_SCHEDULER if mode == "variable" else None), state
+    # the device n-gram's kernels scan every history each step: in GPU
+    # memory, as vLLM's own n-gram has them; the host path reads them once
+    assert state["token_history"] == ("device" if method == "ngram" else "host"), state
 
 
 def test_ours_is_lossless_on_model_runner_v2(ours, baseline):
@@ -144,7 +147,7 @@ def test_ours_is_lossless_on_model_runner_v2(ours, baseline):
     and vLLM's own n-gram flips the same ties (docs/results)."""
     from vllm_specplug.bench.compare import NEAR_TIE_GAP, divergences
 
-    mode, _, outputs, counts = ours
+    _, mode, _, outputs, counts = ours
     alone = [i for i, (a, b) in enumerate(zip(baseline["alone"], outputs["alone"])) if a != b]
     assert not alone, (mode, alone)
     found = divergences(baseline["batched"], outputs["batched"], baseline["gaps"])
@@ -165,6 +168,7 @@ def test_vllm_ngram_keeps_its_own_speculator(work):
     finally:
         shutdown_llm(llm)
     assert state["runner"] == V2_RUNNER and state["speculator"] == "NgramGPUSpeculator", state
+    assert state["token_history"] == "device", state  # vLLM's use_dense_all_token_ids
 
 
 def test_decode_steps_replay_full_graphs_under_a_user_maximum(work, prompts):

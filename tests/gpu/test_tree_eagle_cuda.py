@@ -102,10 +102,12 @@ def test_seeded_sampling_reproduces_its_output(tree_run, baseline, prompts):  # 
 
 
 def test_eagle3_runs_on_model_runner_v2_with_async_scheduling(tree_run):
-    _, _, _, _, runner = tree_run
+    kind, _, _, _, runner = tree_run
     assert runner["runner"] == V2_RUNNER, runner
     assert runner["speculator"] == "SpecplugV2HeadSpeculator", runner
     assert runner["async_scheduling"], runner
+    # prompt lookups scan every history each step: in GPU memory (token_history.py)
+    assert runner["token_history"] == ("device" if kind.endswith("lookup") else "host"), runner
     # the head's pool was sized at load for every request's whole length (the
     # tiny model's fit the budget): it never grew in service (one allocation
     # after the first, version 1), so no graph of the head was captured twice

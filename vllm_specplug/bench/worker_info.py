@@ -65,7 +65,19 @@ def runner_state(worker) -> dict:
             "async_scheduling": bool(config.scheduler_config.async_scheduling),
             "scheduler_cls": _qualname(config.scheduler_config.scheduler_cls),
             "cudagraph_capture_sizes":
-                list(config.compilation_config.cudagraph_capture_sizes or [])}
+                list(config.compilation_config.cudagraph_capture_sizes or []),
+            "token_history": token_history_place(runner)}
+
+
+def token_history_place(runner) -> str | None:
+    """Where Model Runner V2 keeps the requests' token histories ("device" or
+    "host": integration/v2/token_history.py); None on the V1 runner."""
+    req_states = getattr(runner, "req_states", None)
+    if req_states is None:
+        return None
+    from vllm_specplug.integration.v2.token_history import history_place
+
+    return history_place(req_states)
 
 
 def graph_captures(worker) -> dict | None:

@@ -27,6 +27,10 @@ ADAPTIVE_OPTION = "adaptive"
 FOCUS_OPTION = "adaptive_focus"
 # `"adaptive": "batch"`: one draft length per step for the whole batch
 BATCH_MODE = "batch"
+# `"token_history": "device" | "host"`: where Model Runner V2 keeps the
+# requests' token histories (integration/v2/token_history.py)
+TOKEN_HISTORY_OPTION = "token_history"
+TOKEN_HISTORY_PLACES = ("device", "host")
 # vLLM's SpeculativeConfig field for its adaptive verification (Model Runner V2)
 ADAPTIVE_VERIFICATION_FIELD = "enable_adaptive_verification"
 
@@ -45,6 +49,10 @@ class ProposerSelection:
     adaptive: str = "off"
     # with the batch policy: weigh a draining batch by its slowest request
     adaptive_focus: bool = False
+    # Model Runner V2's token histories: "auto" (in device memory where our
+    # speculator scans them on the GPU), "device" or "host" (vLLM's pinned
+    # host memory read through UVA)
+    token_history: str = "auto"
 
     @property
     def options(self) -> dict[str, Any]:
@@ -86,8 +94,9 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     adaptive = parse_adaptive(method, raw.get(ADAPTIVE_OPTION), cls.supports_adaptive,
                               cls.adaptive_by_default)
     focus = parse_focus(method, raw.get(FOCUS_OPTION), adaptive)
-    raw = {k: v for k, v in raw.items()
-           if k not in (MAX_FAILURES_OPTION, ADAPTIVE_OPTION, FOCUS_OPTION)}
+    history = parse_token_history(method, raw.get(TOKEN_HISTORY_OPTION))
+    general = (MAX_FAILURES_OPTION, ADAPTIVE_OPTION, FOCUS_OPTION, TOKEN_HISTORY_OPTION)
+    raw = {k: v for k, v in raw.items() if k not in general}
     ours = {f.name for f in dataclasses.fields(cls.options_cls)}
     options = {k: v for k, v in raw.items() if k in ours}
     rest = {k: v for k, v in raw.items() if k not in ours and k != "method"}
@@ -99,8 +108,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     if unknown:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: unknown option(s) {unknown}; "
-            f"accepted: {sorted(ours)} plus {MAX_FAILURES_OPTION}, {ADAPTIVE_OPTION}, "
-            f"{FOCUS_OPTION} and vLLM's "
+            f"accepted: {sorted(ours)} plus {', '.join(general)} and vLLM's "
             "speculative_config fields")
     parsed = cls.options_cls.from_dict(method, options)
     num_spec = cls.vllm_num_speculative_tokens(parsed, rest.get("num_speculative_tokens"))
@@ -113,7 +121,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], ProposerSelection] |
     check_adaptive_verification(method, cls, parsed, rest)
     check_draft_tensor_parallel(method, rest)
     selection = ProposerSelection(method, json.dumps(parsed.to_dict(), sort_keys=True),
-                                  max_failures, adaptive, focus)
+                                  max_failures, adaptive, focus, history)
     return {**rest, "num_speculative_tokens": num_spec, "method": "custom_class",
             "model": cls.drafter_qualname}, selection
 
@@ -131,6 +139,20 @@ def parse_focus(method: str, value: Any, adaptive: str) -> bool:
         raise ProposerConfigError(
             f"speculative_config for method {method!r}: {FOCUS_OPTION}=true steers the "
             f"batch policy: set {ADAPTIVE_OPTION} to true or {BATCH_MODE!r} too, or drop it")
+    return value
+
+
+def parse_token_history(method: str, value: Any) -> str:
+    """`token_history` (default "auto"): where Model Runner V2 keeps the
+    requests' token histories."""
+    if value is None:
+        return "auto"
+    if value not in TOKEN_HISTORY_PLACES:
+        raise ProposerConfigError(
+            f"speculative_config for method {method!r}: {TOKEN_HISTORY_OPTION}={value!r} must "
+            "be 'device' (the histories in GPU memory, as vLLM keeps them for its ngram "
+            "method) or 'host' (vLLM's default: pinned host memory read through UVA); leave "
+            "it out to keep them on the device where our drafter scans them on the GPU")
     return value
 
 

@@ -6,7 +6,9 @@ Why: Model Runner V2 builds its speculator from a fixed list of methods
 and reports drafts to the scheduler as K placeholders per request. When the
 speculative config selects one of our proposers we build ours instead:
 `SpecplugV2Speculator` for model-free proposers, `SpecplugV2HeadSpeculator`
-for tree methods (`specplug_eagle3`, `specplug_mtp`). For the first we report
+for tree methods (`specplug_eagle3`, `specplug_mtp`), and keeps the
+requests' token histories in GPU memory where ours scan them there, as vLLM
+does for its own n-gram (integration/v2/token_history.py). For the first we report
 the true draft lengths: to the sync scheduler as the drafts themselves
 (`take_draft_token_ids`), to the async one on the step output
 (`sample_tokens`, read by `SpecplugAsyncScheduler`), and before a tree
@@ -42,6 +44,7 @@ def _init_speculator(original):
         from vllm_specplug.integration.first_rank import first_rank_share
         from vllm_specplug.integration.v2.head_speculator import SpecplugV2HeadSpeculator
         from vllm_specplug.integration.v2.speculator import SpecplugV2Speculator
+        from vllm_specplug.integration.v2.token_history import place_token_histories
         from vllm_specplug.proposers.eagle3 import TreeProposer
         from vllm_specplug.registry import get_proposer_class
 
@@ -49,9 +52,14 @@ def _init_speculator(original):
         if selection is None:
             return original(vllm_config, device, req_states)
         if issubclass(get_proposer_class(selection.method), TreeProposer):
-            return SpecplugV2HeadSpeculator(vllm_config, device, req_states)
-        return SpecplugV2Speculator(vllm_config, device, req_states,
-                                    shared=first_rank_share(vllm_config))
+            speculator = SpecplugV2HeadSpeculator(vllm_config, device, req_states)
+        else:
+            speculator = SpecplugV2Speculator(vllm_config, device, req_states,
+                                              shared=first_rank_share(vllm_config))
+        # before any request is added (RequestState was made just before)
+        place_token_histories(req_states, device, selection.token_history,
+                              speculator.scans_token_histories)
+        return speculator
 
     return init_speculator
 

@@ -332,6 +332,10 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         else:
             self.lookup.graft(*args, self.tree_slots, num_nodes)
 
+    @property
+    def scans_token_histories(self) -> bool:
+        return self.lookup is not None  # prompt lookups scan every history
+
     def lookup_stats(self) -> dict[str, int] | None:
         """Requests and nodes drafted by prompt lookups so far (None: off)."""
         return None if self.lookup is None else self.lookup.stats()

@@ -125,6 +125,9 @@ class V2SpeculatorHooks(BatchPolicyView):
     draft_logits = None
     num_query_per_req = 1
     num_extra_query_per_req = 0
+    # whether `propose` scans the requests' token histories on the device
+    # each step: they are then kept in GPU memory (v2/token_history.py)
+    scans_token_histories = False
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         del cudagraph_mode
@@ -187,6 +190,10 @@ class SpecplugV2Speculator(V2SpeculatorHooks):
         # grammar_drafting.py)
         self.structured = (StructuredRequests(vllm_config) if self.device_drafter is None
                            and self.session.proposer.reads_grammars else None)
+
+    @property
+    def scans_token_histories(self) -> bool:
+        return self.device_drafter is not None  # its kernels scan every history
 
     def schedule(self, scheduler_output, req_states) -> None:
         """The structured requests' params, which Model Runner V2 does not

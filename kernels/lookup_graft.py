@@ -3,11 +3,11 @@ trees, one program per request, no host synchronisation.
 
 The reference is `graft_lookups` in `vllm_specplug/proposers/lookup.py`
 (plain PyTorch, the engine's path off CUDA); the launch glue is
-`DeviceLookup.graft` there. A row whose lookup found K = L tokens
-(`ngram_finalize_kernel`'s `num_draft`, a row that sampled nothing has 0)
+`DeviceLookup.graft` there. A row whose lookup found tokens (1 to L:
+`ngram_finalize_kernel`'s `num_draft`; a row that sampled nothing has 0)
 follows the longest prefix of the lookup through its tree's nodes that the
 graft keeps (a match at depth d keeps the nodes before n - span + d + 1,
-span = min(n - 1, L)) and writes the remaining g tokens as a chain under the
+span = min(n - 1, tokens found)) and writes the remaining g tokens as a chain under the
 node it ends at, into the tree's last g nodes: their draft tokens, parents,
 depths, packed ancestor masks and (if kept) ranks. Each grafted node's depth
 and mask come from its anchor's and the nodes grafted before it, held in
@@ -22,7 +22,7 @@ def lookup_graft_kernel(
     drafts_ptr,        # [num_reqs, drafts_stride] int64 (in/out): node i's token at i - 1
     drafts_stride,
     lookups_ptr,       # [num_reqs, L] int64: each row's lookup
-    num_lookup_ptr,    # [num_reqs] int32: its tokens found (L: a lookup)
+    num_lookup_ptr,    # [num_reqs] int32: its tokens found (0: none, at most L)
     idx_mapping_ptr,   # [num_reqs] int: batch row -> state slot
     parents_ptr,       # [S, N] int64 (in/out): each slot's tree
     depths_ptr,        # [S, N] int32 (in/out)
@@ -35,8 +35,9 @@ def lookup_graft_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(idx_mapping_ptr + row).to(tl.int64)
-    found = tl.load(num_lookup_ptr + row) == L
-    span = tl.minimum(num_nodes - 1, L)
+    num_found = tl.load(num_lookup_ptr + row).to(tl.int64)
+    found = num_found > 0
+    span = tl.minimum(num_nodes - 1, num_found)
     node = tl.arange(0, BLOCK_N)
     real = (node >= 1) & (node < num_nodes)
     parents = tl.load(parents_ptr + slot * N + node, mask=real, other=-2)

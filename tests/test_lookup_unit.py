@@ -18,11 +18,11 @@ from vllm_specplug.verification.tree_build import _ancestry, pack_mask
 
 
 def reference(history: np.ndarray, n_min: int, n_max: int, k: int):
-    """One row through the n-gram proposer's own selection: the draft if it
-    has k tokens, else None."""
+    """One row through the n-gram proposer's own selection: the (at most k)
+    tokens after the chosen occurrence, None where nothing recurs."""
     n, end = longest_matches(history[None, :], np.array([len(history)]), n_min, n_max, k)
     draft = history[end[0] + 1:end[0] + 1 + k]
-    return draft.tolist() if n[0] > 0 and len(draft) == k else None
+    return draft.tolist() if n[0] > 0 and len(draft) else None
 
 
 def padded(histories: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -36,23 +36,24 @@ def padded(histories: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 def test_a_digit_loop_drafts_its_continuation():
     """The SmolLM2 request that made a batch-64 wave: `"id": "1234567890123...`."""
     digits = np.array([7, 8] + [33, 34, 35, 36, 37, 38, 39, 40, 41, 32] * 2 + [33, 34])
-    drafts, found = lookup_chains(*padded([digits]), 3, 5, 5)
-    assert found.tolist() == [True]
+    drafts, lengths = lookup_chains(*padded([digits]), 3, 5, 5)
+    assert lengths.tolist() == [5]
     assert drafts[0].tolist() == [35, 36, 37, 38, 39]
 
 
 @pytest.mark.parametrize("n_min,n_max,k", [(3, 5, 5), (1, 3, 3), (2, 2, 7)])
-def test_rows_take_the_ngram_selection_where_it_has_k_tokens(n_min, n_max, k):
+def test_rows_take_the_ngram_selection_with_the_tokens_it_has(n_min, n_max, k):
     rng = np.random.default_rng(n_min * 10 + k)
     histories = [rng.integers(0, 4, size=n) for n in (1, 2, 5, 9, 30, 31, 80)]
     histories.append(np.array([1, 2, 3, 4, 1, 2, 3]))  # a match with too few tokens after it
-    drafts, found = lookup_chains(*padded(histories), n_min, n_max, k)
+    drafts, lengths = lookup_chains(*padded(histories), n_min, n_max, k)
     want = [reference(h, n_min, n_max, k) for h in histories]
-    assert found.tolist() == [w is not None for w in want]
-    assert 0 < found.sum() < len(histories)  # both kinds of row are covered
+    assert lengths.tolist() == [len(w or []) for w in want]
+    assert 0 < (lengths == k).sum() < len(histories)  # rows with a whole lookup, and without
+    assert lengths[-1] == min(k, 4)  # "1 2 3" recurs with 4 tokens after it: a partial lookup
     for row, draft in enumerate(want):
         if draft is not None:
-            assert drafts[row].tolist() == draft
+            assert drafts[row, :len(draft)].tolist() == draft
 
 
 def test_the_merge_replaces_only_found_rows_that_sampled():
@@ -87,6 +88,29 @@ def test_options_name_the_field_and_the_fix():
     for fields, message in cases:
         with pytest.raises(ProposerConfigError, match=re.escape(message)):
             Eagle3TreeOptions(model="h", **fields).validate("specplug_eagle3")
+
+
+def test_lookup_tokens_reach_below_a_tree_within_its_nodes():
+    """`prompt_lookup_tokens`: a tree's lookup may be longer than its depth
+    (at most its draft nodes); a chain's is its length; Model Runner V2
+    refuses a lookup deeper than the tree until its rows are sized by it."""
+    tree = dict(model="h", topk=4, num_steps=4, num_draft_tokens=16, prompt_lookup_min=3)
+    deep = Eagle3TreeOptions(**tree, prompt_lookup_tokens=8)
+    deep.validate("specplug_eagle3")
+    assert deep.lookup_num_tokens == 8
+    assert Eagle3TreeOptions(**tree).lookup_num_tokens == 4
+    cases = [({**tree, "prompt_lookup_tokens": 16}, "at most num_draft_tokens - 1 = 15"),
+             ({**tree, "prompt_lookup_tokens": -2}, "prompt_lookup_tokens=-2 must be 0"),
+             ({**tree, "prompt_lookup_min": 0, "prompt_lookup_tokens": 8},
+              "prompt_lookup_tokens=8 needs prompt lookups"),
+             ({**tree, "topk": 1, "num_draft_tokens": 5, "prompt_lookup_tokens": 6},
+              "must equal num_steps=4 for a chain")]
+    for fields, message in cases:
+        with pytest.raises(ProposerConfigError, match=re.escape(message)):
+            Eagle3TreeOptions(**fields).validate("specplug_eagle3")
+    Eagle3TreeOptions(**tree, prompt_lookup_tokens=4).check_model_runner_v2()
+    with pytest.raises(ProposerConfigError, match="Model Runner V2 does not support yet"):
+        deep.check_model_runner_v2()
 
 
 def graft_reference(tokens: list[int], parents: list[int], lookup: list[int]):
@@ -140,20 +164,22 @@ def test_the_graft_follows_the_tree_then_takes_its_last_nodes(n, k, vocab):
     batch = 48
     tokens, parents = random_trees(rng, batch, n, vocab)
     lookups = lookups_along(rng, tokens, parents, k, vocab)
-    found = rng.random(batch) < 0.8
+    # whole lookups, partial ones (a tree takes what there is) and none
+    lengths = np.where(rng.random(batch) < 0.6, k, rng.integers(0, k, size=batch))
+    found = lengths > 0
     num_nodes = rng.integers(1, n + 1, size=batch)
     num_nodes[:4] = n
     token_t, parent_t = torch.from_numpy(tokens.copy()), torch.from_numpy(parents.copy())
     depths, mask = _ancestry(parent_t)
     depths, bits = depths.to(torch.int32), pack_mask(mask)
     grafted = graft_lookups(token_t, parent_t, torch.from_numpy(lookups),
-                            torch.from_numpy(found), torch.from_numpy(num_nodes), depths, bits)
+                            torch.from_numpy(lengths), torch.from_numpy(num_nodes), depths, bits)
     for b in range(batch):
         m = int(num_nodes[b])
         want = (tokens[b, :m].tolist(), parents[b, :m].tolist(), 0)
         if found[b]:
             want = graft_reference(tokens[b, :m].tolist(), parents[b, :m].tolist(),
-                                   lookups[b].tolist())
+                                   lookups[b, :lengths[b]].tolist())
         assert token_t[b, :m].tolist() == want[0]
         assert parent_t[b, :m].tolist() == want[1]
         assert int(grafted[b]) == want[2]
@@ -177,7 +203,7 @@ def test_a_lookup_becomes_a_root_path_of_the_tree():
     for lookup, want_grafted in (([1, 3, 1], 0), ([1, 3, 7], 1), ([2, 4, 4], 1),
                                  ([2, 4, 6], 0), ([8, 8, 8], 3)):
         t, p = tokens.clone(), parents.clone()
-        grafted = graft_lookups(t, p, torch.tensor([lookup]), torch.tensor([True]))
+        grafted = graft_lookups(t, p, torch.tensor([lookup]), torch.tensor([len(lookup)]))
         assert int(grafted[0]) == want_grafted
         node = 0
         for token in lookup:

@@ -628,6 +628,9 @@ def test_start_up_steps_leave_no_trace_and_cover_every_steady_shape():
     lengths = (0, 4, 15)
     steps = steady_steps(lengths, (4, 4, 16), step_tree_shape)
     assert steps == [(1, (1, 1, 2)), (8, (4, 4, 5)), (8, (4, 4, 16))]
+    # a prompt lookup's branch 8 deep (`verified_depth`): 9 rows, padded to 16
+    assert steady_steps(lengths, (4, 4, 16), step_tree_shape, 8) == [
+        (1, (1, 1, 2)), (8, (4, 4, 5)), (16, (4, 4, 16))]
     assert padded_sizes(4) == [1, 2, 4] and padded_sizes(13) == [1, 2, 4, 8, 16]
     keys = step_keys(lengths, None, (4, 4, 16), step_tree_shape, 4)
     count = warm_up_step_graphs(warm, keys, 48, torch.float32)

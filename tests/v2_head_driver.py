@@ -100,7 +100,8 @@ class HeadEngine:
         self.seqs = continuations
         self.shape = (spec.get("topk", 1), spec.get("num_steps", 5), _num_nodes(spec))
         self.num_drafts = self.shape[2] - 1  # a step's draft tokens (a tree's nodes)
-        self.depth = self.shape[1]  # the deepest draft
+        # the deepest draft: a prompt lookup's branch may reach below the tree
+        self.depth = max(self.shape[1], spec.get("prompt_lookup_tokens", 0))
         max_len = max(len(c.token_ids) for c in continuations) + self.num_drafts + 2
         num_slots = len(continuations)
         self.device = device
@@ -433,12 +434,14 @@ class HeadEngine:
         tokens, parents = tree.token_ids[0, 1:].clone(), tree.parent_ids[0].tolist()
         lookup = self.speculator.lookup
         if lookup is not None:  # a prompt lookup where the history repeats
-            looked_up, found = lookup_chains(seq.token_ids[None, :end + 1].cpu().numpy(),
-                                             np.array([end + 1]), lookup.drafter.n_min,
-                                             lookup.drafter.n_max, lookup.k)
-            if found[0]:  # a chain's drafts, a tree's extra branch (written plainly)
+            looked_up, lengths = lookup_chains(seq.token_ids[None, :end + 1].cpu().numpy(),
+                                               np.array([end + 1]), lookup.drafter.n_min,
+                                               lookup.drafter.n_max, lookup.k)
+            length = int(lengths[0])  # a chain takes a whole lookup, a tree any
+            if length == lookup.k or (length and self.speculator.tree_slots is not None):
+                # a chain's drafts, a tree's extra branch (written plainly)
                 nodes, parents, _ = graft_reference([-1, *tokens.tolist()], parents,
-                                                    looked_up[0].tolist())
+                                                    looked_up[0, :length].tolist())
                 tokens = torch.tensor(nodes[1:]).to(tokens)
                 self.num_looked_up += 1
         self.reference_drafts[turn.slot] = (tokens, parents)

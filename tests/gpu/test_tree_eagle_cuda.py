@@ -36,8 +36,9 @@ ADAPTIVE_CHAIN = {**CHAIN, "enable_adaptive_verification": True}
 # prompt lookups in place of chains where the history repeats (proposers/lookup.py:
 # the n-gram kernels after the fused step's graph)
 LOOKUP_CHAIN = {**CHAIN, "prompt_lookup_min": 3}
-# ... and as a branch of each tree (the graft writes the stored trees after the graph)
-LOOKUP_TREE = {**TREE, "prompt_lookup_min": 3}
+# ... and as a branch of each tree (the graft writes the stored trees after the graph),
+# reaching below the head's 4 levels (verified rows sized by `verified_depth`)
+LOOKUP_TREE = {**TREE, "prompt_lookup_min": 3, "prompt_lookup_tokens": 8}
 SPECS = {"tree": TREE, "chain": CHAIN, "chain-sized": SIZED_CHAIN, "tree-sized": SIZED_TREE,
          "chain-adaptive": ADAPTIVE_CHAIN, "chain-lookup": LOOKUP_CHAIN,
          "tree-lookup": LOOKUP_TREE}

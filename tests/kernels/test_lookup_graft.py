@@ -1,7 +1,8 @@
 """The graft kernel (kernels/lookup_graft.py) against its PyTorch reference
 (`graft_lookups`, the host path of `DeviceLookup.graft`): the stored trees
 of scattered state slots, their drafts, depths, packed masks over two words
-and ranks, and the counters, on histories with and without a lookup."""
+and ranks, and the counters, on histories with a whole lookup, a partial
+one (fewer than K tokens after the match) and none."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -35,6 +36,8 @@ def test_the_kernel_grafts_what_the_reference_grafts(device, width, num_nodes, k
     num_reqs, num_slots, max_len = 12, 15, 90
     histories = [rng.integers(0, VOCAB, size=n).astype(np.int32)
                  for n in rng.integers(2, max_len, size=num_reqs)]
+    # "1 2" recurs only just before the end: a partial lookup, 2 tokens
+    histories[0] = np.array([0] * 7 + [1, 2, 1, 2], dtype=np.int32)
     token_ids = torch.zeros(num_slots, max_len, dtype=torch.int32)
     num_tokens = torch.zeros(num_slots, dtype=torch.int32)
     slots = torch.from_numpy(rng.permutation(num_slots)[:num_reqs])
@@ -61,6 +64,10 @@ def test_the_kernel_grafts_what_the_reference_grafts(device, width, num_nodes, k
         results.append(({name: None if value is None else value.cpu().tolist()
                          for name, value in vars(on).items()}, mine.cpu().tolist(),
                         lookup.stats()))
+        if kernels:
+            found = lookup.num_draft[:num_reqs].cpu()
+    # partial lookups (fewer than k tokens after the match: a tree takes them) among them
+    assert ((found > 0) & (found < k)).any() and (found == k).any()
     assert results[0] == results[1]
     stats = results[0][2]
     assert 0 < stats["lookup_rows"] < num_reqs  # rows of both kinds

@@ -61,6 +61,10 @@ class TreeOptions(ProposerOptions):
     # the head's chain (proposers/lookup.py: loops and copies). 0: off.
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 5
+    # The tokens a tree's lookup drafts: 0 (the default) its depth,
+    # num_steps; more lets a lookup's branch reach below the head's nodes
+    # (at most num_draft_tokens - 1; a chain's lookup is its num_steps).
+    prompt_lookup_tokens: int = 0
     # On CUDA, replay each drafting pass as a captured CUDA graph (off under
     # enforce_eager). False drafts eagerly: slower, same trees.
     draft_cudagraph: bool = True
@@ -246,6 +250,20 @@ class TreeOptions(ProposerOptions):
                 f"speculative_config for method {self.method_name!r}: grammar_verify='auto' "
                 "is not lossless on Model Runner V2 yet (docs/results/v2_grammar_auto_h100); "
                 "use 'choices' (batches of many constrained requests) or 'rows'")
+
+    @property
+    def lookup_num_tokens(self) -> int:
+        """The tokens a prompt lookup drafts (`prompt_lookup_tokens`, or the
+        tree's depth)."""
+        return self.prompt_lookup_tokens or self.num_steps
+
+    @property
+    def verified_depth(self) -> int:
+        """The deepest node a step may verify: the drafting depth, or a
+        prompt lookup's branch below it (`prompt_lookup_tokens`)."""
+        if not self.prompt_lookup_min:
+            return self.num_steps
+        return max(self.num_steps, self.lookup_num_tokens)
 
     def masks_drafts(self) -> bool:
         """Whether drafts are ranked among grammar-valid tokens (on either

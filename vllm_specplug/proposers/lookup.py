@@ -48,25 +48,49 @@ def check_lookup_options(options, name: str) -> None:
             f"prompt_lookup_min={options.prompt_lookup_min!r} must be 0 (off) or an "
             "integer >= 1")
     if options.prompt_lookup_min == 0:
+        require(options.prompt_lookup_tokens == 0, name,
+                f"prompt_lookup_tokens={options.prompt_lookup_tokens!r} needs prompt lookups: "
+                "set prompt_lookup_min >= 1 too, or drop it")
         return
     require(whole(options.prompt_lookup_max)
             and options.prompt_lookup_max >= options.prompt_lookup_min, name,
             f"prompt_lookup_max={options.prompt_lookup_max} must be >= "
             f"prompt_lookup_min={options.prompt_lookup_min}")
+    _check_lookup_tokens(options, name)
+
+
+def _check_lookup_tokens(options, name: str) -> None:
+    """`prompt_lookup_tokens`: 0 (the depth) or up to the tree's draft nodes;
+    a chain's lookup replaces its num_steps drafts, so it is num_steps."""
+    tokens = options.prompt_lookup_tokens
+    require(isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0, name,
+            f"prompt_lookup_tokens={tokens!r} must be 0 (the tree's depth, num_steps) or an "
+            "integer >= 1")
+    if tokens == 0 or options.num_steps is None:
+        return
+    require(options.topk > 1 or tokens == options.num_steps, name,
+            f"prompt_lookup_tokens={tokens} must equal num_steps={options.num_steps} for a "
+            "chain (topk=1: a lookup replaces its drafts); leave it out")
+    most = (options.num_draft_tokens or 1 + options.num_steps) - 1
+    require(tokens <= most, name,
+            f"prompt_lookup_tokens={tokens} must be at most num_draft_tokens - 1 = {most} "
+            "(a lookup's branch takes the tree's last nodes): lower it or raise "
+            "num_draft_tokens")
 
 
 def lookup_chains(token_ids: np.ndarray, num_tokens: np.ndarray, n_min: int, n_max: int,
                   k: int) -> tuple[np.ndarray, np.ndarray]:
     """Host lookups. `token_ids` [B, W]: each row's history, valid up to
-    `num_tokens` [B]. Returns (drafts [B, k] int64, found [B] bool): found
-    where an n-gram recurs with k tokens after it."""
+    `num_tokens` [B]. Returns (drafts [B, k] int64, lengths [B] int64): the
+    tokens that followed the chosen occurrence of a recurring n-gram, at
+    most k (0: none recurs; a chain takes only k, a tree any)."""
     num_tokens = num_tokens.astype(np.int64)
     best_n, best_end = longest_matches(token_ids, num_tokens, n_min, n_max, k)
-    found = (best_n > 0) & (best_end + k < num_tokens)
-    starts = np.where(found, best_end + 1, 0)
+    lengths = np.where(best_n > 0, np.clip(num_tokens - 1 - best_end, 0, k), 0)
+    starts = np.where(lengths > 0, best_end + 1, 0)
     columns = starts[:, None] + np.arange(k)[None, :]
     drafts = np.take_along_axis(token_ids, np.minimum(columns, token_ids.shape[1] - 1), axis=1)
-    return drafts.astype(np.int64), found
+    return drafts.astype(np.int64), lengths.astype(np.int64)
 
 
 class DeviceLookup:
@@ -92,36 +116,36 @@ class DeviceLookup:
     def find(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
              num_tokens: torch.Tensor, num_sampled: torch.Tensor,
              num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lookups [num_reqs, K] int64, found [num_reqs] bool) of the batch's
-        requests (`token_ids` [slots, max_len] the histories, valid up to
-        `num_tokens` [slots]; `num_sampled` [num_reqs]: a prefill chunk that
-        sampled nothing takes no lookup)."""
+        """(lookups [num_reqs, K] int64, lengths [num_reqs] int64: the tokens
+        found, at most K) of the batch's requests (`token_ids` [slots,
+        max_len] the histories, valid up to `num_tokens` [slots];
+        `num_sampled` [num_reqs]: a prefill chunk that sampled nothing takes
+        no lookup)."""
         drafts, num_draft = self.drafts[:num_reqs], self.num_draft[:num_reqs]
         slots = idx_mapping[:num_reqs]
         if self.kernels:
             batch = DeviceProposeBatch(req_ids, token_ids, slots, num_tokens,
                                        num_sampled[:num_reqs])
             self.drafter.propose(batch, drafts, num_draft)
-            found = num_draft == self.k
+            lengths = num_draft.long()
         else:
-            rows, found = lookup_chains(token_ids[slots].cpu().numpy(),
-                                        num_tokens[slots].cpu().numpy(),
-                                        self.drafter.n_min, self.drafter.n_max, self.k)
+            rows, lengths = lookup_chains(token_ids[slots].cpu().numpy(),
+                                          num_tokens[slots].cpu().numpy(),
+                                          self.drafter.n_min, self.drafter.n_max, self.k)
             drafts.copy_(torch.from_numpy(rows))
-            found = torch.from_numpy(found).to(drafts.device)
-        found &= num_sampled[:num_reqs] > 0
-        self.counts[0] += found.sum()
-        return drafts, found
+            lengths = torch.from_numpy(lengths).to(drafts.device)
+        return drafts, torch.where(num_sampled[:num_reqs] > 0, lengths, 0)
 
     def merge(self, req_ids: list[str], token_ids: torch.Tensor, idx_mapping: torch.Tensor,
               num_tokens: torch.Tensor, num_sampled: torch.Tensor,
               chains: torch.Tensor) -> None:
         """`chains` [num_reqs, K] int64: the head's drafts, replaced where a
         lookup finds K tokens (`find`'s arguments)."""
-        drafts, found = self.find(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
-                                  chains.shape[0])
+        drafts, lengths = self.find(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
+                                    chains.shape[0])
+        found = lengths == self.k  # a chain takes a whole lookup only
         torch.where(found[:, None], drafts, chains, out=chains)
-        self.counts[1] += found.sum() * chains.shape[1]
+        self.counts += torch.stack([found.sum(), found.sum() * chains.shape[1]])
 
     def stats(self) -> dict[str, int]:
         """The counters (host syncs: for benchmarks and tests, not steps)."""
@@ -140,14 +164,14 @@ class DeviceLookup:
             self._graft_kernel(req_ids, token_ids, idx_mapping, num_tokens, num_sampled,
                                drafts, trees, num_nodes)
             return
-        looked_up, found = self.find(req_ids, token_ids, idx_mapping, num_tokens,
-                                     num_sampled, num_reqs)
+        looked_up, lengths = self.find(req_ids, token_ids, idx_mapping, num_tokens,
+                                       num_sampled, num_reqs)
         slots = idx_mapping[:num_reqs]
         nodes = torch.nn.functional.pad(drafts[:, :num_nodes - 1], (1, 0))  # root: unread
         parents, depths = trees.parents[slots, :num_nodes], trees.depths[slots, :num_nodes]
         bits = trees.bits[slots, :num_nodes]
-        num_graft = graft_lookups(nodes, parents, looked_up, found, depths=depths, bits=bits)
-        self.counts[1] += num_graft.sum()
+        num_graft = graft_lookups(nodes, parents, looked_up, lengths, depths=depths, bits=bits)
+        self.counts += torch.stack([(lengths > 0).sum(), num_graft.sum()])
         drafts[:, :num_nodes - 1] = nodes[:, 1:]
         trees.parents[:, :num_nodes].index_copy_(0, slots, parents)
         trees.depths[:, :num_nodes].index_copy_(0, slots, depths)
@@ -203,7 +227,7 @@ class DeviceLookup:
 
 
 def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: torch.Tensor,
-                  found: torch.Tensor, num_nodes: torch.Tensor | None = None,
+                  lengths: torch.Tensor, num_nodes: torch.Tensor | None = None,
                   depths: torch.Tensor | None = None,
                   bits: torch.Tensor | None = None) -> torch.Tensor:
     """Each found row's lookup as a branch of its draft tree, in place, on
@@ -211,13 +235,14 @@ def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: to
 
     `token_ids` / `parent_ids` [B, N] int64: the trees (node 0 the root,
     parents before children), each row's first `num_nodes` [B] nodes real
-    (None: all N); `lookups` [B, L] int64 and `found` [B] bool
-    (`lookup_chains`). The longest prefix of a row's lookup that its tree
+    (None: all N); `lookups` [B, L] int64 and `lengths` [B] int64, the
+    tokens each row's lookup found (0: none; `lookup_chains`), partial ones
+    included (a tree takes what there is). The longest prefix of a row's lookup that its tree
     drafts among the nodes its graft keeps is followed; the remaining
     g tokens become a chain under the node it ends at, in the row's last g
     nodes. Parents come before children, so the last nodes are closed under
-    descent: no kept node loses its parent. A chain's whole lookup replaces
-    its nodes. `depths` [B, N] int32 and `bits` [B, N, W] int32 (the packed
+    descent: no kept node loses its parent. A chain's whole lookup (its
+    length L, the caller's to check) replaces its nodes. `depths` [B, N] int32 and `bits` [B, N, W] int32 (the packed
     ancestor masks, tree_build.pack_mask), when given, are the same trees'
     and updated too. Returns the nodes grafted per row, [B] int64."""
     batch, width = token_ids.shape
@@ -225,7 +250,8 @@ def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: to
     rows = torch.arange(batch, device=device)
     if num_nodes is None:
         num_nodes = torch.full((batch,), width, dtype=torch.int64, device=device)
-    span = torch.clamp(num_nodes - 1, max=lookups.shape[1])  # [B] lookup tokens used
+    found = lengths > 0
+    span = torch.minimum(num_nodes - 1, lengths)  # [B] lookup tokens used
     anchor, matched = _follow_tree(token_ids, parent_ids, lookups, found, num_nodes, span)
     num_graft = torch.where(found, span - matched, 0)
     first = num_nodes - num_graft  # [B] the first grafted node

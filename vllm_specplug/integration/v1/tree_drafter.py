@@ -381,13 +381,16 @@ class TreeEagleDrafter(V1DrafterHooks):
         `limits[b]` drafts; a chain's not on steps whose drafts a grammar
         masked (lookup.py says why)."""
         options = self.options
-        looked_up, found = lookup_chains(
+        k = options.lookup_num_tokens
+        looked_up, lengths = lookup_chains(
             batch.token_ids_cpu[rows, :int(num_tokens.max())], num_tokens,
-            options.prompt_lookup_min, options.prompt_lookup_max, options.num_steps)
+            options.prompt_lookup_min, options.prompt_lookup_max, k)
+        if not self.drafter.is_tree:  # a chain takes a whole lookup only
+            lengths = np.where(lengths == k, lengths, 0)
         grafted = graft_lookups(token_ids, parent_ids, torch.from_numpy(looked_up),
-                                torch.from_numpy(found),
+                                torch.from_numpy(lengths),
                                 torch.tensor(limits, dtype=torch.int64) + 1)
-        self.lookup_counts["lookup_rows"] += int(found.sum())
+        self.lookup_counts["lookup_rows"] += int((lengths > 0).sum())
         self.lookup_counts["lookup_nodes"] += int(grafted.sum())
 
     def lookup_stats(self) -> dict[str, int] | None:

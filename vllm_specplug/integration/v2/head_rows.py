@@ -65,7 +65,7 @@ class HeadRows:
         """Rows a step's verified positions take per request (`rows`: the
         batch rows, a slice for the whole batch), `rows_per_request`."""
         return rows_per_request(int(input_batch.num_scheduled_tokens[rows].max()),
-                                self.drafter.options.num_steps)
+                                self.drafter.options.verified_depth)
 
     def _verified(self, input_batch, batch_rows: torch.Tensor, num_rejected, last_sampled,
                   num_rows: int, num_padded: int | None = None, out=None):

@@ -97,7 +97,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         self.drafts = torch.zeros(padded_batch(self.max_num_reqs), self.num_speculative_steps,
                                   dtype=torch.int64, device=device)
         self.step_inputs = StepInputs(padded_batch(self.max_num_reqs),
-                                      next_power_of_2(self.drafter.options.num_steps + 1),
+                                      next_power_of_2(self.drafter.options.verified_depth + 1),
                                       device)
         self._init_adaptive_verification(vllm_config.speculative_config, device)
         self.slot_req_ids = np.full(self.max_num_reqs, None, dtype=object)  # [S]
@@ -124,7 +124,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
         # drafts, a tree's extra branch
         self.lookup = (DeviceLookup(options.prompt_lookup_min, options.prompt_lookup_max,
                                     self.max_num_reqs, vllm_config.model_config.max_model_len,
-                                    options.num_steps if self.tree_slots is not None
+                                    options.lookup_num_tokens if self.tree_slots is not None
                                     else self.num_speculative_steps, device)
                        if options.prompt_lookup_min else None)
 
@@ -232,7 +232,7 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                             effect="kept rows are kept eagerly, ingested by graphs captured "
                             "on first use")
         keys = step_keys(drafted, table_of(self.vllm_config), self.drafter.tree_shape,
-                         step_tree_shape, self.max_num_reqs)
+                         step_tree_shape, self.max_num_reqs, self.drafter.options.verified_depth)
         # (after the kept rows' warm-up: this one clears the head's cache)
         ok, count = self.guard.call("capture", [], warm_up_step_graphs, self, keys, *layout,
                                     effect="its graphs are captured on first use")
@@ -249,7 +249,8 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                             effect="they compile on first use")
         if self.tree_slots is not None:  # the tree step's eager kernels (kernel_warmup.py)
             self.guard.call("capture", [], warm_up_tree_kernels, self.tree_slots, lengths,
-                            self.drafter.options.num_steps, effect="they compile on first use")
+                            self.drafter.options.verified_depth,
+                            effect="they compile on first use")
         self.guard.call("capture", [], warm_up_prefill_attention, self.runtime,
                         effect="the head's eager ingest compiles its attention on first use")
         if self.service_compiles is None:  # one hook, should vLLM capture again

@@ -71,7 +71,7 @@ def warm_up_tree_kernels(tree_slots, lengths: tuple[int, ...], num_steps: int) -
     Args:
         tree_slots: the speculator's `TreeSlots` (read only).
         lengths: the draft lengths vLLM may schedule (`scheduled_lengths`).
-        num_steps: the tree's depth.
+        num_steps: the deepest node a step verifies (`verified_depth`).
     """
     started, num_nodes = time.perf_counter(), tree_slots.num_nodes
     scratch = _Scratch(num_nodes, tree_slots.parents.device)

@@ -55,18 +55,21 @@ def padded_sizes(max_num_reqs: int) -> list[int]:
 
 
 def steady_steps(lengths: tuple[int, ...], tree_shape: tuple[int, int, int], step_shape,
-                 ) -> list[tuple[int, tuple[int, int, int]]]:
+                 depth: int | None = None) -> list[tuple[int, tuple[int, int, int]]]:
     """(verified rows per request, tree shape) of a decode step at each length
     when the step before drafted the same length: it verifies the root and
-    one node per level, at most num_steps + 1 rows, padded to a power of two
-    (`SpecplugV2HeadSpeculator._decode_step`). `step_shape` is
-    `step_inputs.step_tree_shape`."""
-    return sorted({_step(k, k, tree_shape, step_shape) for k in lengths})
+    one node per level, at most `depth` + 1 rows (None: num_steps; deeper
+    where a prompt lookup's branch reaches below the tree, `verified_depth`),
+    padded to a power of two (`SpecplugV2HeadSpeculator._decode_step`).
+    `step_shape` is `step_inputs.step_tree_shape`."""
+    return sorted({_step(k, k, tree_shape, step_shape, depth) for k in lengths})
 
 
-def _step(k_before: int, k_now: int, tree_shape, step_shape) -> tuple[int, tuple[int, int, int]]:
+def _step(k_before: int, k_now: int, tree_shape, step_shape,
+          depth: int | None = None) -> tuple[int, tuple[int, int, int]]:
     """A step that verifies what was drafted at `k_before` and drafts `k_now`."""
-    return (rows_per_request(k_before + 1, tree_shape[1]), step_shape(tree_shape, k_now))
+    depth = tree_shape[1] if depth is None else depth
+    return (rows_per_request(k_before + 1, depth), step_shape(tree_shape, k_now))
 
 
 def warm_up_kept_rows(speculator, lengths: tuple[int, ...], width: int,
@@ -79,7 +82,7 @@ def warm_up_kept_rows(speculator, lengths: tuple[int, ...], width: int,
         speculator.runtime, lambda size, num_rows: (inputs.rows(size, num_rows),
                                                     inputs.hidden(size * num_rows, width, dtype)),
         padded_sizes(speculator.max_num_reqs),
-        kept_row_counts(lengths, speculator.drafter.options.num_steps), width, dtype)
+        kept_row_counts(lengths, speculator.drafter.options.verified_depth), width, dtype)
 
 
 def kept_row_counts(lengths: tuple[int, ...], num_steps: int) -> list[int]:
@@ -100,7 +103,7 @@ def table_of(vllm_config) -> list | None:
 
 
 def transition_steps(table, tree_shape: tuple[int, int, int], step_shape, max_num_reqs: int,
-                     ) -> list[tuple[int, int, tuple[int, int, int]]]:
+                     depth: int | None = None) -> list[tuple[int, int, tuple[int, int, int]]]:
     """(padded batch, verified rows, tree shape) of the steps where a table's
     K changes: the batch grew or drained across an entry's edge, and the step
     verifies the rows drafted at the other entry's K while drafting its own
@@ -110,22 +113,23 @@ def transition_steps(table, tree_shape: tuple[int, int, int], step_shape, max_nu
     keys = set()
     for (lo_a, hi_a, k_a), (lo_b, hi_b, k_b) in zip(entries, entries[1:]):
         for k_before, (lo, hi, k_now) in ((k_a, (lo_b, hi_b, k_b)), (k_b, (lo_a, hi_a, k_a))):
-            num_rows, shape = _step(k_before, k_now, tree_shape, step_shape)
+            num_rows, shape = _step(k_before, k_now, tree_shape, step_shape, depth)
             keys |= {(padded_batch(n), num_rows, shape)
                      for n in range(lo, min(hi, max_num_reqs) + 1)}
     return sorted(keys)
 
 
 def step_keys(lengths: tuple[int, ...], table, tree_shape: tuple[int, int, int], step_shape,
-              max_num_reqs: int) -> list[tuple[int, int, tuple[int, int, int]]]:
+              max_num_reqs: int,
+              depth: int | None = None) -> list[tuple[int, int, tuple[int, int, int]]]:
     """Every (padded batch, verified rows, tree shape) start-up captures: the
     steady steps of `lengths` at every padded batch size, and a table's
-    transitions (`table_of`, None: none)."""
+    transitions (`table_of`, None: none); `depth` as `steady_steps`'."""
     keys = {(size, num_rows, shape) for num_rows, shape in steady_steps(lengths, tree_shape,
-                                                                       step_shape)
+                                                                       step_shape, depth)
             for size in padded_sizes(max_num_reqs)}
     if table:
-        keys |= set(transition_steps(table, tree_shape, step_shape, max_num_reqs))
+        keys |= set(transition_steps(table, tree_shape, step_shape, max_num_reqs, depth))
     return sorted(keys)
 
 

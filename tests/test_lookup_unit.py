@@ -92,8 +92,7 @@ def test_options_name_the_field_and_the_fix():
 
 def test_lookup_tokens_reach_below_a_tree_within_its_nodes():
     """`prompt_lookup_tokens`: a tree's lookup may be longer than its depth
-    (at most its draft nodes); a chain's is its length; Model Runner V2
-    refuses a lookup deeper than the tree until its rows are sized by it."""
+    (at most its draft nodes); a chain's is its length."""
     tree = dict(model="h", topk=4, num_steps=4, num_draft_tokens=16, prompt_lookup_min=3)
     deep = Eagle3TreeOptions(**tree, prompt_lookup_tokens=8)
     deep.validate("specplug_eagle3")
@@ -108,9 +107,10 @@ def test_lookup_tokens_reach_below_a_tree_within_its_nodes():
     for fields, message in cases:
         with pytest.raises(ProposerConfigError, match=re.escape(message)):
             Eagle3TreeOptions(**fields).validate("specplug_eagle3")
-    Eagle3TreeOptions(**tree, prompt_lookup_tokens=4).check_model_runner_v2()
-    with pytest.raises(ProposerConfigError, match="Model Runner V2 does not support yet"):
-        deep.check_model_runner_v2()
+    # the deepest node a step verifies: Model Runner V2 sizes its rows by it
+    assert (deep.verified_depth, Eagle3TreeOptions(**tree).verified_depth) == (8, 4)
+    assert Eagle3TreeOptions(model="h", topk=4, num_steps=4, num_draft_tokens=16,
+                             prompt_lookup_min=0).verified_depth == 4
 
 
 def graft_reference(tokens: list[int], parents: list[int], lookup: list[int]):

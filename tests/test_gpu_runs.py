@@ -30,6 +30,7 @@ RUNS = [
     ("smollm2", {"ROWS": "chains-lookup"}),
     ("smollm2-sets", {"ROWS": "lookups", "SIZES": "1 16 64", "PHASES": "--phases"}),
     ("smollm2-sets", {"ROWS": "lookups-history", "SIZES": "1 64"}),
+    ("smollm2-sets", {"ROWS": "lookups-deep", "SIZES": "1 16 64", "PHASES": "--phases"}),
     ("smollm2-humaneval", {}), ("smollm2-sets", {}), ("smollm2-sets", {"ROWS": "free"}),
     ("smollm2-sets", {"ROWS": "compile", "PHASES": "--phases", "NO_PREFIX_CACHE": "1"}),
     ("smollm2-sets", {"ROWS": "tau-ab"}),
@@ -109,6 +110,18 @@ def test_the_lookups_run_holds_both_shapes_with_and_without_lookups(tmp_path):
                  if (row.config or {}).get("prompt_lookup_min") == 3]
     assert looked_up == ["ours-chain-K5-lookup", "ours-tree16-lookup"]
     assert rows["ours-tree16-lookup"].config["draft_temperature"] == 1.0
+
+
+def test_the_deep_lookups_run_holds_tree_16_three_ways(tmp_path):
+    """ROWS=lookups-deep: tree 16 without lookups, with them and with
+    12-token lookups (a branch below its 4 levels)."""
+    arguments = _dry_run("smollm2-sets", {"ROWS": "lookups-deep"}, tmp_path)
+    rows = {row.name: row.config for row in named_specs(_specs(arguments))}
+    assert list(rows) == ["none", "vllm-eagle3-K5", "ours-tree16", "ours-tree16-lookup",
+                          "ours-tree16-lookup-L12"]
+    assert rows["ours-tree16-lookup-L12"] == {**rows["ours-tree16-lookup"],
+                                              "prompt_lookup_tokens": 12}
+    assert rows["ours-tree16-lookup"] == {**rows["ours-tree16"], "prompt_lookup_min": 3}
 
 
 def test_the_lookups_history_run_keeps_one_tree_two_ways(tmp_path):

@@ -31,7 +31,9 @@
 #            and our chain K=5 alone (issue 26's τ gap; `by repeat` shows each repeat's
 #            τ and prefix hits, NO_PREFIX_CACHE=1 the same without); ROWS=chains-lookup:
 #            the same plus our chain with prompt_lookup_min 3; ROWS=lookups: vLLM's eagle3
-#            K=5, our chain K=5 with lookups, tree 16 without and with them; ROWS=lookups-history:
+#            K=5, our chain K=5 with lookups, tree 16 without and with them; ROWS=lookups-deep:
+#            vLLM's eagle3 K=5, tree 16 without lookups, with them and with 12-token lookups
+#            (prompt_lookup_tokens); ROWS=lookups-history:
 #            vLLM's eagle3 K=5, tree 16 with lookups, its histories in GPU memory and through
 #            UVA (token_history "host"); ROWS=wide: vLLM's
 #            eagle3 K=5, our tree 16 and a wide tree (WIDE, default "8 4 32"); HOST_PROFILE=1:
@@ -229,6 +231,12 @@ specs() {  # ROWS HEAD_DIR: the speculative rows (all: + tree 32; sized: trees a
       # tree 16 without and with them (a branch beside the head's nodes)
       printf '%s\n' --spec "ours-chain-K5-lookup={\"method\": \"specplug_eagle3\", \"model\": \"$h\", \"topk\": 1, \"num_steps\": 5, \"prompt_lookup_min\": 3}" \
         --spec "ours-tree16={$tree}" --spec "ours-tree16-lookup={$tree, \"prompt_lookup_min\": 3}" ;;
+    lookups-deep)
+      # trees' lookups as they reach: tree 16 without them, with them (4 deep: its
+      # depth) and with prompt_lookup_tokens 12 (a branch below the head's nodes;
+      # on CPU HumanEval 2.72 -> 3.30 tokens a verify step, exact)
+      printf '%s\n' --spec "ours-tree16={$tree}" --spec "ours-tree16-lookup={$tree, \"prompt_lookup_min\": 3}" \
+        --spec "ours-tree16-lookup-L12={$tree, \"prompt_lookup_min\": 3, \"prompt_lookup_tokens\": 12}" ;;
     lookups-history)
       # where the lookups' scans read the token histories: GPU memory (token_history
       # "auto", integration/v2/token_history.py) or vLLM's pinned host memory via UVA

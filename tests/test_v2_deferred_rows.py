@@ -130,7 +130,8 @@ def test_the_start_up_warm_up_leaves_the_store_empty():
     store = DeferredRows(4, torch.device("cpu"), max_rows=8)
     speculator = SimpleNamespace(runtime=runtime, deferred=store, max_num_reqs=4,
                                  step_inputs=StepInputs(4, 8, torch.device("cpu")),
-                                 drafter=SimpleNamespace(options=SimpleNamespace(num_steps=4)))
+                                 drafter=SimpleNamespace(options=SimpleNamespace(
+                                     num_steps=4, verified_depth=4)))
     # what an earlier step left in the buffers: no token id (a flush would
     # embed it; on CUDA, a device-side assert at start-up)
     speculator.step_inputs.buffers.next_ids.fill_(10 ** 6)

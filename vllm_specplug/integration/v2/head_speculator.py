@@ -47,7 +47,7 @@ from vllm_specplug.integration.config import ADAPTIVE_VERIFICATION_FIELD
 from vllm_specplug.integration.head_drafter import HeadDrafter
 from vllm_specplug.integration.ranges import profiled_range
 from vllm_specplug.integration.batch_schedule import batch_draft_scheduled
-from vllm_specplug.integration.v2.deferred_rows import DeferredRows
+from vllm_specplug.integration.v2.deferred_rows import MAX_KEPT_ROWS, DeferredRows
 from vllm_specplug.integration.v2.grammar_parents import GrammarParents
 from vllm_specplug.integration.v2.head_grammar import HeadGrammar
 from vllm_specplug.integration.v2.head_rows import HeadRows
@@ -117,7 +117,9 @@ class SpecplugV2HeadSpeculator(HeadRows, HeadGrammar, V2SpeculatorHooks):
                            and batch_draft_scheduled(vllm_config) else None)
         # steps asked for 0 drafts keep their verified rows for the head's
         # next draft instead of running its pass (deferred_rows.py)
-        self.deferred = (DeferredRows(self.max_num_reqs, device)
+        # (room for a step's verified rows, a deep lookup's branch included)
+        kept_rows = max(MAX_KEPT_ROWS, next_power_of_2(options.verified_depth + 1))
+        self.deferred = (DeferredRows(self.max_num_reqs, device, kept_rows)
                          if 0 in self._scheduled_lengths() else None)
         self.stats.deferred = self.deferred
         # prompt lookups where the history repeats (lookup.py): a chain's

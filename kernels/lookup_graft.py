@@ -7,9 +7,9 @@ The reference is `graft_lookups` in `vllm_specplug/proposers/lookup.py`
 `ngram_finalize_kernel`'s `num_draft`; a row that sampled nothing has 0)
 follows the longest prefix of the lookup through its tree's nodes that the
 graft keeps (a match at depth d keeps the nodes before n - span + d + 1,
-span = min(n - 1, tokens found)) and writes the remaining g tokens as a chain under the
-node it ends at, into the tree's last g nodes: their draft tokens, parents,
-depths, packed ancestor masks and (if kept) ranks. Each grafted node's depth
+span = min(n - 1, tokens found)) and writes the remaining g tokens as a
+chain under the node it ends at, into the tree's last g nodes: their draft
+tokens, parents, depths, packed ancestor masks and (if kept) ranks. Each grafted node's depth
 and mask come from its anchor's and the nodes grafted before it, held in
 registers: the program never reads what it wrote.
 """

@@ -242,9 +242,9 @@ def graft_lookups(token_ids: torch.Tensor, parent_ids: torch.Tensor, lookups: to
     g tokens become a chain under the node it ends at, in the row's last g
     nodes. Parents come before children, so the last nodes are closed under
     descent: no kept node loses its parent. A chain's whole lookup (its
-    length L, the caller's to check) replaces its nodes. `depths` [B, N] int32 and `bits` [B, N, W] int32 (the packed
-    ancestor masks, tree_build.pack_mask), when given, are the same trees'
-    and updated too. Returns the nodes grafted per row, [B] int64."""
+    length L, the caller's to check) replaces its nodes. `depths` [B, N]
+    int32 and `bits` [B, N, W] int32 (the packed ancestor masks,
+    tree_build.pack_mask), when given, are the same trees' and updated too. Returns the nodes grafted per row, [B] int64."""
     batch, width = token_ids.shape
     device = token_ids.device
     rows = torch.arange(batch, device=device)

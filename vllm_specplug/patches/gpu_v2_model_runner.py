@@ -58,10 +58,18 @@ def _init_speculator(original):
                                               shared=first_rank_share(vllm_config))
         # before any request is added (RequestState was made just before)
         place_token_histories(req_states, device, selection.token_history,
-                              speculator.scans_token_histories)
+                              speculator.scans_token_histories, _dense_token_buffer)
         return speculator
 
     return init_speculator
+
+
+def _dense_token_buffer(shape: tuple[int, int], dtype, device):
+    """vLLM's token-history buffer in GPU memory, as it makes it for its own
+    n-gram (`uva_instead_of_gpu=False`; integration/v2/token_history.py)."""
+    from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
+
+    return StagedWriteTensor(shape, dtype=dtype, device=device, uva_instead_of_gpu=False)
 
 
 def _take_draft_token_ids(original):

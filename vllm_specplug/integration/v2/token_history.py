@@ -43,13 +43,13 @@ def wanted_place(token_history: str, scans_on_device: bool) -> str | None:
 
 
 def place_token_histories(req_states, device: torch.device, token_history: str,
-                          scans_on_device: bool,
-                          make_buffer: Callable | None = None) -> str:
+                          scans_on_device: bool, make_buffer: Callable) -> str:
     """Move `req_states.all_token_ids` to device memory where wanted, before
     any request is written to it. Returns where the histories are after.
     `make_buffer(shape, dtype, device)` builds the dense buffer (vLLM's
-    `StagedWriteTensor` without UVA; a stand-in in CPU tests, where pinned
-    memory cannot be allocated)."""
+    `StagedWriteTensor` without UVA, made by the runner's patch, the one
+    place that imports it; a stand-in in CPU tests, where pinned memory
+    cannot be allocated)."""
     wanted, placed = wanted_place(token_history, scans_on_device), history_place(req_states)
     if wanted is None or wanted == placed:
         return placed
@@ -61,15 +61,9 @@ def place_token_histories(req_states, device: torch.device, token_history: str,
         raise RuntimeError("vllm-specplug: the token histories can only be moved before "
                            "any request is added")
     shape = (req_states.max_num_reqs, req_states.max_model_len)
-    req_states.all_token_ids = (make_buffer or _staged_write_tensor)(shape, torch.int32,
-                                                                       device)
+    req_states.all_token_ids = make_buffer(shape, torch.int32, device)
     logger.info("vllm-specplug: the requests' token histories in GPU memory (%.1f MiB, "
                 "%d x %d): our drafter scans them each step (token_history)",
                 shape[0] * shape[1] * 4 / 2**20, *shape)
     return history_place(req_states)
 
-
-def _staged_write_tensor(shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-    from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
-
-    return StagedWriteTensor(shape, dtype=dtype, device=device, uva_instead_of_gpu=False)

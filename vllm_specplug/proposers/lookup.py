@@ -145,8 +145,7 @@ class DeviceLookup:
                                     chains.shape[0])
         found = lengths == self.k  # a chain takes a whole lookup only
         torch.where(found[:, None], drafts, chains, out=chains)
-        num_found = found.sum()
-        self.counts += torch.stack([num_found, num_found * chains.shape[1]])
+        self.counts += torch.stack([found.sum(), found.sum() * chains.shape[1]])
 
     def stats(self) -> dict[str, int]:
         """The counters (host syncs: for benchmarks and tests, not steps)."""

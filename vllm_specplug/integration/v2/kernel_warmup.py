@@ -37,12 +37,12 @@ logger = logging.getLogger("vllm_specplug.tree_drafter")
 OUR_KERNELS = "vllm_specplug.kernels."  # the modules of our @triton.jit code (kernels/)
 
 
-def row_variants(lengths: tuple[int, ...], depth: int) -> list[tuple[int, bool]]:
+def row_variants(lengths: tuple[int, ...], num_steps: int) -> list[tuple[int, bool]]:
     """(R, verifies a tree) of the verified rows at each scheduled draft
     length: a step verifies its root and one node per level, at most
-    `depth` + 1 rows, padded to a power of two
+    num_steps + 1 rows, padded to a power of two
     (`SpecplugV2HeadSpeculator._decode_step`); a length of 0 verifies none."""
-    return sorted({(rows_per_request(k + 1, depth), k > 0) for k in lengths})
+    return sorted({(rows_per_request(k + 1, num_steps), k > 0) for k in lengths})
 
 
 class _Scratch:
@@ -64,14 +64,14 @@ class _Scratch:
         self.last_sampled = torch.zeros(1, **int64)  # [S = 1] int64
 
 
-def warm_up_tree_kernels(tree_slots, lengths: tuple[int, ...], depth: int) -> int:
+def warm_up_tree_kernels(tree_slots, lengths: tuple[int, ...], num_steps: int) -> int:
     """Launch the walk, the compaction (where the caches are bound) and each
     verified-rows variant once; returns the launches.
 
     Args:
         tree_slots: the speculator's `TreeSlots` (read only).
         lengths: the draft lengths vLLM may schedule (`scheduled_lengths`).
-        depth: the deepest node a step verifies (`verified_depth`).
+        num_steps: the deepest node a step verifies (`verified_depth`).
     """
     started, num_nodes = time.perf_counter(), tree_slots.num_nodes
     scratch = _Scratch(num_nodes, tree_slots.parents.device)
@@ -87,7 +87,7 @@ def warm_up_tree_kernels(tree_slots, lengths: tuple[int, ...], depth: int) -> in
                           scratch.query_start_loc, scratch.seq_lens, accepted,
                           torch.zeros_like(verified.num_accepted), backend="triton")
         launches += 1
-    for num_rows, trees in row_variants(lengths, depth):
+    for num_rows, trees in row_variants(lengths, num_steps):
         verified_rows(scratch.batch_rows, scratch.query_start_loc, scratch.seq_lens,
                       scratch.num_rejected, scratch.cu_num_logits, scratch.idx_mapping,
                       accepted if trees else None, scratch.input_ids, scratch.last_sampled,

@@ -85,12 +85,12 @@ def warm_up_kept_rows(speculator, lengths: tuple[int, ...], width: int,
         kept_row_counts(lengths, speculator.drafter.options.verified_depth), width, dtype)
 
 
-def kept_row_counts(lengths: tuple[int, ...], depth: int) -> list[int]:
+def kept_row_counts(lengths: tuple[int, ...], num_steps: int) -> list[int]:
     """Rows a request a step at 0 drafts keeps (`DeferredRows.keep`): one
     after a step at 0, and what the longest length verifies right after it;
     a step after another length keeps eagerly, or from the graph of the
     same row count."""
-    return sorted({1, rows_per_request(max(lengths) + 1, depth)})
+    return sorted({1, rows_per_request(max(lengths) + 1, num_steps)})
 
 
 def table_of(vllm_config) -> list | None:
